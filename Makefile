@@ -1,0 +1,57 @@
+# Targets named in README.md. `make test` is what CI runs.
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: venv services test lint typecheck pytest bench bench-uow bench-relay bench-consumer demo demo-quick clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+## services: start local PostgreSQL and Redis when they are not answering (and no test URL is set)
+services:
+	OUTBOX_DATABASE_URL="$${OUTBOX_TEST_DATABASE_URL:-}" OUTBOX_REDIS_URL="$${OUTBOX_TEST_REDIS_URL:-}" \
+		bash scripts/bootstrap.sh services
+
+## test: lint, type-check, then the whole test suite against real services
+test: venv services lint typecheck pytest
+
+lint:
+	$(PYTHON) -m ruff check outbox migrations tests benchmarks scripts examples
+	$(PYTHON) -m ruff format --check outbox migrations tests benchmarks scripts examples
+
+typecheck:
+	$(PYTHON) -m mypy outbox
+
+# pytest exits 5 when it collected no test: that is a broken suite, not a pass.
+pytest:
+	@$(PYTHON) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken" >&2; fi; \
+	exit $$rc
+
+## demo: on a fresh clone, set everything up and run the example pipeline end to end
+demo:
+	bash scripts/bootstrap.sh demo
+
+demo-quick:
+	bash scripts/bootstrap.sh demo --quick
+
+## bench: the benchmarks (not part of the test suite; each prints its table)
+bench-uow:
+	$(PYTHON) benchmarks/uow.py
+
+bench-relay:
+	$(PYTHON) benchmarks/relay.py
+
+bench-consumer:
+	$(PYTHON) benchmarks/consumer.py
+
+bench: bench-uow bench-relay bench-consumer
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

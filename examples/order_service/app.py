@@ -1,0 +1,82 @@
+"""The order service of the example: two handlers for `outbox consume`.
+
+* ``accept_order`` (group ``order-service``, topic ``order.requests``) writes an order row and
+  publishes ``order.accepted`` through the outbox -- in one transaction with the idempotency key.
+* ``ship_order`` (group ``shipping``, topic ``order.accepted``) reacts to that event by writing a
+  shipment row. The relay sets each event's ``X-Idempotency-Key`` to its event id, so a re-sent
+  event is absorbed here too.
+
+Run them with ``outbox consume app:accept_order ...`` from this directory (see README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from outbox import PermanentError, UnitOfWork
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "example_orders"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(sa.Text)  # deliberately not unique: see README
+    customer: Mapped[str] = mapped_column(sa.Text)
+    amount_cents: Mapped[int]
+
+
+class Shipment(Base):
+    __tablename__ = "example_shipments"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    order_id: Mapped[int]
+
+
+def topic(name: str) -> str:
+    """``name`` plus the suffix in ``ORDER_TOPIC_SUFFIX`` (empty by default).
+
+    With a suffix per run, several runs of the example share one Kafka cluster without reading
+    each other's messages; ``demo.py --topic-suffix`` sets it for every process it starts.
+    """
+    return name + os.environ.get("ORDER_TOPIC_SUFFIX", "")
+
+
+def create_tables(engine: sa.Engine) -> None:
+    """Create the example's business tables (the outbox tables come from `outbox migrate`)."""
+    Base.metadata.create_all(engine)
+
+
+def accept_order(uow: UnitOfWork, message: Any) -> dict[str, int]:
+    """Turn an order request into an order row and an ``order.accepted`` event."""
+    request = json.loads(message.value())
+    if request["amount_cents"] <= 0:
+        # Retrying cannot fix this: record the key as failed and dead-letter the message.
+        raise PermanentError(f"order amount must be positive, got {request['amount_cents']}")
+    order = Order(request_id=uow.key, customer=request["customer"],
+                  amount_cents=request["amount_cents"])  # fmt: skip
+    uow.session.add(order)
+    uow.session.flush()  # assigns order.id
+    uow.publish(
+        topic("order.accepted"),
+        {"order_id": order.id, "customer": order.customer, "amount_cents": order.amount_cents},
+        key=str(order.id),
+    )
+    return {"order_id": order.id}  # stored with the key; duplicates get it back
+
+
+def ship_order(uow: UnitOfWork, message: Any) -> dict[str, int]:
+    """React to ``order.accepted``: one shipment per accepted order."""
+    event = json.loads(message.value())
+    shipment = Shipment(order_id=event["order_id"])
+    uow.session.add(shipment)
+    uow.session.flush()
+    return {"shipment_id": shipment.id}

@@ -1,0 +1,41 @@
+"""outbox-kit: exactly-once effects for Kafka services on PostgreSQL.
+
+``Outbox.unit_of_work(key)`` commits business rows, the idempotency key and outbox events in one
+PostgreSQL transaction; duplicates replay the stored result (from Redis when it has it). The
+``outbox-relay`` process carries outbox rows to Kafka; ``outbox.consumer`` feeds Kafka messages
+back through units of work.
+"""
+
+from outbox.config import OutboxConfig
+from outbox.decorators import idempotent
+from outbox.errors import (
+    ConfigurationError,
+    KeyInProgress,
+    KeyReuseError,
+    OutboxError,
+    PermanentError,
+    PreviouslyFailed,
+    PublishError,
+    ReplayedWriteError,
+    ValidationError,
+)
+from outbox.uow import Outbox, UnitOfWork, configure, default_outbox, unit_of_work
+
+__all__ = [
+    "ConfigurationError",
+    "KeyInProgress",
+    "KeyReuseError",
+    "Outbox",
+    "OutboxConfig",
+    "OutboxError",
+    "PermanentError",
+    "PreviouslyFailed",
+    "PublishError",
+    "ReplayedWriteError",
+    "UnitOfWork",
+    "ValidationError",
+    "configure",
+    "default_outbox",
+    "idempotent",
+    "unit_of_work",
+]

@@ -1,0 +1,124 @@
+"""Hot-path statements of the unit of work, written once, named entity-first.
+
+They are driver-level SQL (psycopg ``%(name)s`` parameters) run with ``exec_driver_sql``: no
+per-call compilation, and SQLAlchemy engine events (tracing, statement counters) still see them.
+
+Table names are constants and the optional schema has passed the identifier allow-list; both are
+quoted by the dialect's identifier preparer. Values always travel as bound parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+
+from sqlalchemy.dialects import postgresql
+
+from outbox.schema import IDEMPOTENCY_KEYS, OUTBOX, validate_schema_name
+
+_preparer = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+
+
+def _qualified(schema: str | None, table: str) -> str:
+    name = _preparer.quote(table)
+    return name if schema is None else f"{_preparer.quote_schema(schema)}.{name}"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A named server-side prepared statement: ``PREPARE`` text and ``EXECUTE`` text."""
+
+    name: str
+    prepare: str
+    execute: str  # EXECUTE with psycopg parameters (for messages and client-side binding)
+    direct: str  # the same statement with psycopg parameters, for the extended protocol
+    args: tuple[str, ...] = ()  # parameter names in EXECUTE order
+
+
+@dataclass(frozen=True)
+class Statements:
+    idempotency_key_claim_prepared: Prepared
+    idempotency_key_fail: str
+
+
+@functools.cache
+def statements(schema: str | None) -> Statements:
+    schema = validate_schema_name(schema)
+    keys = _qualified(schema, IDEMPOTENCY_KEYS)
+    # Prepared-statement names live per connection, across schemas: tell schemas apart by a
+    # short digest (a long schema name would be truncated to 63 bytes and could collide).
+    claim_name = f"outbox_key_claim_{_digest(schema)}"
+    return Statements(
+        # One round trip: try the key's transaction-scoped advisory lock (never waits) and read
+        # any committed outcome. The lock is the claim: every writer of a key takes it first,
+        # so the final INSERT of the key never waits on another writer's uncommitted row (I3),
+        # and it disappears with a crashed attempt's connection (I4). A named server-side
+        # prepared statement, so that it travels in one simple-protocol message together with
+        # BEGIN without being planned every time.
+        idempotency_key_claim_prepared=Prepared(
+            claim_name,
+            f"PREPARE {claim_name} (bigint, text, text) AS "
+            f"WITH lock AS (SELECT pg_try_advisory_xact_lock($1) AS acquired) "
+            f"SELECT lock.acquired, k.status, k.fingerprint, k.result::text AS result, k.error "
+            f"FROM lock LEFT JOIN {keys} AS k ON k.scope = $2 AND k.key = $3",
+            f"EXECUTE {claim_name} (%(lock_id)s, %(scope)s, %(key)s)",
+            "",
+            ("lock_id", "scope", "key"),
+        ),
+        idempotency_key_fail=(
+            f"INSERT INTO {keys} (scope, key, status, fingerprint, error) "
+            f"VALUES (%(scope)s, %(key)s, 'failed', %(fingerprint)s, %(error)s) "
+            f"ON CONFLICT (scope, key) DO NOTHING"
+        ),
+    )
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=6).hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def idempotency_key_complete(schema: str | None, events: int) -> Prepared:
+    """The key's final state and ``events`` outbox rows in ONE statement.
+
+    It runs after the body's business writes took their locks, so for transactions that conflict
+    on business rows the outbox ``id`` order follows commit order. Row ``i`` binds parameters
+    ``e{i}`` (event id), ``t{i}`` (topic), ``k{i}`` (key), ``v{i}`` (value), ``h{i}`` (headers
+    JSON) and ``x{i}`` (key hash). The text depends only on the schema and ``events``.
+    """
+    schema = validate_schema_name(schema)
+    if events < 0:
+        raise ValueError("events must not be negative")
+    keys = _qualified(schema, IDEMPOTENCY_KEYS)
+    name = f"outbox_key_complete_{events}_{_digest(schema)}"
+    types = ["text", "text", "text", "text"]
+    args = ["%(scope)s", "%(key)s", "%(fingerprint)s", "%(result)s"]
+    key_insert = (
+        f"INSERT INTO {keys} (scope, key, status, fingerprint, result) "
+        f"VALUES ($1, $2, 'completed', $3, CAST($4 AS jsonb))"
+    )
+    if events == 0:
+        body = key_insert
+    else:
+        rows = []
+        for i in range(events):
+            n = 5 + 6 * i
+            rows.append(f"(${n}, ${n + 1}, ${n + 2}, ${n + 3}, CAST(${n + 4} AS jsonb), ${n + 5})")
+            types += ["uuid", "text", "bytea", "bytea", "text", "integer"]
+            args += [f"%(e{i})s", f"%(t{i})s", f"%(k{i})s", f"%(v{i})s", f"%(h{i})s", f"%(x{i})s"]
+        body = (
+            f"WITH completed AS ({key_insert}) "
+            f"INSERT INTO {_qualified(schema, OUTBOX)} "
+            f"(event_id, topic, key, value, headers, key_hash) VALUES {', '.join(rows)}"
+        )
+    direct = body
+    for n in range(len(args), 0, -1):  # $10 before $1
+        direct = direct.replace(f"${n}", args[n - 1])
+    return Prepared(
+        name,
+        f"PREPARE {name} ({', '.join(types)}) AS {body}",
+        f"EXECUTE {name} ({', '.join(args)})",
+        direct,
+        tuple(a[2:-2] for a in args),
+    )

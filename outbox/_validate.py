@@ -1,0 +1,198 @@
+"""Pure input checks and encoders: run before any PostgreSQL, Redis or Kafka I/O (I9)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from outbox._codec import CONTENT_TYPE_HEADER, JSON_CONTENT_TYPE
+from outbox.errors import (
+    InvalidKeyError,
+    InvalidTopicError,
+    PayloadTooLargeError,
+    SerializationError,
+)
+
+MAX_KEY_LENGTH = 255
+MAX_SCOPE_LENGTH = 100
+MAX_FINGERPRINT_LENGTH = 512
+MAX_TOPIC_LENGTH = 249
+TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
+OCTET_CONTENT_TYPE = "application/octet-stream"
+
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]+$")
+_SCOPE = re.compile(r"^[A-Za-z0-9._:/-]+$")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _has_control(value: str) -> bool:
+    """Control characters, or lone surrogates (not valid UTF-8, so PostgreSQL cannot store them)."""
+    if _CONTROL.search(value):
+        return True
+    if value.isascii():
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def check_key(key: object) -> str:
+    """An idempotency key: a non-empty ``str`` of at most 255 characters, no control chars."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(
+            f"idempotency key must be a str, got {type(key).__name__}; convert it explicitly "
+            "(e.g. str(order_id)) so that equal requests map to equal keys"
+        )
+    if not key:
+        raise InvalidKeyError("idempotency key must not be empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(
+            f"idempotency key is {len(key)} characters long; the limit is {MAX_KEY_LENGTH} "
+            "(hash longer natural keys, e.g. with hashlib.sha256)"
+        )
+    if _has_control(key):
+        raise InvalidKeyError(
+            f"idempotency key {key!r} contains control characters or invalid UTF-8"
+        )
+    return key
+
+
+def check_scope(scope: object) -> str:
+    """A scope: 1-100 characters of letters, digits and ``. _ : / -``."""
+    if not isinstance(scope, str):
+        raise InvalidKeyError(f"scope must be a str, got {type(scope).__name__}")
+    if not scope or len(scope) > MAX_SCOPE_LENGTH or not _SCOPE.match(scope):
+        raise InvalidKeyError(
+            f"invalid scope {scope!r}: use 1-{MAX_SCOPE_LENGTH} letters, digits or '._:/-' "
+            "(for example 'payments' or 'billing.v2')"
+        )
+    return scope
+
+
+def check_fingerprint(fingerprint: object) -> str | None:
+    """An optional request fingerprint (e.g. a hash of the request body)."""
+    if fingerprint is None:
+        return None
+    if not isinstance(fingerprint, str):
+        raise InvalidKeyError(
+            f"fingerprint must be a str or None, got {type(fingerprint).__name__}"
+        )
+    if not fingerprint or len(fingerprint) > MAX_FINGERPRINT_LENGTH or _has_control(fingerprint):
+        raise InvalidKeyError(
+            f"fingerprint must be 1-{MAX_FINGERPRINT_LENGTH} printable characters "
+            "(a hex digest of the request works well)"
+        )
+    return fingerprint
+
+
+def check_topic(topic: object) -> str:
+    """A Kafka topic name the broker accepts: 1-249 of ``[A-Za-z0-9._-]``, not ``.``/``..``."""
+    if not isinstance(topic, str):
+        raise InvalidTopicError(f"topic must be a str, got {type(topic).__name__}")
+    if (
+        not topic
+        or len(topic) > MAX_TOPIC_LENGTH
+        or topic in (".", "..")
+        or not _TOPIC.match(topic)
+    ):
+        raise InvalidTopicError(
+            f"invalid topic name {topic!r}: Kafka accepts 1-{MAX_TOPIC_LENGTH} characters of "
+            "letters, digits, '.', '_' and '-' (and not '.' or '..')"
+        )
+    return topic
+
+
+def dumps_json(value: Any, what: str) -> str:
+    """Strict JSON (no NaN/Infinity, no NUL characters) that PostgreSQL's jsonb accepts."""
+    try:
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise SerializationError(f"{what} is not JSON-serializable: {exc}") from exc
+    if "\\u0000" in text:
+        raise SerializationError(f"{what} contains a NUL character, which jsonb cannot store")
+    return text
+
+
+def encode_value(value: object) -> tuple[bytes, str]:
+    """Encode an event value; returns the bytes and their content type."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value), OCTET_CONTENT_TYPE
+    if isinstance(value, str):
+        try:
+            return value.encode("utf-8"), TEXT_CONTENT_TYPE
+        except UnicodeEncodeError as exc:
+            raise SerializationError(f"event value is not valid UTF-8 text: {exc}") from exc
+    return dumps_json(value, "event value").encode("utf-8"), JSON_CONTENT_TYPE
+
+
+def encode_message_key(key: object) -> bytes | None:
+    """Encode a Kafka message key (``str``, ``bytes`` or ``None``)."""
+    if key is None:
+        return None
+    if isinstance(key, bytes | bytearray | memoryview):
+        return bytes(key)
+    if isinstance(key, str):
+        try:
+            return key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise SerializationError(f"message key is not valid UTF-8 text: {exc}") from exc
+    raise SerializationError(f"message key must be str, bytes or None, got {type(key).__name__}")
+
+
+def check_headers(headers: object) -> dict[str, str | bytes]:
+    """Headers: a mapping of non-empty ``str`` names to ``str`` or ``bytes`` values."""
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise SerializationError(
+            f"headers must be a dict of str to str|bytes, got {type(headers).__name__}"
+        )
+    out: dict[str, str | bytes] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not name:
+            raise SerializationError(f"header name must be a non-empty str, got {name!r}")
+        if "\x00" in name:
+            raise SerializationError(f"header name {name!r} contains a NUL character")
+        if isinstance(value, bytes | bytearray | memoryview):
+            out[name] = bytes(value)
+        elif isinstance(value, str):
+            if "\x00" in value:
+                raise SerializationError(
+                    f"header {name!r}: str values must not contain NUL; pass bytes instead"
+                )
+            out[name] = value
+        else:
+            raise SerializationError(
+                f"header {name!r} must be str or bytes, got {type(value).__name__}"
+            )
+    return out
+
+
+def check_size(
+    key: bytes | None, value: bytes, headers: Mapping[str, str | bytes], limit: int
+) -> None:
+    """Refuse an event whose key, value and headers together exceed ``limit`` bytes."""
+    size = len(value) + (len(key) if key is not None else 0)
+    for name, header in headers.items():
+        size += len(name.encode("utf-8")) + (
+            len(header) if isinstance(header, bytes) else len(header.encode("utf-8"))
+        )
+    if size > limit:
+        raise PayloadTooLargeError(
+            f"event is {size} bytes (key + value + headers); the limit is {limit} bytes. "
+            "Store large payloads elsewhere and publish a reference, or raise "
+            "OutboxConfig.max_payload_bytes (and the broker's message.max.bytes)"
+        )
+
+
+def with_content_type(headers: dict[str, str | bytes], content_type: str) -> dict[str, str | bytes]:
+    """Record the value's content type unless the publisher set one."""
+    if not any(name.lower() == CONTENT_TYPE_HEADER for name in headers):
+        headers[CONTENT_TYPE_HEADER] = content_type
+    return headers

@@ -1,0 +1,144 @@
+"""Redis fast path: remembers outcomes (COMPLETED results, FAILED errors) of committed keys.
+
+Redis is a cache, never the truth (I5). Entries are written only after the PostgreSQL commit,
+read and written with single-key commands (safe on Redis Cluster), with bounded timeouts. Any
+Redis failure, a slow answer or a malformed entry makes the cache step aside: the caller goes
+to PostgreSQL, which decides. After a failure the cache stays out of the way for a short while
+(``cache_retry_after``) so that a Redis outage does not add a timeout to every call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from outbox.config import OutboxConfig, redact_url
+
+log = logging.getLogger("outbox.cache")
+
+
+@dataclass(frozen=True)
+class CachedOutcome:
+    """An outcome read back from Redis."""
+
+    status: str  # "completed" or "failed"
+    fingerprint: str | None
+    result_json: str | None
+    error: str | None
+
+
+def make_client(url: str, config: OutboxConfig) -> redis.Redis:
+    """A redis-py client with bounded timeouts and no retries (a miss is cheaper than a wait)."""
+    try:
+        return redis.Redis.from_url(
+            url,
+            socket_timeout=config.cache_socket_timeout,
+            socket_connect_timeout=config.cache_connect_timeout,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+    except ValueError as exc:
+        from outbox.errors import ConfigurationError
+
+        raise ConfigurationError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc
+
+
+class OutcomeCache:
+    """Reads and writes outcomes of ``(scope, key)`` in Redis, never raising to the caller."""
+
+    def __init__(self, client: redis.Redis, config: OutboxConfig) -> None:
+        self._client = client
+        self._prefix = config.cache_prefix
+        self._ttl_ms = max(1, int(config.cache_ttl * 1000))
+        self._retry_after = config.cache_retry_after
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> redis.Redis:
+        return self._client
+
+    def redis_key(self, scope: str, key: str) -> str:
+        # Length-prefixed so that ("a:b", "c") and ("a", "b:c") never share an entry. The whole
+        # entry is one Redis key, so every command is single-key and Cluster-safe.
+        return f"{self._prefix}:{len(scope)}:{scope}:{key}"
+
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, op: str, exc: Exception) -> None:
+        with self._lock:
+            first = self.available()
+            self._down_until = time.monotonic() + self._retry_after
+        if first:
+            log.warning(
+                "redis %s failed (%s: %s); fast path skipped for %.1fs",
+                op,
+                type(exc).__name__,
+                exc,
+                self._retry_after,
+            )
+
+    def get(self, scope: str, key: str) -> CachedOutcome | None:
+        """The cached outcome, or ``None`` on a miss, a Redis failure or a malformed entry."""
+        if not self.available():
+            return None
+        try:
+            raw = self._client.get(self.redis_key(scope, key))
+        except (redis.RedisError, OSError) as exc:
+            self._failed("GET", exc)
+            return None
+        if raw is None:
+            return None
+        return _decode(raw)
+
+    def put(self, scope: str, key: str, outcome: CachedOutcome) -> None:
+        """Remember an outcome; call only after the PostgreSQL commit that made it final."""
+        if not self.available():
+            return
+        entry: dict[str, Any] = {"s": outcome.status, "f": outcome.fingerprint}
+        if outcome.status == "completed":
+            entry["r"] = outcome.result_json
+        else:
+            entry["e"] = outcome.error
+        try:
+            self._client.set(self.redis_key(scope, key), json.dumps(entry), px=self._ttl_ms)
+        except (redis.RedisError, OSError) as exc:
+            self._failed("SET", exc)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _decode(raw: Any) -> CachedOutcome | None:
+    # Garbage in Redis must never change an outcome: anything unexpected is a miss.
+    try:
+        entry = json.loads(raw)
+        status = entry["s"]
+        fingerprint = entry.get("f")
+        if fingerprint is not None and not isinstance(fingerprint, str):
+            return None
+        if status == "completed":
+            result_json = entry.get("r")
+            if result_json is not None:
+                if not isinstance(result_json, str):
+                    return None
+                json.loads(result_json)
+            return CachedOutcome("completed", fingerprint, result_json, None)
+        if status == "failed":
+            error = entry.get("e")
+            if not isinstance(error, str):
+                return None
+            return CachedOutcome("failed", fingerprint, None, error)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return None

@@ -1,0 +1,138 @@
+"""Configuration: frozen dataclasses with ``validate()`` and environment helpers.
+
+Every setting has a default that is safe in production; ``validate()`` refuses inconsistent
+combinations with a message that says how to fix them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from outbox.errors import ConfigurationError
+from outbox.schema import validate_schema_name
+
+ENV_DATABASE_URL = "OUTBOX_DATABASE_URL"
+ENV_REDIS_URL = "OUTBOX_REDIS_URL"
+ENV_SCHEMA = "OUTBOX_SCHEMA"
+ENV_KAFKA_BOOTSTRAP = "OUTBOX_KAFKA_BOOTSTRAP_SERVERS"
+
+DEFAULT_SCOPE = "default"
+DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+DEFAULT_CACHE_TTL_SECONDS = 24 * 3600.0
+DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class OutboxConfig:
+    """Settings of an :class:`outbox.Outbox`.
+
+    ``cache_ttl`` is how long Redis remembers an outcome; it must be shorter than ``retention``,
+    how long PostgreSQL keeps idempotency keys (``outbox gc`` deletes older ones), so the cache
+    can never answer for a key the database has forgotten.
+    """
+
+    schema: str | None = None
+    cache_ttl: float = DEFAULT_CACHE_TTL_SECONDS
+    retention: float = DEFAULT_RETENTION_SECONDS
+    cache_prefix: str = "outbox"
+    cache_socket_timeout: float = 0.05
+    cache_connect_timeout: float = 0.05
+    cache_retry_after: float = 5.0
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    permanent_errors: tuple[type[BaseException], ...] = field(default_factory=tuple)
+
+    def validate(self) -> OutboxConfig:
+        validate_schema_name(self.schema)
+        if self.cache_ttl <= 0:
+            raise ConfigurationError(f"cache_ttl must be positive, got {self.cache_ttl!r}")
+        if self.retention <= 0:
+            raise ConfigurationError(f"retention must be positive, got {self.retention!r}")
+        if self.cache_ttl >= self.retention:
+            raise ConfigurationError(
+                f"cache_ttl ({self.cache_ttl:g}s) must be shorter than retention "
+                f"({self.retention:g}s): otherwise Redis could replay a key the database has "
+                "already forgotten"
+            )
+        if not self.cache_prefix or any(c in self.cache_prefix for c in "{}"):
+            raise ConfigurationError(
+                f"cache_prefix must be non-empty and free of braces, got {self.cache_prefix!r}"
+            )
+        for name in ("cache_socket_timeout", "cache_connect_timeout", "cache_retry_after"):
+            if getattr(self, name) <= 0:
+                raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_payload_bytes <= 0:
+            raise ConfigurationError(
+                f"max_payload_bytes must be positive, got {self.max_payload_bytes!r}"
+            )
+        for exc_type in self.permanent_errors:
+            if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+                raise ConfigurationError(
+                    f"permanent_errors must hold exception classes, got {exc_type!r}"
+                )
+        return self
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` with any password replaced by ``***`` (safe for logs and errors)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def normalize_database_url(url: str) -> str:
+    """Accept ``postgres://`` and ``postgresql://`` URLs and select the psycopg 3 driver."""
+    if not isinstance(url, str) or "://" not in url:
+        # Not echoed: a malformed URL cannot be redacted reliably and may hold a password.
+        raise ConfigurationError(
+            "invalid database URL: expected postgresql+psycopg://user:password@host:5432/dbname"
+        )
+    scheme, rest = url.split("://", 1)
+    if scheme in ("postgres", "postgresql"):
+        return "postgresql+psycopg://" + rest
+    if scheme != "postgresql+psycopg":
+        raise ConfigurationError(
+            f"unsupported database URL scheme {scheme!r}: outbox-kit needs PostgreSQL through "
+            "psycopg 3 (postgresql+psycopg://...)"
+        )
+    return url
+
+
+def env(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Return a non-empty environment variable or ``None``."""
+    value = (environ if environ is not None else os.environ).get(name)
+    return value or None
+
+
+_T = TypeVar("_T")
+
+
+def env_int(name: str, default: _T) -> int | _T:
+    """An integer environment variable, ``default`` when unset; a clear error when malformed."""
+    value = env(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise ConfigurationError(f"{name}={value!r} is not an integer") from exc
+
+
+def env_float(name: str, default: _T) -> float | _T:
+    """A number from the environment, ``default`` when unset; a clear error when malformed."""
+    value = env(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ConfigurationError(f"{name}={value!r} is not a number") from exc

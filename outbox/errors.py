@@ -1,0 +1,107 @@
+"""Exceptions raised by outbox-kit.
+
+Every exception derives from :class:`OutboxError`, so ``except OutboxError`` catches anything the
+toolkit raises on purpose. Driver errors are translated in one place and chained with
+``raise ... from exc`` so the original cause stays visible.
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Root of every exception raised by outbox-kit."""
+
+
+class ConfigurationError(OutboxError, ValueError):
+    """A setting is missing or invalid (bad URL, bad schema name, inconsistent TTLs...)."""
+
+
+class ValidationError(OutboxError, ValueError):
+    """Input to the toolkit was refused before any I/O took place."""
+
+
+class InvalidKeyError(ValidationError):
+    """An idempotency key or scope is empty, too long or not a string."""
+
+
+class InvalidTopicError(ValidationError):
+    """A topic name that a Kafka broker would refuse."""
+
+
+class SerializationError(ValidationError):
+    """A value, header or result cannot be encoded (not bytes/str/JSON-serializable)."""
+
+
+class PayloadTooLargeError(ValidationError):
+    """An event value (with key and headers) exceeds the configured size limit."""
+
+
+class KeyInProgress(OutboxError):
+    """Another attempt for the same ``(scope, key)`` is running right now.
+
+    Raised at once, without waiting for the other transaction. Retry later: if the other attempt
+    commits, the retry replays its result; if it fails or crashes, the retry runs the body.
+    """
+
+    def __init__(self, scope: str, key: str) -> None:
+        super().__init__(
+            f"idempotency key {key!r} in scope {scope!r} is being processed by another "
+            "attempt right now; retry later"
+        )
+        self.scope = scope
+        self.key = key
+
+
+class PreviouslyFailed(OutboxError):
+    """The key was recorded as permanently failed; the body is not run again.
+
+    ``error`` carries the stored error text of the attempt that failed.
+    """
+
+    def __init__(self, scope: str, key: str, error: str) -> None:
+        super().__init__(
+            f"idempotency key {key!r} in scope {scope!r} failed permanently earlier: {error}"
+        )
+        self.scope = scope
+        self.key = key
+        self.error = error
+
+
+class KeyReuseError(OutboxError):
+    """The key was used before with a different request fingerprint."""
+
+    def __init__(self, scope: str, key: str) -> None:
+        super().__init__(
+            f"idempotency key {key!r} in scope {scope!r} was already used for a different "
+            "request (fingerprint mismatch); use a new key for a new request"
+        )
+        self.scope = scope
+        self.key = key
+
+
+class ReplayedWriteError(OutboxError):
+    """A write was attempted inside a unit of work that replays a stored result.
+
+    A replayed unit of work must not have effects: return ``uow.result`` instead.
+    """
+
+
+class PermanentError(OutboxError):
+    """Raise from the body of a unit of work to record the key as failed.
+
+    The business writes of the attempt are rolled back, the key is stored as failed with this
+    error's text, and every later attempt raises :class:`PreviouslyFailed` without running the
+    body.
+    """
+
+
+class PublishError(OutboxError):
+    """An event could not be delivered to Kafka.
+
+    ``retriable`` tells whether trying again may succeed (broker unreachable, leader moving) or
+    not (record too large, unknown topic, authorization refused).
+    """
+
+    def __init__(self, message: str, *, retriable: bool) -> None:
+        super().__init__(message)
+        self.retriable = retriable

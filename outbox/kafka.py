@@ -1,0 +1,266 @@
+"""The Kafka side of the relay: a confluent-kafka producer and the meaning of its errors.
+
+This is the only module of the relay that imports ``confluent_kafka``. It knows how to build
+the producer (idempotent, ``acks=all``, Java-compatible partitioner, throughput-oriented
+batching), how to send a group of records and wait for every delivery report without one flush
+per record, and which librdkafka errors are permanent (the row is parked at once) or retriable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from outbox.errors import ConfigurationError, PublishError
+
+log = logging.getLogger("outbox.relay")
+
+# Settings the relay's guarantees depend on; --kafka-config may not weaken them.
+REQUIRED_CONFIG: Mapping[str, str] = {
+    "enable.idempotence": "true",
+    "acks": "all",
+}
+
+# Defaults a user may override with --kafka-config.
+DEFAULT_CONFIG: Mapping[str, str] = {
+    "partitioner": "murmur2_random",  # the Java client's partitioner: same key, same partition
+    "linger.ms": "5",
+    "batch.num.messages": "10000",
+    "queue.buffering.max.messages": "200000",
+    "compression.type": "none",
+    "message.timeout.ms": "30000",
+    "socket.keepalive.enable": "true",
+    "reconnect.backoff.ms": "100",
+    "reconnect.backoff.max.ms": "2000",
+    # librdkafka's own stderr lines repeat what error_cb reports (rate-limited, structured).
+    "log_level": "2",
+}
+
+# librdkafka error codes after which sending the same record again cannot succeed: the row is
+# parked with the error. Everything else is retriable (timeouts, leader moves, transport).
+PERMANENT_ERRORS: frozenset[int] = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,  # record above message.max.bytes (client or broker)
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.INVALID_MSG_SIZE,
+        KafkaError.INVALID_RECORD,
+        KafkaError.TOPIC_EXCEPTION,  # invalid topic name
+        KafkaError.UNKNOWN_TOPIC_OR_PART,  # topic absent and auto-creation off
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._UNKNOWN_PARTITION,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.POLICY_VIOLATION,
+        KafkaError._INVALID_ARG,
+    }
+)
+
+
+# Errors that mean the producer's idempotence state (producer id, epoch, sequence numbers) is
+# no longer usable, e.g. after message timeouts made librdkafka bump the epoch and the broker
+# refused it. The records are retriable, but only with a fresh producer.
+PRODUCER_STATE_ERRORS: frozenset[int] = frozenset(
+    {
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+        KafkaError.UNKNOWN_PRODUCER_ID,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+        KafkaError.INVALID_PRODUCER_ID_MAPPING,
+    }
+)
+
+
+def is_permanent(code: int) -> bool:
+    """True when a record that failed with librdkafka error ``code`` can never be delivered."""
+    return code in PERMANENT_ERRORS
+
+
+def producer_config(
+    bootstrap_servers: str, overrides: Mapping[str, str], client_id: str = "outbox-relay"
+) -> dict[str, str]:
+    """The librdkafka configuration of the relay's producer.
+
+    ``overrides`` (``--kafka-config``) win over the defaults, so TLS/SASL and tuning work, but
+    they may not turn off idempotence or ``acks=all``: the relay's no-loss and order guarantees
+    rest on both.
+    """
+    config: dict[str, str] = {"bootstrap.servers": bootstrap_servers, "client.id": client_id}
+    config.update(DEFAULT_CONFIG)
+    config.update({k: str(v) for k, v in overrides.items()})
+    for key, value in REQUIRED_CONFIG.items():
+        given = config.get(key, value).lower()
+        normalized = {"-1": "all", "1": "true"}.get(given, given) if key == "acks" else given
+        if key == "enable.idempotence" and normalized in ("1", "true"):
+            normalized = "true"
+        if normalized != value:
+            raise ConfigurationError(
+                f"--kafka-config {key}={config[key]} is not allowed: the relay needs "
+                f"{key}={value} to deliver without loss and in order; remove that setting"
+            )
+        config[key] = value
+    if "transactional.id" in config:
+        raise ConfigurationError(
+            "--kafka-config transactional.id is not supported by the relay: remove it (the "
+            "idempotent producer already gives ordered, de-duplicated retries)"
+        )
+    return config
+
+
+Headers = list[tuple[str, str | bytes | None]]
+
+# (topic, key, value, headers): what :meth:`KafkaProducer.send` takes. The relay builds plain
+# tuples on its hot path (a NamedTuple costs several times more to create); ``Record`` is the
+# same shape with names.
+RecordTuple = tuple[str, bytes | None, bytes, Headers]
+
+
+class Record(NamedTuple):
+    """One record to produce."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+    headers: Headers
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The delivery report of one record: ``error`` is ``None`` when Kafka confirmed it."""
+
+    error: str | None = None
+    code: int | None = None
+    permanent: bool = False
+    stale_producer: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+CONFIRMED = Outcome()
+NOT_SENT = Outcome(error="not sent: the relay stopped before sending this record")
+
+
+def _outcome(err: KafkaError) -> Outcome:
+    code = int(err.code())
+    return Outcome(
+        error=f"{err.name()}: {err.str()}",
+        code=code,
+        permanent=is_permanent(code),
+        stale_producer=code in PRODUCER_STATE_ERRORS or err.fatal(),
+    )
+
+
+class FatalProducerError(PublishError):
+    """The producer hit a fatal error and must be rebuilt (idempotence state lost)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retriable=True)
+
+
+class KafkaProducer:
+    """A confluent-kafka producer that sends groups of records and reports each one's fate."""
+
+    def __init__(self, bootstrap_servers: str, overrides: Mapping[str, str]) -> None:
+        self.config = producer_config(bootstrap_servers, overrides)
+        self.message_timeout = int(self.config["message.timeout.ms"]) / 1000.0
+        self._fatal: str | None = None
+        self._last_error: tuple[str, float] = ("", 0.0)
+        self._producer = Producer({**self.config, "error_cb": self._on_error})
+
+    def _on_error(self, err: KafkaError) -> None:
+        # Client-level errors (broker down, auth) arrive here, once per connection attempt;
+        # per-record fate arrives in delivery reports. Log a state change, or a reminder every
+        # 30 s, not every reconnect.
+        if err.fatal():
+            self._fatal = f"{err.name()}: {err.str()}"
+            log.error("event=kafka_fatal_error error=%r", self._fatal)
+            return
+        name, last = self._last_error
+        now = time.monotonic()
+        if err.name() != name or now - last > 30.0:
+            self._last_error = (err.name(), now)
+            log.warning("event=kafka_client_error error=%r", f"{err.name()}: {err.str()}")
+
+    def send(
+        self,
+        records: Sequence[RecordTuple],
+        stop: threading.Event,
+        grace: float = 5.0,
+    ) -> list[Outcome]:
+        """Produce ``records`` and wait until each has a delivery report.
+
+        Returns one :class:`Outcome` per record, in order. Records refused inside
+        ``produce()`` (too large, invalid topic) get their error at once; the others are
+        batched by librdkafka and confirmed by the broker. When ``stop`` is set the wait is cut
+        to ``grace`` seconds; records still without a report count as not confirmed (the
+        caller keeps their rows, so at worst they are sent again).
+        """
+        outcomes: list[Outcome | None] = [None] * len(records)
+        pending = 0
+
+        def report(index: int) -> Any:
+            def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+                nonlocal pending
+                pending -= 1
+                outcomes[index] = CONFIRMED if err is None else _outcome(err)
+
+            return on_delivery
+
+        produce = self._producer.produce
+        for index, (topic, key, value, headers) in enumerate(records):
+            while True:
+                try:
+                    produce(topic, value, key, headers=headers, on_delivery=report(index))
+                    pending += 1
+                    break
+                except BufferError:
+                    self._producer.poll(0.05)  # local queue full: let reports drain, retry
+                except KafkaException as exc:
+                    outcomes[index] = _outcome(exc.args[0])
+                    break
+        deadline = time.monotonic() + self.message_timeout + 5.0
+        stop_deadline: float | None = None
+        while pending > 0:
+            if self._fatal is not None:
+                raise FatalProducerError(f"Kafka producer fatal error: {self._fatal}")
+            now = time.monotonic()
+            if stop.is_set() and stop_deadline is None:
+                stop_deadline = now + grace
+            limit = min(deadline, stop_deadline) if stop_deadline is not None else deadline
+            if now >= limit:
+                break
+            # flush() sends at once instead of waiting for linger.ms and serves callbacks.
+            self._producer.flush(min(0.1, limit - now))
+        return [o if o is not None else NOT_SENT for o in outcomes]
+
+    def check(self, timeout: float = 5.0) -> int:
+        """Ask the cluster for metadata; returns the broker count or raises PublishError."""
+        try:
+            metadata = self._producer.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            raise PublishError(
+                f"Kafka brokers did not answer within {timeout:g}s "
+                f"({self.config['bootstrap.servers']}): {exc.args[0].str()}; check "
+                "--bootstrap-servers and --kafka-config (security.protocol, sasl.*)",
+                retriable=True,
+            ) from exc
+        return len(metadata.brokers)
+
+    def purge(self) -> None:
+        """Drop queued and in-flight records (before the producer is thrown away; their rows
+        stay in the outbox and are sent again)."""
+        try:
+            self._producer.purge(in_queue=True, in_flight=True)
+            self._producer.poll(0)
+        except KafkaException as exc:
+            log.warning("event=kafka_purge_failed error=%r", str(exc))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait briefly for outstanding reports, then release the client."""
+        self._producer.flush(timeout)

@@ -1,0 +1,126 @@
+"""SQLAlchemy Core tables for ``idempotency_keys`` and ``outbox``.
+
+The migrations in ``migrations/`` own the DDL; these tables mirror it exactly (a test compares
+them against a migrated database). An optional PostgreSQL schema name places both tables outside
+``public``; it goes through an identifier allow-list and is quoted by SQLAlchemy, never spliced
+into SQL text.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    UniqueConstraint,
+    Uuid,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from outbox.errors import ConfigurationError
+
+IDEMPOTENCY_KEYS = "idempotency_keys"
+OUTBOX = "outbox"
+VERSION_TABLE = "outbox_alembic_version"
+
+STATUS_STARTED = "started"
+STATUS_COMPLETED = "completed"
+STATUS_FAILED = "failed"
+
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def validate_schema_name(schema: str | None) -> str | None:
+    """Return ``schema`` if it is an acceptable PostgreSQL identifier, else raise.
+
+    Only lower-case letters, digits and underscores are allowed (at most 63 characters, not
+    starting with a digit, not ``pg_``-prefixed), so the name can never carry SQL.
+    """
+    if schema is None:
+        return None
+    if not isinstance(schema, str) or not _IDENTIFIER.match(schema) or schema.startswith("pg_"):
+        raise ConfigurationError(
+            f"invalid schema name {schema!r}: use 1-63 lower-case letters, digits or "
+            "underscores, starting with a letter or underscore (and not 'pg_')"
+        )
+    return schema
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The toolkit's tables bound to one schema."""
+
+    metadata: MetaData
+    idempotency_keys: Table
+    outbox: Table
+    schema: str | None
+
+
+@functools.cache
+def tables(schema: str | None = None) -> Tables:
+    """Return the Core tables for ``schema`` (``None`` means the search path, usually public)."""
+    schema = validate_schema_name(schema)
+    metadata = MetaData(schema=schema)
+    idempotency_keys = Table(
+        IDEMPOTENCY_KEYS,
+        metadata,
+        Column("scope", Text, nullable=False),
+        Column("key", Text, nullable=False),
+        Column("status", Text, nullable=False),
+        Column("fingerprint", Text, nullable=True),
+        Column("result", JSONB(none_as_null=True), nullable=True),
+        Column("error", Text, nullable=True),
+        Column("attempts", Integer, nullable=False, server_default=text("1")),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        PrimaryKeyConstraint("scope", "key", name="idempotency_keys_pkey"),
+        CheckConstraint(
+            "status IN ('started', 'completed', 'failed')",
+            name="idempotency_keys_status_check",
+        ),
+        # Serves retention clean-up (`outbox gc`); status is deliberately not indexed so that
+        # the final status update stays a HOT update.
+        Index("ix_idempotency_keys_updated_at", "updated_at"),
+    )
+    outbox = Table(
+        OUTBOX,
+        metadata,
+        Column("id", BigInteger, Identity(always=False), nullable=False),
+        Column("event_id", Uuid(as_uuid=True), nullable=False),
+        Column("topic", Text, nullable=False),
+        Column("key", LargeBinary, nullable=True),
+        Column("value", LargeBinary, nullable=False),
+        Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+        # Stable 31-bit hash of the message key (of the event id for key-less rows). Relays map
+        # it to lanes with `key_hash % lanes`, so every row of one key lands in one lane.
+        Column("key_hash", Integer, nullable=False),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("last_error", Text, nullable=True),
+        Column("parked_at", DateTime(timezone=True), nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        PrimaryKeyConstraint("id", name="outbox_pkey"),
+        UniqueConstraint("event_id", name="outbox_event_id_key"),
+        # Relay (migration 0002): lets a claim skip keys blocked by a parked row.
+        Index(
+            "ix_outbox_parked",
+            "key_hash",
+            "id",
+            postgresql_where=text("parked_at IS NOT NULL"),
+        ),
+    )
+    return Tables(metadata, idempotency_keys, outbox, schema)

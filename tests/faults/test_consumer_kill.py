@@ -1,0 +1,253 @@
+"""Three `outbox consume` processes in one group, SIGKILLed and restarted mid-run.
+
+5,000 messages, 20% of them duplicates of earlier keys (on other partitions, so duplicates race
+their originals across processes), some poison (the handler raises PermanentError) and some
+without an idempotency key. Afterwards: exactly one business row per good key, every offset
+committed (no message lost), and the dead-letter topic holds exactly the poison keys and the
+key-less messages. The same run with Redis shut down must give the same outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from outbox import PermanentError
+from outbox.dlq import DeadLetterInfo
+from tests._services import _die_with_parent, create_topic, wait_for
+from tests.integration.test_consumer import KAFKA, read_topic
+
+PARTITIONS = 6
+TOTAL = 5000
+DUPLICATES = TOTAL // 5
+POISON = 30
+KEYLESS = 20
+GOOD = TOTAL - DUPLICATES - POISON - KEYLESS
+PROCESSES = 3
+OUTBOX_BIN = str(Path(sys.executable).with_name("outbox"))
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def handle(uow: Any, message: Any) -> dict[str, int]:
+    """The consumers' handler (imported by `outbox consume` as a module:function)."""
+    body = json.loads(message.value())
+    if body["poison"]:
+        raise PermanentError(f"message {body['n']} cannot be applied")
+    uow.connection.execute(
+        sa.text("INSERT INTO effects (key, n, pid) VALUES (:key, :n, pg_backend_pid())"),
+        {"key": uow.key, "n": body["n"]},
+    )
+    return {"n": body["n"]}
+
+
+def build_messages(rng: random.Random) -> list[dict[str, Any]]:
+    originals: list[dict[str, Any]] = []
+    for i in range(GOOD):
+        originals.append({"key": f"good-{i}", "n": i, "poison": False})
+    for i in range(POISON):
+        originals.append({"key": f"poison-{i}", "n": GOOD + i, "poison": True})
+    for i in range(KEYLESS):
+        originals.append({"key": None, "n": GOOD + POISON + i, "poison": False})
+    keyed = [m for m in originals if m["key"] is not None]
+    duplicates = [dict(m, n=-1) for m in rng.choices(keyed, k=DUPLICATES)]
+    messages = originals + duplicates
+    rng.shuffle(messages)
+    return messages
+
+
+def produce(bootstrap: str, topic: str, messages: list[dict[str, Any]]) -> list[int]:
+    """Produce with random Kafka keys; returns the number of records per partition."""
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+                         "linger.ms": 5})  # fmt: skip
+    per_partition = [0] * PARTITIONS
+    errors: list[Any] = []
+
+    def on_delivery(err: Any, msg: Any) -> None:
+        if err is not None:
+            errors.append(err)
+        else:
+            per_partition[msg.partition()] += 1
+
+    for m in messages:
+        headers = [("X-Idempotency-Key", m["key"].encode())] if m["key"] else []
+        producer.produce(
+            topic, value=json.dumps(m).encode(), key=uuid.uuid4().bytes, headers=headers,
+            on_delivery=on_delivery,
+        )  # fmt: skip
+        producer.poll(0)
+    assert producer.flush(60) == 0
+    assert errors == []
+    return per_partition
+
+
+def committed(bootstrap: str, group: str, topic: str) -> list[int]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        return [tp.offset for tp in consumer.committed(tps, timeout=10)]
+    finally:
+        consumer.close()
+
+
+class Fleet:
+    """The consumer processes of one run, with their logs."""
+
+    def __init__(self, workdir: Path, command: list[str]) -> None:
+        self.workdir = workdir
+        self.command = command
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.started = 0
+        self.kills = 0
+
+    def start(self, slot: int) -> None:
+        self.started += 1
+        log = (self.workdir / f"consumer-{slot}-{self.started}.log").open("wb")
+        self.procs[slot] = subprocess.Popen(
+            self.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(),
+        )  # fmt: skip
+        log.close()
+
+    def kill(self, slot: int) -> None:
+        proc = self.procs[slot]
+        assert proc.poll() is None, f"consumer {slot} died on its own:\n{self.logs()}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        self.kills += 1
+
+    def terminate_all(self) -> list[int | None]:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = []
+        for proc in self.procs.values():
+            try:
+                codes.append(proc.wait(30))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(None)
+        return codes
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+    def logs(self) -> str:
+        parts = []
+        for path in sorted(self.workdir.glob("consumer-*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-15:]
+            parts.append(f"--- {path.name}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Callable[[list[str]], Fleet]]:
+    fleets: list[Fleet] = []
+
+    def make(command: list[str]) -> Fleet:
+        fleets.append(Fleet(tmp_path, command))
+        return fleets[-1]
+
+    try:
+        yield make
+    finally:
+        for f in fleets:
+            f.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("redis_state", ["redis-up", "redis-down"])
+def test_kill_restart_three_consumers_exactly_once(
+    redis_state: str,
+    kafka_bootstrap: str,
+    database_url: str,
+    engine: sa.Engine,
+    private_redis: Any,
+    fleet: Callable[[list[str]], Fleet],
+) -> None:
+    rng = random.Random(4)
+    topic = f"kill-{uuid.uuid4().hex[:10]}"
+    group = f"billing-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_bootstrap, topic, partitions=PARTITIONS)
+    create_topic(kafka_bootstrap, topic + ".dlq", partitions=1)
+    with engine.begin() as conn:
+        # No unique constraint: a doubled effect would be a second row, not an error.
+        conn.execute(sa.text("CREATE TABLE effects (key text NOT NULL, n int, pid int)"))
+    redis = private_redis()
+    if redis_state == "redis-down":
+        redis.shutdown()  # the consumers are configured with a Redis that does not answer
+
+    messages = build_messages(rng)
+    first, rest = messages[: TOTAL // 2], messages[TOTAL // 2 :]
+    per_partition = produce(kafka_bootstrap, topic, first)
+
+    command = [
+        OUTBOX_BIN, "consume", f"{__name__}:handle", "--topic", topic, "--group", group,
+        "--database-url", database_url, "--redis-url", redis.url,
+        "--bootstrap-servers", kafka_bootstrap, "--log-level", "WARNING",
+    ]  # fmt: skip
+    # A short session: a SIGKILLed member's partitions move on after ~2 s instead of ~6 s.
+    for name, value in KAFKA.items():
+        command += ["--kafka-config", f"{name}={value}"]
+    consumers = fleet(command)
+    for slot in range(PROCESSES):
+        consumers.start(slot)
+    more = produce(kafka_bootstrap, topic, rest)
+    per_partition = [a + b for a, b in zip(per_partition, more, strict=True)]
+
+    def effects() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text("SELECT count(*) FROM effects")).scalar_one())
+
+    # Kill while work is in flight, restart at once; twice, hitting different processes.
+    for threshold, victims in ((GOOD // 5, [0]), (GOOD // 2, [1, 2])):
+        wait_for(
+            lambda t=threshold: effects() >= t, 120,
+            f"{threshold} effects before a kill\n{consumers.logs()}", interval=0.05,
+        )  # fmt: skip
+        for slot in victims:
+            consumers.kill(slot)
+            consumers.start(slot)
+
+    wait_for(
+        lambda: committed(kafka_bootstrap, group, topic) == per_partition,
+        180, f"every offset committed (want {per_partition})\n{consumers.logs()}", interval=0.2,
+    )  # fmt: skip
+    codes = consumers.terminate_all()
+    assert codes == [0] * PROCESSES, consumers.logs()
+
+    # Exactly one business row per good key, none for poison or key-less messages.
+    with engine.connect() as conn:
+        counts = dict(conn.execute(sa.text("SELECT key, count(*) FROM effects GROUP BY key")).all())
+    assert set(counts) == {f"good-{i}" for i in range(GOOD)}
+    doubled = {k: c for k, c in counts.items() if c != 1}
+    assert doubled == {}
+
+    # The dead-letter topic holds the poison keys and the key-less messages, nothing else.
+    letters = read_topic(kafka_bootstrap, topic + ".dlq", POISON + KEYLESS, timeout=60)
+    infos = [DeadLetterInfo.from_headers(m.headers()) for m in letters]
+    poison = {i.idempotency_key for i in infos if i.reason == "permanent-error"}
+    keyless = {json.loads(m.value())["n"] for m, i in zip(letters, infos, strict=True)
+               if i.reason == "missing-key"}  # fmt: skip
+    assert {i.reason for i in infos} == {"permanent-error", "missing-key"}
+    assert poison == {f"poison-{i}" for i in range(POISON)}
+    assert keyless == set(range(GOOD + POISON, GOOD + POISON + KEYLESS))
+    # A second copy of a dead letter needs a kill between its confirmation and the commit (or,
+    # for a permanent error, the failure record) that follows it. Such a kill frees the key:
+    # the redelivered message and any duplicate of a poison key on another partition may then
+    # each be dead-lettered again.
+    duplicated_poison = {m["key"] for m in messages if m["poison"] and m["n"] == -1}
+    assert len(letters) - (POISON + KEYLESS) <= consumers.kills + len(duplicated_poison)

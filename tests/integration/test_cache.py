@@ -1,0 +1,205 @@
+"""The Redis fast path on real Redis servers: a cache, never the truth (I5)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+import outbox
+from outbox import OutboxConfig
+from outbox.errors import ConfigurationError, PermanentError, PreviouslyFailed
+from tests._services import PrivateRedis, TcpProxy, free_port
+from tests._uow import INSERT_ORDER, count, create_orders, watch
+
+
+def place(ob: outbox.Outbox, key: str) -> tuple[bool, object]:
+    with ob.unit_of_work(key, scope="shop") as uow:
+        if uow.replayed:
+            return True, uow.result
+        uow.connection.execute(INSERT_ORDER, {"k": key, "a": 1})
+        uow.publish("orders.created", {"key": key}, key=key)
+        uow.result = {"order": key}
+        return False, uow.result
+
+
+@pytest.fixture
+def make_outbox(engine: sa.Engine) -> Iterator[Callable[..., outbox.Outbox]]:
+    create_orders(engine)
+    made: list[outbox.Outbox] = []
+
+    def make(redis_url: str, **config: object) -> outbox.Outbox:
+        # The Outbox builds its own client: the default timeouts are under test too.
+        ob = outbox.Outbox(
+            engine,
+            redis_url=redis_url,
+            config=OutboxConfig(**config),  # type: ignore[arg-type]
+        )
+        made.append(ob)
+        return ob
+
+    yield make
+    for ob in made:
+        ob.close()
+
+
+@pytest.fixture
+def ob(
+    make_outbox: Callable[..., outbox.Outbox], redis_url: str, redis_prefix: str
+) -> outbox.Outbox:
+    return make_outbox(redis_url, cache_prefix=redis_prefix)
+
+
+def test_duplicate_of_completed_key_touches_no_postgres(ob: outbox.Outbox) -> None:
+    assert place(ob, "o-1") == (False, {"order": "o-1"})
+    with watch(ob.engine) as activity:
+        for _ in range(5):
+            assert place(ob, "o-1") == (True, {"order": "o-1"})
+    assert activity.total == 0, activity
+    # The same counter does see PostgreSQL when the cache cannot answer.
+    assert ob.cache is not None
+    ob.cache.client.delete(ob.cache.redis_key("shop", "o-1"))
+    with watch(ob.engine) as activity:
+        assert place(ob, "o-1") == (True, {"order": "o-1"})
+    assert activity.checkouts == 1
+    # ...and that answer warmed the cache again.
+    with watch(ob.engine) as activity:
+        assert place(ob, "o-1") == (True, {"order": "o-1"})
+    assert activity.total == 0
+
+
+def test_failed_outcomes_are_cached_too(ob: outbox.Outbox) -> None:
+    with pytest.raises(PermanentError), ob.unit_of_work("f-1", scope="shop"):
+        raise PermanentError("out of stock")
+    with watch(ob.engine) as activity, pytest.raises(PreviouslyFailed, match="out of stock"):
+        place(ob, "f-1")
+    assert activity.total == 0
+
+
+def test_redis_is_written_only_after_the_commit(ob: outbox.Outbox) -> None:
+    assert ob.cache is not None
+    cache_key = ob.cache.redis_key("shop", "w-1")
+    with ob.unit_of_work("w-1", scope="shop") as uow:
+        uow.connection.execute(INSERT_ORDER, {"k": "w-1", "a": 1})
+        uow.result = {"done": True}
+        assert ob.cache.client.exists(cache_key) == 0
+    entry = json.loads(ob.cache.client.get(cache_key))
+    assert entry["s"] == "completed" and json.loads(entry["r"]) == {"done": True}
+    # A unit of work that does not commit leaves Redis untouched.
+    with pytest.raises(RuntimeError), ob.unit_of_work("w-2", scope="shop"):
+        raise RuntimeError("boom")
+    assert ob.cache.client.exists(ob.cache.redis_key("shop", "w-2")) == 0
+
+
+def test_ttl_is_configurable(
+    make_outbox: Callable[..., outbox.Outbox], redis_url: str, redis_prefix: str
+) -> None:
+    ob = make_outbox(redis_url, cache_prefix=redis_prefix, cache_ttl=120.0, retention=3600.0)
+    place(ob, "t-1")
+    assert ob.cache is not None
+    ttl_ms = ob.cache.client.pttl(ob.cache.redis_key("shop", "t-1"))
+    assert 110_000 < ttl_ms <= 120_000
+
+
+def test_ttl_must_be_shorter_than_retention() -> None:
+    with pytest.raises(ConfigurationError, match="shorter than retention"):
+        OutboxConfig(cache_ttl=7 * 86400.0, retention=7 * 86400.0).validate()
+
+
+def test_garbage_in_redis_never_changes_the_outcome(ob: outbox.Outbox) -> None:
+    assert ob.cache is not None
+    for i, junk in enumerate(
+        [b"not json", b'{"s": "completed", "r": 5}', b'{"s": "weird"}', b"[]", b'{"s": "failed"}']
+    ):
+        key = f"g-{i}"
+        ob.cache.client.set(ob.cache.redis_key("shop", key), junk)
+        assert place(ob, key) == (False, {"order": key})  # the database decides: a new key
+        assert place(ob, key) == (True, {"order": key})
+    assert count(ob.engine, "orders") == 5
+
+
+def test_keys_are_single_and_unambiguous(ob: outbox.Outbox) -> None:
+    assert ob.cache is not None
+    a = ob.cache.redis_key("a:b", "c")
+    b = ob.cache.redis_key("a", "b:c")
+    assert a != b
+    assert a.startswith(ob.config.cache_prefix + ":")
+
+
+def _outcomes(ob: outbox.Outbox) -> list[tuple[bool, object]]:
+    results = [place(ob, "r-1"), place(ob, "r-1"), place(ob, "r-2")]
+    with pytest.raises(PermanentError), ob.unit_of_work("r-3", scope="shop"):
+        raise PermanentError("nope")
+    with pytest.raises(PreviouslyFailed):
+        place(ob, "r-3")
+    results.append(place(ob, "r-2"))
+    return results
+
+
+EXPECTED = [
+    (False, {"order": "r-1"}),
+    (True, {"order": "r-1"}),
+    (False, {"order": "r-2"}),
+    (True, {"order": "r-2"}),
+]
+
+
+def test_redis_stopped_gives_the_same_outcomes(
+    make_outbox: Callable[..., outbox.Outbox], private_redis: Callable[..., PrivateRedis]
+) -> None:
+    server = private_redis()
+    ob = make_outbox(server.url, cache_retry_after=0.2)
+    place(ob, "warm")
+    server.shutdown()
+    assert _outcomes(ob) == EXPECTED
+    assert count(ob.engine, "orders") == 3
+    # Back up: the fast path resumes by itself.
+    server.start()
+    place(ob, "after")  # writes the cache again once the retry delay has passed
+
+    def cached() -> bool:
+        place(ob, "after")
+        assert ob.cache is not None
+        return bool(redis.Redis.from_url(server.url).exists(ob.cache.redis_key("shop", "after")))
+
+    from tests._services import wait_for
+
+    wait_for(cached, timeout=10, message="cache resumed after Redis came back")
+
+
+def test_redis_unreachable_gives_the_same_outcomes(
+    make_outbox: Callable[..., outbox.Outbox],
+) -> None:
+    ob = make_outbox(f"redis://127.0.0.1:{free_port()}/0")
+    assert _outcomes(ob) == EXPECTED
+
+
+def test_redis_flushed_gives_the_same_outcomes(
+    make_outbox: Callable[..., outbox.Outbox], private_redis: Callable[..., PrivateRedis]
+) -> None:
+    server = private_redis()
+    ob = make_outbox(server.url)
+    assert place(ob, "r-1") == (False, {"order": "r-1"})
+    redis.Redis.from_url(server.url).flushall()
+    assert place(ob, "r-1") == (True, {"order": "r-1"})
+    assert count(ob.engine, "orders") == 1
+
+
+def test_redis_slow_gives_the_same_outcomes(
+    make_outbox: Callable[..., outbox.Outbox],
+    private_redis: Callable[..., PrivateRedis],
+    tcp_proxy: Callable[..., TcpProxy],
+) -> None:
+    server = private_redis()
+    proxy = tcp_proxy("127.0.0.1", server.port)
+    ob = make_outbox(f"redis://127.0.0.1:{proxy.port}/0", cache_retry_after=0.2)
+    assert place(ob, "warm") == (False, {"order": "warm"})
+    proxy.stall()  # connections stay open, nothing comes back: reads time out
+    try:
+        assert _outcomes(ob) == EXPECTED
+    finally:
+        proxy.restore()
+    assert count(ob.engine, "orders") == 3

@@ -1,0 +1,121 @@
+"""Rebalances: a member joins and another leaves while messages flow.
+
+Offsets are committed only on revocation and shutdown here (the periodic commit is pushed out
+of reach), so the test sees whether a revoked member committed what it had finished: if it had
+not, the next owner would receive finished messages again and replay them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from confluent_kafka import Producer
+from prometheus_client import CollectorRegistry
+
+from outbox import Outbox
+from outbox.consumer import ConsumerRunner
+from tests._services import create_topic, wait_for
+from tests.integration.test_consumer import KAFKA, Running, committed, rows
+
+PARTITIONS = 4
+COUNT = 1000
+
+
+@pytest.mark.slow
+def test_revoked_partitions_commit_finished_work_and_nothing_applies_twice(
+    kafka_bootstrap: str, database_url: str, engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="outbox.consumer")
+    topic = f"rebalance-{uuid.uuid4().hex[:10]}"
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_bootstrap, topic, partitions=PARTITIONS)
+    create_topic(kafka_bootstrap, topic + ".dlq", partitions=1)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE effects (key text NOT NULL, value text NOT NULL)"))
+
+    per_partition = [0] * PARTITIONS
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    for i in range(COUNT):
+        producer.produce(topic, value=b"x", partition=i % PARTITIONS,
+                         headers=[("X-Idempotency-Key", f"k{i}".encode())])  # fmt: skip
+        per_partition[i % PARTITIONS] += 1
+    assert producer.flush(30) == 0
+
+    def handle(uow: Any, message: Any) -> None:
+        time.sleep(0.002)  # keep work in flight while the group changes
+        uow.connection.execute(
+            sa.text("INSERT INTO effects (key, value) VALUES (:k, :w)"),
+            {"k": uow.key, "w": threading.current_thread().name},
+        )
+
+    ob = Outbox(database_url)
+    registries: list[CollectorRegistry] = []
+    running: list[Running] = []
+
+    def start() -> Running:
+        registry = CollectorRegistry()
+        runner = ConsumerRunner(
+            ob, handle, topics=[topic], group=group, bootstrap_servers=kafka_bootstrap,
+            # A longer session than the other tests: a member frozen for a moment on a loaded
+            # machine must not lose its partitions (lost partitions are not committed).
+            kafka_config={**KAFKA, "session.timeout.ms": 6000, "heartbeat.interval.ms": 500},
+            commit_interval=3600,
+            batch_size=50, metrics_registry=registry,
+        )  # fmt: skip
+        registries.append(registry)
+        running.append(Running(runner, registry))
+        return running[-1]
+
+    def applied(n: int) -> bool:
+        for r in running:
+            if r.error is not None:
+                raise AssertionError(f"a runner failed: {r.error!r}") from r.error
+        return len(rows(engine)) >= n
+
+    def applied_by(r: Running) -> int:
+        applied(0)
+        return sum(1 for _, worker in rows(engine) if worker == r.thread.name)
+
+    try:
+        first = start()
+        wait_for(lambda: applied(COUNT // 10), 60, "first member working", interval=0.05)
+        second = start()  # joins: the first member's partitions are revoked mid-flow
+        wait_for(lambda: applied_by(second) >= 20, 60, "the second member working",
+                 interval=0.05)  # fmt: skip
+        first.stop()  # leaves: its partitions move to the second member
+        # Otherwise the leave moved no work and proved nothing.
+        assert not applied(COUNT), "every message was applied before the first member left"
+        wait_for(lambda: applied(COUNT), 60, "every message applied", interval=0.1)
+        second.stop()
+    finally:
+        for r in running:
+            r.runner.stop()
+        for r in running:
+            r.thread.join(30)
+        ob.close()
+
+    keys = [k for k, _ in rows(engine)]
+    assert sorted(keys) == sorted(f"k{i}" for i in range(COUNT))  # each exactly once
+    workers = {w for _, w in rows(engine)}
+    assert len(workers) == 2  # both members applied messages
+    assert committed(kafka_bootstrap, group, topic, PARTITIONS) == per_partition
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            r.get_sample_value(name, {"group": group, "topic": topic, **labels}) or 0.0
+            for r in registries
+        )
+
+    # Finished work was committed on every revocation: no finished message came back. (A
+    # partition *lost* to a session timeout is not committed, by design: its finished messages
+    # are replayed from their keys, which the exactly-once check above covers.)
+    lost = [r for r in caplog.records if r.getMessage().startswith("lost ")]
+    assert "revoked" in caplog.text
+    if not lost:
+        assert total("outbox_consumer_replayed_total", status="completed") == 0
+    assert total("outbox_consumer_processed_total") == COUNT

@@ -1,0 +1,256 @@
+"""The test harness against the real services: database isolation, Redis clean-up, broker."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import pytest
+import redis
+import sqlalchemy as sa
+from confluent_kafka import KafkaError, Producer
+
+from outbox import migrate
+from tests._services import (
+    Broker,
+    DatabaseFactory,
+    PrivateRedis,
+    TcpProxy,
+    consume_all,
+    create_topic,
+    delete_keys_matching,
+    free_port,
+)
+
+
+def _database_exists(admin_url: str, name: str) -> bool:
+    eng = sa.create_engine(admin_url, poolclass=sa.pool.NullPool)
+    try:
+        with eng.connect() as conn:
+            found = conn.execute(
+                sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
+            ).scalar()
+    finally:
+        eng.dispose()
+    return found == 1
+
+
+def test_database_url_is_migrated_to_head(engine: sa.Engine) -> None:
+    with engine.connect() as conn:
+        assert migrate.current_revision(conn) == migrate.head_revision()
+        assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar() == 0
+        assert conn.execute(sa.text("SELECT count(*) FROM idempotency_keys")).scalar() == 0
+
+
+def test_databases_are_isolated_and_dropped(
+    _database_factory: DatabaseFactory, pg_admin_url: str
+) -> None:
+    first, second = _database_factory.create(), _database_factory.create()
+    assert first != second
+    try:
+        one = sa.create_engine(_database_factory.url_for(first), poolclass=sa.pool.NullPool)
+        two = sa.create_engine(_database_factory.url_for(second), poolclass=sa.pool.NullPool)
+        with one.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE business (id int)"))
+            conn.execute(
+                sa.text(
+                    "INSERT INTO outbox (event_id, topic, value, headers, key_hash) "
+                    "VALUES (gen_random_uuid(), 't', '\\x00', '{}'::jsonb, 1)"
+                )
+            )
+        with two.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar() == 0
+            assert conn.execute(sa.text("SELECT to_regclass('business')")).scalar() is None
+        # A connection left open must not stop the drop (WITH (FORCE)).
+        leaked = one.connect()
+        _database_factory.drop(first)
+        leaked.invalidate()
+        one.dispose()
+        two.dispose()
+        assert not _database_exists(pg_admin_url, first)
+        assert _database_exists(pg_admin_url, second)
+    finally:
+        _database_factory.drop(first)
+        _database_factory.drop(second)
+    assert not _database_exists(pg_admin_url, second)
+
+
+def test_leftovers_of_dead_sessions_are_dropped_and_live_ones_kept(
+    _database_factory: DatabaseFactory, pg_admin_url: str
+) -> None:
+    import subprocess
+    import sys
+
+    from tests._services import DB_PREFIX, HOST_TAG
+
+    # A pid that certainly belonged to a process that has exited.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"{DB_PREFIX}_db_{HOST_TAG}_{dead.pid}_zzzzzz_1"
+    other_host = f"{DB_PREFIX}_db_zzzz_{dead.pid}_zzzzzz_1"
+    live = _database_factory.create()
+    admin = sa.create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            for name in (stale, other_host):
+                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        dropped = _database_factory.drop_leftovers()
+        assert stale in dropped
+        assert not _database_exists(pg_admin_url, stale)
+        assert _database_exists(pg_admin_url, other_host)
+        assert _database_exists(pg_admin_url, live)
+        assert _database_factory.template is not None
+        assert _database_exists(pg_admin_url, _database_factory.template)
+    finally:
+        with admin.connect() as conn:
+            for name in (stale, other_host):
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+        _database_factory.drop(live)
+
+
+def test_redis_prefix_clean_up_deletes_only_its_keys(redis_url: str, redis_prefix: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    other = f"outbox-test-other-{uuid.uuid4().hex}"
+    try:
+        ours = [f"{redis_prefix}:a", f"{redis_prefix}:b", f"{{{redis_prefix}}}:tagged"]
+        for key in [*ours, other]:
+            client.set(key, b"1", ex=60)
+        assert delete_keys_matching(redis_url, f"*{redis_prefix}*") == len(ours)
+        assert client.exists(*ours) == 0
+        assert client.exists(other) == 1
+    finally:
+        client.delete(other)
+        client.close()
+
+
+@pytest.mark.slow
+def test_create_topic_and_consume_all_round_trip_headers(kafka_bootstrap: str) -> None:
+    topic = f"harness-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_bootstrap, topic, partitions=3)
+    create_topic(kafka_bootstrap, topic, partitions=3)  # existing with that count: accepted
+    with pytest.raises(AssertionError, match="3 partitions"):
+        create_topic(kafka_bootstrap, topic, partitions=2)
+
+    producer = Producer(
+        {"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True, "acks": "all"}
+    )
+    errors: list[KafkaError] = []
+    for i in range(30):
+        producer.produce(
+            topic,
+            value=f"v{i}".encode(),
+            key=f"k{i % 5}".encode(),
+            headers=[("X-Idempotency-Key", f"e{i}".encode()), ("bin", b"\x00\xff")],
+            on_delivery=lambda err, _msg: errors.append(err) if err else None,
+        )
+    assert producer.flush(15) == 0
+    assert errors == []
+
+    messages = consume_all(kafka_bootstrap, topic, 30, timeout=30)
+    assert sorted(m.value() for m in messages) == sorted(f"v{i}".encode() for i in range(30))
+    assert {m.partition() for m in messages} <= {0, 1, 2}
+    by_value = {m.value(): m for m in messages}
+    assert by_value[b"v7"].headers() == [("X-Idempotency-Key", b"e7"), ("bin", b"\x00\xff")]
+    with pytest.raises(TimeoutError, match="consumed 30 of 31"):
+        consume_all(kafka_bootstrap, topic, 31, timeout=8)
+
+
+def _send_one(producer: Producer, topic: str, value: bytes) -> KafkaError | None:
+    """Produce one record, wait for its delivery report and return its error (None: stored)."""
+    outcomes: list[KafkaError | None] = []
+    producer.produce(topic, value, on_delivery=lambda err, _msg: outcomes.append(err))
+    producer.flush(15)
+    assert len(outcomes) == 1, "no delivery report within 15 s"
+    return outcomes[0]
+
+
+def _idempotent_producer(bootstrap: str) -> Producer:
+    return Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "enable.idempotence": True,
+            "acks": "all",
+            "message.timeout.ms": 2000,
+            "reconnect.backoff.max.ms": 200,
+        }
+    )
+
+
+@pytest.mark.slow
+def test_private_broker_behind_proxy_is_cut_off_and_restored(
+    tansu: Callable[..., Broker], tcp_proxy: Callable[..., TcpProxy]
+) -> None:
+    advertised = free_port()
+    broker = tansu(advertised_port=advertised)
+    proxy = tcp_proxy("127.0.0.1", broker.port, listen_port=advertised)
+    assert broker.bootstrap == f"127.0.0.1:{advertised}"
+    topic = f"proxied-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, topic)
+
+    producer = _idempotent_producer(broker.bootstrap)
+    assert _send_one(producer, topic, b"before") is None
+    assert proxy.accepted >= 1
+
+    proxy.cut()
+    err = _send_one(producer, topic, b"during")
+    assert err is not None and err.code() == KafkaError._MSG_TIMED_OUT
+
+    proxy.restore()
+    # A fresh producer: Tansu fences the old one after its timeout (next test).
+    assert _send_one(_idempotent_producer(broker.bootstrap), topic, b"after") is None
+    values = [m.value() for m in consume_all(broker.bootstrap, topic, 2, timeout=30)]
+    assert values == [b"before", b"after"]
+
+    broker.kill()
+    assert not broker.running
+
+
+@pytest.mark.slow
+def test_tansu_fences_an_idempotent_producer_after_a_delivery_timeout(
+    tansu: Callable[..., Broker], tcp_proxy: Callable[..., TcpProxy]
+) -> None:
+    """Pins the broker behaviour documented in tests/_services.py for the relay's sake."""
+    advertised = free_port()
+    broker = tansu(advertised_port=advertised)
+    proxy = tcp_proxy("127.0.0.1", broker.port, listen_port=advertised)
+    topic = f"fenced-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, topic)
+    producer = _idempotent_producer(broker.bootstrap)
+
+    # A stall shorter than message.timeout.ms is survived without an error.
+    assert _send_one(producer, topic, b"one") is None
+    proxy.stall()
+    producer.produce(topic, b"two")
+    proxy.restore()
+    assert producer.flush(15) == 0
+
+    proxy.cut()
+    timed_out = _send_one(producer, topic, b"lost")
+    assert timed_out is not None and timed_out.code() == KafkaError._MSG_TIMED_OUT
+    proxy.restore()
+
+    fenced = _send_one(producer, topic, b"refused")
+    assert fenced is not None and fenced.code() == KafkaError.PRODUCER_FENCED
+    assert not fenced.fatal() and not fenced.retriable()
+    assert _send_one(_idempotent_producer(broker.bootstrap), topic, b"three") is None
+    values = [m.value() for m in consume_all(broker.bootstrap, topic, 3, timeout=30)]
+    assert values == [b"one", b"two", b"three"]
+
+
+def test_private_redis_really_stops_and_starts(
+    private_redis: Callable[..., PrivateRedis],
+) -> None:
+    server = private_redis()
+    client = redis.Redis.from_url(server.url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        client.set("k", "v")
+        server.shutdown()
+        assert not server.running
+        with pytest.raises(redis.ConnectionError):
+            client.ping()
+        server.start()
+        assert client.ping() is True
+        assert client.get("k") is None  # nothing persisted across the restart
+    finally:
+        client.close()

@@ -1,0 +1,178 @@
+"""The relay against real PostgreSQL and a real broker (relays run in-process here)."""
+
+from __future__ import annotations
+
+import uuid
+
+import sqlalchemy as sa
+
+from outbox import Outbox
+from outbox import lanes as lanes_mod
+from outbox.parked import discard_parked, list_parked, retry_parked
+from outbox.relay import Relay, RelayConfig
+from tests._services import wait_for
+from tests.integration.test_relay_support import (
+    RelayThread,
+    check_key_order,
+    insert_rows,
+    outbox_count,
+    wait_for_records,
+)
+
+
+def _topic(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def test_records_carry_topic_key_value_and_headers(database_url: str, kafka_bootstrap: str) -> None:
+    topic = _topic("relay-headers")
+    ob = Outbox(database_url)
+    try:
+        with ob.unit_of_work("req-1") as uow:
+            plain = uow.publish(topic, {"n": 1}, key="order-1", headers={"source": "api"})
+            own = uow.publish(
+                topic, b"raw", key=b"\x00bin", headers={"X-Idempotency-Key": "mine", "b": b"\xff"}
+            )
+        assert Relay(RelayConfig(database_url, kafka_bootstrap)).run(once=True) == 0
+    finally:
+        ob.close()
+    records = {r.value: r for r in wait_for_records(kafka_bootstrap, topic, [plain, "mine"])}
+    assert len(records) == 2
+    first = records[b'{"n": 1}'] if b'{"n": 1}' in records else records[b'{"n":1}']
+    assert first.key == b"order-1"
+    assert first.headers["source"] == b"api"
+    assert first.headers["X-Idempotency-Key"] == str(plain).encode()
+    assert first.headers["content-type"] == b"application/json"
+    second = records[b"raw"]
+    assert second.key == b"\x00bin"
+    assert second.headers["X-Idempotency-Key"] == b"mine"  # the publisher's own value wins
+    assert second.headers["b"] == b"\xff"
+    assert own != plain
+
+
+def test_oversized_row_is_parked_while_other_keys_flow(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    topic = _topic("relay-poison")
+    big = b"x" * 300_000  # above the producer's message.max.bytes set below
+    ids = insert_rows(
+        engine, topic, [("poison", b"p1"), ("poison", big), ("poison", b"p3"), ("other", b"o1")]
+    )
+    ids += insert_rows(engine, topic, [("other", b"o2"), (None, b"free")])
+    config = RelayConfig(
+        database_url, kafka_bootstrap, kafka_config={"message.max.bytes": "100000"}
+    )
+    assert Relay(config).run(once=True) == 0
+    # p1 went out; the oversized row is parked at once; p3 waits behind it; other keys flowed.
+    with engine.connect() as conn:
+        parked = list_parked(conn)
+    assert [p.event_id for p in parked] == [ids[1]]
+    assert parked[0].attempts == 1
+    assert "MSG_SIZE_TOO_LARGE" in (parked[0].error or "")
+    assert parked[0].key_text() == "poison"
+    assert outbox_count(engine) == 2  # the parked row and p3 behind it
+    records = wait_for_records(kafka_bootstrap, topic, [ids[0], ids[3], ids[4], ids[5]])
+    assert str(ids[2]) not in {r.event_id for r in records}
+
+    # Retried with the same limit it parks again; p3 still waits.
+    with engine.begin() as conn:
+        assert retry_parked(conn, event_ids=[ids[1]]) == 1
+    assert Relay(config).run(once=True) == 0
+    assert outbox_count(engine, parked=True) == 1
+    # Discarding it lets p3 through, after p1.
+    with engine.begin() as conn:
+        assert discard_parked(conn, event_ids=[ids[1]]) == 1
+    assert Relay(config).run(once=True) == 0
+    assert outbox_count(engine) == 0
+    records = wait_for_records(kafka_bootstrap, topic, [ids[2]])
+    check_key_order(records, {b"poison": [str(ids[0]), str(ids[2])]})
+
+
+def test_a_row_held_by_another_transaction_blocks_later_rows_of_its_key(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """The claim rule: even if lane ownership failed, a key's later row never overtakes an
+    earlier one that someone else has claimed."""
+    topic = _topic("relay-claim-rule")
+    ids = insert_rows(engine, topic, [("a", b"a1"), ("a", b"a2"), ("b", b"b1")])
+    with engine.connect() as holder:
+        holder.execute(
+            sa.text("SELECT id FROM outbox WHERE event_id = :e FOR UPDATE"), {"e": ids[0]}
+        )
+        assert Relay(RelayConfig(database_url, kafka_bootstrap)).run(once=True) == 0
+        assert outbox_count(engine) == 2  # a1 (locked by us) and a2 (behind it) remain
+        holder.rollback()
+    assert Relay(RelayConfig(database_url, kafka_bootstrap)).run(once=True) == 0
+    records = wait_for_records(kafka_bootstrap, topic, ids)
+    check_key_order(records, {b"a": [str(ids[0]), str(ids[1])], b"b": [str(ids[2])]})
+
+
+def test_relays_split_lanes_and_survivor_takes_over(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    config = RelayConfig(database_url, kafka_bootstrap, lanes=8, rebalance_interval=0.1)
+    first = RelayThread(config).start()
+    second = RelayThread(config).start()
+    try:
+
+        def split_evenly() -> bool:
+            with engine.connect() as conn:
+                relays = lanes_mod.relay_ownership(conn, None)
+            held = [lane for r in relays for lane in r.lanes]
+            return (
+                len(relays) == 2
+                and sorted(held) == list(range(8))
+                and all(len(r.lanes) == 4 for r in relays)
+                and all(r.application_name == "outbox-relay" for r in relays)
+            )
+
+        wait_for(split_evenly, 20, "two relays did not split 8 lanes 4/4")
+        second.stop()
+
+        def first_owns_all() -> bool:
+            with engine.connect() as conn:
+                relays = lanes_mod.relay_ownership(conn, None)
+            return len(relays) == 1 and relays[0].lanes == tuple(range(8))
+
+        wait_for(first_owns_all, 20, "the surviving relay did not take every lane")
+        topic = _topic("relay-lanes")
+        ids = insert_rows(engine, topic, [(f"k{i}", b"v") for i in range(50)])
+        wait_for_records(kafka_bootstrap, topic, ids)
+    finally:
+        first.stop()
+
+
+def test_relay_refuses_a_different_lane_count(database_url: str, kafka_bootstrap: str) -> None:
+    running = RelayThread(RelayConfig(database_url, kafka_bootstrap, lanes=8)).start()
+    try:
+        wait_for(lambda: running.relay.owned, 20, "first relay took no lanes")
+        other = Relay(RelayConfig(database_url, kafka_bootstrap, lanes=16))
+        try:
+            other.run(once=True)
+        except Exception as exc:
+            assert "--lanes" in str(exc) and "[8]" in str(exc)
+        else:
+            raise AssertionError("a relay with another lane count started")
+    finally:
+        running.stop()
+
+
+def test_idle_relay_wakes_on_commit_without_waiting_for_the_poll(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    # 60 s poll and rebalance intervals (an idle relay wakes for either): only the wake-up
+    # signal can bring the row out within the 20 s deadline.
+    relay = RelayThread(
+        RelayConfig(database_url, kafka_bootstrap, poll_interval=60, rebalance_interval=60)
+    ).start()
+    ob = Outbox(database_url)
+    topic = _topic("relay-wakeup")
+    try:
+        # Idle: it has claimed once, found nothing, and now waits on the long timer.
+        wait_for(relay.relay.idle.is_set, 20, "relay never went idle")
+        with ob.unit_of_work(f"w-{uuid.uuid4()}") as uow:
+            event = uow.publish(topic, b"ping", key="w")
+        wait_for_records(kafka_bootstrap, topic, [event], timeout=20)
+    finally:
+        ob.close()
+        relay.stop()

@@ -1,0 +1,91 @@
+"""The after-commit wake-up signal: delivered to a listener, folded under load, harmless when
+the database is unreachable."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+
+from outbox import Outbox
+from outbox.wakeup import Listener, channel, make_notifier
+from tests._services import free_port, wait_for
+
+
+def _listen(
+    engine: sa.Engine, schema: str | None
+) -> tuple[Listener, threading.Event, threading.Event]:
+    def connect() -> Any:
+        cargs, cparams = engine.dialect.create_connect_args(engine.url)
+        return psycopg.connect(*cargs, **cparams)
+
+    woken, stop = threading.Event(), threading.Event()
+    listener = Listener(connect, schema, woken, stop).start()
+    wait_for(listener.listening.is_set, 10, "listener never started listening")
+    return listener, woken, stop
+
+
+def test_commit_with_events_wakes_a_listener(database_url: str, engine: sa.Engine) -> None:
+    listener, woken, stop = _listen(engine, None)
+    ob = Outbox(database_url)
+    try:
+        woken.clear()  # the listener kicks once when it (re)connects
+        with ob.unit_of_work("no-events"):
+            pass
+        with ob.unit_of_work("with-event") as uow:
+            uow.publish("wakeup-test", b"x")
+        assert woken.wait(10), "no notification after a commit that appended an event"
+    finally:
+        ob.close()
+        stop.set()
+        listener.join(5)
+
+
+def test_a_burst_of_commits_is_folded_into_few_notifications(engine: sa.Engine) -> None:
+    listener, woken, stop = _listen(engine, "billing")
+    notify = make_notifier(engine, None, "billing")
+    try:
+        woken.clear()
+        for _ in range(2000):
+            notify()
+        assert woken.wait(10)
+        # The listener can be woken before the sending thread has counted its notification.
+        wait_for(lambda: notify.sent >= 1, 10, "no notification was counted")  # type: ignore[attr-defined]
+        sent = notify.sent  # type: ignore[attr-defined]
+        assert 1 <= sent < 100, f"{sent} notifications for 2000 commits"
+        # The last call is covered: a later notification still arrives.
+        woken.clear()
+        notify()
+        assert woken.wait(10)
+    finally:
+        stop.set()
+        listener.join(5)
+    assert channel("billing") == "outbox_wakeup__billing" and channel(None) == "outbox_wakeup"
+
+
+def test_notifier_never_blocks_or_raises_when_the_database_hangs_or_is_gone() -> None:
+    # A "database" that accepts connections and never answers: the background send hangs in
+    # its connect, and the callers must not notice.
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    hanging = sa.create_engine(
+        f"postgresql+psycopg://postgres@127.0.0.1:{hole.getsockname()[1]}/none",
+        connect_args={"connect_timeout": 30},
+    )
+    gone = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/none")
+    try:
+        for engine in (hanging, gone):
+            notify = make_notifier(engine, None, None)
+            caller = threading.Thread(target=lambda n=notify: [n() for _ in range(1000)])
+            caller.start()
+            caller.join(10)
+            assert not caller.is_alive(), "notify() blocked its caller"
+            assert notify.sent == 0  # type: ignore[attr-defined]
+    finally:
+        hole.close()
+        hanging.dispose()
+        gone.dispose()

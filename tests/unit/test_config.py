@@ -1,0 +1,94 @@
+"""Configuration validation, URL handling and CLI flag parsing (no services)."""
+
+from __future__ import annotations
+
+import pytest
+
+from outbox import OutboxConfig
+from outbox._sql import idempotency_key_complete, statements
+from outbox.cli import parse_kafka_config
+from outbox.config import normalize_database_url, redact_url
+from outbox.errors import ConfigurationError
+from outbox.uow import lock_id
+
+
+def test_defaults_are_valid() -> None:
+    config = OutboxConfig().validate()
+    assert config.cache_ttl < config.retention
+    assert config.max_payload_bytes == 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"cache_ttl": 0}, "cache_ttl must be positive"),
+        ({"cache_ttl": 10, "retention": 5}, "shorter than retention"),
+        ({"cache_prefix": ""}, "cache_prefix"),
+        ({"cache_prefix": "a{b}"}, "cache_prefix"),
+        ({"max_payload_bytes": 0}, "max_payload_bytes"),
+        ({"schema": "Bad-Name"}, "invalid schema name"),
+        ({"permanent_errors": (ValueError, "nope")}, "exception classes"),
+        ({"cache_socket_timeout": 0}, "cache_socket_timeout"),
+    ],
+)
+def test_invalid_configs(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        OutboxConfig(**kwargs).validate()  # type: ignore[arg-type]
+
+
+def test_redact_url_hides_passwords() -> None:
+    assert redact_url("postgresql://u:secret@h:5432/db") == "postgresql://u:***@h:5432/db"
+    assert redact_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact_url("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+def test_database_urls_are_normalized_to_psycopg() -> None:
+    assert normalize_database_url("postgres://u@h/d") == "postgresql+psycopg://u@h/d"
+    assert normalize_database_url("postgresql://u@h/d") == "postgresql+psycopg://u@h/d"
+    with pytest.raises(ConfigurationError, match="psycopg 3"):
+        normalize_database_url("mysql://u@h/d")
+    with pytest.raises(ConfigurationError) as info:
+        normalize_database_url("garbage:pw")
+    assert "pw" not in str(info.value)
+
+
+def test_kafka_config_pairs() -> None:
+    assert parse_kafka_config(["a=1", "b = two"], "c=3,d=4\ne=5") == {
+        "c": "3",
+        "d": "4",
+        "e": "5",
+        "a": "1",
+        "b": "two",
+    }
+    assert parse_kafka_config(["a=1"], "a=0") == {"a": "1"}  # flags win
+    with pytest.raises(ConfigurationError, match="KEY=VALUE"):
+        parse_kafka_config(["novalue"])
+
+
+def test_statements_quote_the_schema_and_carry_no_input() -> None:
+    sql = statements("tenant_1")
+    assert '"tenant_1"' in sql.idempotency_key_fail or "tenant_1." in sql.idempotency_key_fail
+    final = idempotency_key_complete("tenant_1", 2)
+    assert final.prepare.count("$") == 4 + 12
+    assert "%(e1)s" in final.execute and "%(e1)s" in final.direct and "$" not in final.direct
+    assert final.name != idempotency_key_complete(None, 2).name
+
+
+def test_lock_ids_are_64_bit_and_distinct_per_scope() -> None:
+    a, b = lock_id("s", "k"), lock_id("s2", "k")
+    assert a != b and -(2**63) <= a < 2**63
+    assert lock_id("a", "b\x00c") != lock_id("a\x00b", "c")
+
+
+def test_numbers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from outbox.config import env_float, env_int
+
+    monkeypatch.delenv("OUTBOX_X", raising=False)
+    assert env_int("OUTBOX_X", 7) == 7 and env_int("OUTBOX_X", None) is None
+    monkeypatch.setenv("OUTBOX_X", "42")
+    assert env_int("OUTBOX_X", 7) == 42 and env_float("OUTBOX_X", 1.0) == 42.0
+    monkeypatch.setenv("OUTBOX_X", "4x")
+    with pytest.raises(ConfigurationError, match=r"OUTBOX_X='4x' is not an integer"):
+        env_int("OUTBOX_X", 7)
+    with pytest.raises(ConfigurationError, match=r"OUTBOX_X='4x' is not a number"):
+        env_float("OUTBOX_X", 1.0)

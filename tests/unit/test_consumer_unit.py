@@ -1,0 +1,166 @@
+"""Pure parts of the consumer runner: backoff, key lookup, configuration, dead-letter headers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from outbox.consumer import (
+    ConsumerConfig,
+    backoff_delay,
+    header_key,
+    load_handler,
+    message_headers,
+)
+from outbox.dlq import (
+    HEADER_ATTEMPTS,
+    HEADER_OFFSET,
+    HEADER_REASON,
+    DeadLetter,
+    DeadLetterInfo,
+    Reason,
+    dead_letter_headers,
+    producer_config,
+)
+from outbox.errors import ConfigurationError, InvalidKeyError, InvalidTopicError
+
+
+class FakeMessage:
+    """Stands in for confluent_kafka.Message where only headers() is read."""
+
+    def __init__(self, headers: Any) -> None:
+        self._headers = headers
+
+    def headers(self) -> Any:
+        return self._headers
+
+
+def config(**overrides: Any) -> ConsumerConfig:
+    settings: dict[str, Any] = {"topics": ["orders"], "group": "billing",
+                                "bootstrap_servers": "k:9092"}  # fmt: skip
+    settings.update(overrides)
+    return ConsumerConfig(**settings)
+
+
+def test_backoff_grows_doubles_and_is_capped() -> None:
+    assert backoff_delay(1, 0.1, 5.0, rand=lambda: 1.0) == pytest.approx(0.1)
+    assert backoff_delay(3, 0.1, 5.0, rand=lambda: 1.0) == pytest.approx(0.4)
+    assert backoff_delay(30, 0.1, 5.0, rand=lambda: 1.0) == pytest.approx(5.0)
+    # Jitter keeps at least half of the nominal delay.
+    assert backoff_delay(3, 0.1, 5.0, rand=lambda: 0.0) == pytest.approx(0.2)
+
+
+def test_header_key_takes_the_first_matching_header() -> None:
+    msg = FakeMessage([("other", b"x"), ("X-Idempotency-Key", b"k1"), ("X-Idempotency-Key", b"k2")])
+    assert header_key(msg, "X-Idempotency-Key") == "k1"  # type: ignore[arg-type]
+    assert header_key(FakeMessage(None), "X-Idempotency-Key") is None  # type: ignore[arg-type]
+    assert header_key(FakeMessage([("x-idempotency-key", b"k")]),  # type: ignore[arg-type]
+                      "X-Idempotency-Key") is None  # fmt: skip
+    with pytest.raises(InvalidKeyError, match="not UTF-8"):
+        header_key(FakeMessage([("k", b"\xff\xfe")]), "k")  # type: ignore[arg-type]
+
+
+def test_message_headers_normalises_str_values() -> None:
+    assert message_headers(FakeMessage([("a", "x"), ("b", None)])) == [  # type: ignore[arg-type]
+        ("a", b"x"),
+        ("b", None),
+    ]
+
+
+def test_config_defaults_scope_to_group_and_validates() -> None:
+    cfg = config().validate()
+    assert cfg.topics == ("orders",)
+    assert cfg.effective_scope == "billing"
+    assert config(scope="billing.v2").effective_scope == "billing.v2"
+    from_config = config(bootstrap_servers=None, kafka_config={"bootstrap.servers": "b:1"})
+    assert from_config.effective_bootstrap == "b:1"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        ({"topics": []}, ConfigurationError, "no topics"),
+        ({"topics": ["bad topic"]}, InvalidTopicError, "invalid topic"),
+        ({"dlq_topic_suffix": ""}, ConfigurationError, "dlq_topic_suffix"),
+        ({"group": " "}, ConfigurationError, "group"),
+        ({"group": "has space"}, ConfigurationError, "scope"),
+        ({"bootstrap_servers": None}, ConfigurationError, "bootstrap"),
+        ({"max_attempts": 0}, ConfigurationError, "max_attempts"),
+        ({"retry_backoff": 0}, ConfigurationError, "retry_backoff"),
+        ({"kafka_config": {"enable.auto.commit": "true"}}, ConfigurationError, "auto.commit"),
+        ({"kafka_config": {"group.id": "other"}}, ConfigurationError, "disagrees"),
+    ],
+)
+def test_config_refuses(overrides: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        config(**overrides).validate()
+
+
+def test_dead_letter_headers_keep_the_original_and_replace_stale_ones() -> None:
+    letter = DeadLetter(Reason.RETRIES_EXHAUSTED, "Boom: down", "Boom", 5)
+    original = [("X-Idempotency-Key", b"k1"), ("outbox.dlq.reason", b"old"), ("bin", b"\x00")]
+    headers = dead_letter_headers(original, topic="orders", partition=3, offset=42,
+                                  group="billing", letter=letter)  # fmt: skip
+    assert headers[:2] == [("X-Idempotency-Key", b"k1"), ("bin", b"\x00")]
+    assert (HEADER_REASON, b"retries-exhausted") in headers
+    assert (HEADER_ATTEMPTS, b"5") in headers and (HEADER_OFFSET, b"42") in headers
+    info = DeadLetterInfo.from_headers(headers)
+    assert (info.reason, info.topic, info.partition, info.offset, info.group) == (
+        "retries-exhausted", "orders", 3, 42, "billing",
+    )  # fmt: skip
+    assert (info.error, info.error_type, info.attempts, info.idempotency_key) == (
+        "Boom: down", "Boom", 5, "k1",
+    )  # fmt: skip
+
+
+def test_dead_letter_from_exception_truncates_long_errors() -> None:
+    letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, ValueError("x" * 10_000), 1)
+    assert letter.error.startswith("ValueError: x") and len(letter.error) == 4000
+    assert letter.error_type == "ValueError"
+
+
+def test_producer_config_drops_consumer_properties_and_forces_idempotence() -> None:
+    cfg = producer_config(
+        {"session.timeout.ms": 6000, "group.instance.id": "a", "auto.offset.reset": "latest",
+         "security.protocol": "SASL_SSL", "enable.idempotence": False, "acks": "1"},
+        "k:9092",
+    )  # fmt: skip
+    assert cfg == {"security.protocol": "SASL_SSL", "bootstrap.servers": "k:9092",
+                   "enable.idempotence": True, "acks": "all", "linger.ms": 0}  # fmt: skip
+
+
+def test_load_handler() -> None:
+    assert load_handler("outbox.consumer:backoff_delay") is backoff_delay
+    with pytest.raises(ConfigurationError, match="module:function"):
+        load_handler("outbox.consumer")
+    with pytest.raises(ConfigurationError, match="cannot import"):
+        load_handler("no_such_module_xyz:f")
+    with pytest.raises(ConfigurationError, match="no attribute"):
+        load_handler("outbox.consumer:nope")
+    with pytest.raises(ConfigurationError, match="not callable"):
+        load_handler("outbox.consumer:ENV_GROUP")
+
+
+def test_runner_turns_a_refused_kafka_config_into_a_configuration_error() -> None:
+    from outbox import Outbox
+    from outbox.consumer import ConsumerRunner
+
+    ob = Outbox("postgresql+psycopg://nobody@127.0.0.1:1/none")  # no I/O until used
+    runner = ConsumerRunner(ob, lambda uow, message: None, topics=["orders"], group="g",
+                            bootstrap_servers="127.0.0.1:1",
+                            kafka_config={"no.such.property": "1"})  # fmt: skip
+    with pytest.raises(ConfigurationError, match="refused the configuration"):
+        runner.run()
+    ob.close()
+
+
+def test_runner_refuses_a_handler_that_is_not_callable() -> None:
+    from outbox import Outbox
+    from outbox.consumer import ConsumerRunner
+
+    ob = Outbox("postgresql+psycopg://nobody@127.0.0.1:1/none")
+    with pytest.raises(ConfigurationError, match="callable"):
+        ConsumerRunner(ob, "handler", topics=["orders"], group="g",  # type: ignore[arg-type]
+                       bootstrap_servers="k:1")  # fmt: skip
+    ob.close()

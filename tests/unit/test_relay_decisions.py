@@ -1,0 +1,126 @@
+"""The relay's pure decisions: delivery rounds, settling a batch, backoff, records, config."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from outbox.errors import ConfigurationError
+from outbox.kafka import CONFIRMED, NOT_SENT, Outcome, is_permanent, producer_config
+from outbox.relay import (
+    ClaimedRow,
+    RelayConfig,
+    backoff_delay,
+    build_record,
+    build_records,
+    delivery_rounds,
+    drop_blocked,
+    settle,
+)
+
+TIMEOUT = Outcome(error="_MSG_TIMED_OUT: Local: Message timed out", code=-192)
+TOO_LARGE = Outcome(error="MSG_SIZE_TOO_LARGE", code=10, permanent=True)
+
+
+def test_rounds_carry_one_row_per_key_in_id_order() -> None:
+    keys = [b"a", b"b", b"a", None, b"a", b"b", None]
+    rounds = delivery_rounds(keys)
+    assert rounds == [[0, 1, 3, 6], [2, 5], [4]]
+    for r in rounds:
+        ks = [keys[i] for i in r if keys[i] is not None]
+        assert len(ks) == len(set(ks))
+    assert delivery_rounds([]) == []
+
+
+def test_confirmed_rows_are_deleted_and_failures_recorded() -> None:
+    s = settle([1, 2, 3, 4], [0, 0, 9, 0], [CONFIRMED, TIMEOUT, TIMEOUT, None], max_attempts=10)
+    assert s.delete == [1]
+    assert s.fail_ids == [2, 3] and s.fail_park == [False, True]  # row 3 reached 10 attempts
+    assert not s.outage
+
+
+def test_permanent_error_parks_at_once() -> None:
+    s = settle([1, 2], [0, 0], [TOO_LARGE, CONFIRMED], max_attempts=10)
+    assert s.fail_ids == [1] and s.fail_park == [True] and s.delete == [2]
+
+
+def test_outage_counts_no_attempts() -> None:
+    """Nothing confirmed at all: the broker is down; rows must not creep towards parking."""
+    s = settle([1, 2], [9, 9], [TIMEOUT, TIMEOUT], max_attempts=10)
+    assert s.outage and s.fail_ids == [] and s.delete == []
+
+
+def test_rows_not_sent_at_shutdown_are_left_alone() -> None:
+    s = settle([1, 2], [0, 0], [CONFIRMED, NOT_SENT], max_attempts=3)
+    assert s.delete == [1] and s.fail_ids == [] and not s.outage
+
+
+def test_backoff_is_capped_exponential_with_jitter() -> None:
+    rng = random.Random(1)
+    for failures, upper in [(1, 0.2), (2, 0.4), (5, 3.2), (20, 30.0)]:
+        d = backoff_delay(failures, 0.2, 30.0, rng)
+        assert upper / 2 <= d <= upper
+
+
+def test_record_gets_the_event_id_unless_the_publisher_set_one() -> None:
+    r = build_record("t", b"k", b"v", {"a": "1"}, "e-1")
+    assert r.headers == [("a", b"1"), ("X-Idempotency-Key", b"e-1")]
+    own = build_record("t", None, b"v", {"x-idempotency-key": "mine"}, "e-2")
+    assert own.headers == [("x-idempotency-key", b"mine")]
+
+
+def test_producer_config_keeps_the_guarantees() -> None:
+    config = producer_config("b:9092", {"linger.ms": "50", "security.protocol": "SASL_SSL"})
+    assert config["enable.idempotence"] == "true" and config["acks"] == "all"
+    assert config["partitioner"] == "murmur2_random" and config["linger.ms"] == "50"
+    assert producer_config("b", {"partitioner": "consistent_random"})["partitioner"] == (
+        "consistent_random"
+    )
+    for bad in ({"acks": "1"}, {"enable.idempotence": "false"}, {"transactional.id": "x"}):
+        with pytest.raises(ConfigurationError):
+            producer_config("b", bad)
+    assert producer_config("b", {"acks": "-1"})["acks"] == "all"
+
+
+def test_permanent_error_codes() -> None:
+    from confluent_kafka import KafkaError
+
+    assert is_permanent(KafkaError.MSG_SIZE_TOO_LARGE)
+    assert is_permanent(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    assert not is_permanent(KafkaError._MSG_TIMED_OUT)
+    assert not is_permanent(KafkaError.NOT_LEADER_FOR_PARTITION)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("batch_size", 0), ("lanes", 0), ("max_attempts", 0), ("poll_interval", 0.0)],
+)
+def test_config_validation_says_which_flag(field: str, value: object) -> None:
+    config = RelayConfig("postgresql://h/db", "b:9092", **{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="--" + field.replace("_", "-")):
+        config.validate()
+
+
+def _row(row_id: int, key: bytes | None, headers: str = "{}") -> ClaimedRow:
+    return (row_id, 0, "t", key, b"v", headers, f"e-{row_id}".encode(), False)
+
+
+def test_claimed_rows_behind_a_skipped_row_of_their_key_wait() -> None:
+    """Claim rule: a row locked elsewhere (skipped) holds back every later row of its key,
+    not the earlier ones, not other keys, never key-less rows."""
+    claimed = [_row(1, b"a"), _row(2, b"b"), _row(4, b"a"), _row(5, None), _row(6, b"b")]
+    kept = drop_blocked(claimed, [(3, b"a"), (7, b"b")])
+    assert [r[0] for r in kept] == [1, 2, 5, 6]
+    assert drop_blocked(claimed, []) is claimed
+    assert [r[0] for r in drop_blocked(claimed, [(0, b"b"), (3, b"b")])] == [1, 4, 5]
+
+
+def test_records_of_claimed_rows_share_cached_headers_safely() -> None:
+    rows = [_row(1, b"k", '{"a": "1"}'), _row(2, None, '{"a": "1"}')]
+    first, second = build_records(rows)
+    assert first == ("t", b"k", b"v", [("a", b"1"), ("X-Idempotency-Key", b"e-1")])
+    assert second[3] == [("a", b"1"), ("X-Idempotency-Key", b"e-2")]
+    own = build_records([_row(3, b"k", '{"X-Idempotency-Key": "mine"}')])[0]
+    assert own[3] == [("X-Idempotency-Key", b"mine")]
+    assert build_records(rows)[0][3] == first[3]  # the cached header list was not mutated
