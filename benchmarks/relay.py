@@ -211,7 +211,9 @@ RELAY_ARGS: list[str] = []
 KAFKA_OVERRIDES: dict[str, str] = {}
 
 
-def relay_procs(url: str, bootstrap: str, count: int) -> list[subprocess.Popen[bytes]]:
+def relay_procs(
+    url: str, bootstrap: str, count: int, extra: tuple[str, ...] = ()
+) -> list[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     return [
         subprocess.Popen(
@@ -228,6 +230,7 @@ def relay_procs(url: str, bootstrap: str, count: int) -> list[subprocess.Popen[b
                 "--rebalance-interval",
                 "0.2",
                 *RELAY_ARGS,
+                *extra,
                 *(f"--kafka-config={k}={v}" for k, v in KAFKA_OVERRIDES.items()),
             ],
             cwd=REPO,
@@ -263,8 +266,10 @@ def lanes_settled(engine: sa.Engine, relays: int) -> bool:
     )
 
 
-def relay_drain(engine: sa.Engine, url: str, bootstrap: str, rows: int, relays: int) -> float:
-    procs = relay_procs(url, bootstrap, relays)
+def relay_drain(
+    engine: sa.Engine, url: str, bootstrap: str, rows: int, relays: int, extra: tuple[str, ...]
+) -> float:
+    procs = relay_procs(url, bootstrap, relays, extra)
     try:
         wait_until(lambda: lanes_settled(engine, relays), 60, "relays to share the lanes")
         insert_pending(engine, f"bench-drain-{relays}", rows)  # visible at its commit
@@ -413,6 +418,7 @@ def main() -> int:
     parser.add_argument("--latency-seconds", type=float, default=5.0)
     parser.add_argument("--wakeup-seconds", type=float, default=5.0)
     parser.add_argument("--wakeup-rounds", type=int, default=2)
+    parser.add_argument("--drain-rounds", type=int, default=2)
     parser.add_argument(
         "--only",
         default="raw,naive,drain,latency,wakeup",
@@ -477,14 +483,26 @@ def main() -> int:
                 ("naive row-at-a-time relay", f"{naive:,.0f} msgs/s ({naive / raw:.1%})")
             )
         if "drain" in only:
-            for relays in (1, 4):
-                rate = relay_drain(engine, url, bootstrap, args.rows, relays)
+            # Configurations alternate, best of --drain-rounds each: a slow moment of the
+            # shared machine then hurts one round of one configuration, not the comparison.
+            drains: list[tuple[str, int, tuple[str, ...]]] = [
+                ("outbox-relay x1", 1, ()),
+                ("outbox-relay x1 --no-pipeline", 1, ("--no-pipeline",)),
+                ("outbox-relay x4", 4, ()),
+            ]
+            best: dict[str, float] = {}
+            for _ in range(args.drain_rounds):
+                for name, relays, extra in drains:
+                    rate = relay_drain(engine, url, bootstrap, args.rows, relays, extra)
+                    best[name] = max(best.get(name, 0.0), rate)
+                    vacuum(engine)
+            for name, _, _ in drains:
+                rate = best[name]
                 results.append(
-                    (f"outbox-relay x{relays}, drain {args.rows:,} rows", f"{rate:,.0f} msgs/s "
+                    (f"{name}, drain {args.rows:,} rows", f"{rate:,.0f} msgs/s "
                      f"({rate / raw:.1%} of raw" + (f", {rate / naive:.0f}x naive)"
                                                     if naive == naive else ")"))
                 )  # fmt: skip
-                vacuum(engine)
         if "latency" in only:
             for rate in (200, 1000):
                 p50, p99, n = latency(url, bootstrap, rate, args.latency_seconds)
