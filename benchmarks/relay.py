@@ -211,9 +211,7 @@ RELAY_ARGS: list[str] = []
 KAFKA_OVERRIDES: dict[str, str] = {}
 
 
-def relay_procs(
-    url: str, bootstrap: str, count: int, extra: tuple[str, ...] = ()
-) -> list[subprocess.Popen[bytes]]:
+def relay_procs(url: str, bootstrap: str, count: int) -> list[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     return [
         subprocess.Popen(
@@ -230,7 +228,6 @@ def relay_procs(
                 "--rebalance-interval",
                 "0.2",
                 *RELAY_ARGS,
-                *extra,
                 *(f"--kafka-config={k}={v}" for k, v in KAFKA_OVERRIDES.items()),
             ],
             cwd=REPO,
@@ -266,10 +263,8 @@ def lanes_settled(engine: sa.Engine, relays: int) -> bool:
     )
 
 
-def relay_drain(
-    engine: sa.Engine, url: str, bootstrap: str, rows: int, relays: int, extra: tuple[str, ...]
-) -> float:
-    procs = relay_procs(url, bootstrap, relays, extra)
+def relay_drain(engine: sa.Engine, url: str, bootstrap: str, rows: int, relays: int) -> float:
+    procs = relay_procs(url, bootstrap, relays)
     try:
         wait_until(lambda: lanes_settled(engine, relays), 60, "relays to share the lanes")
         insert_pending(engine, f"bench-drain-{relays}", rows)  # visible at its commit
@@ -483,23 +478,17 @@ def main() -> int:
                 ("naive row-at-a-time relay", f"{naive:,.0f} msgs/s ({naive / raw:.1%})")
             )
         if "drain" in only:
-            # Configurations alternate, best of --drain-rounds each: a slow moment of the
-            # shared machine then hurts one round of one configuration, not the comparison.
-            drains: list[tuple[str, int, tuple[str, ...]]] = [
-                ("outbox-relay x1", 1, ()),
-                ("outbox-relay x1 --no-pipeline", 1, ("--no-pipeline",)),
-                ("outbox-relay x4", 4, ()),
-            ]
-            best: dict[str, float] = {}
+            # The two configurations alternate, best of --drain-rounds each: a slow moment of
+            # the shared machine then hurts one round of one configuration, not the comparison.
+            best = {1: 0.0, 4: 0.0}
             for _ in range(args.drain_rounds):
-                for name, relays, extra in drains:
-                    rate = relay_drain(engine, url, bootstrap, args.rows, relays, extra)
-                    best[name] = max(best.get(name, 0.0), rate)
+                for relays in best:
+                    rate = relay_drain(engine, url, bootstrap, args.rows, relays)
+                    best[relays] = max(best[relays], rate)
                     vacuum(engine)
-            for name, _, _ in drains:
-                rate = best[name]
+            for relays, rate in best.items():
                 results.append(
-                    (f"{name}, drain {args.rows:,} rows", f"{rate:,.0f} msgs/s "
+                    (f"outbox-relay x{relays}, drain {args.rows:,} rows", f"{rate:,.0f} msgs/s "
                      f"({rate / raw:.1%} of raw" + (f", {rate / naive:.0f}x naive)"
                                                     if naive == naive else ")"))
                 )  # fmt: skip

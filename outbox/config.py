@@ -127,23 +127,6 @@ def env_int(name: str, default: _T) -> int | _T:
         raise ConfigurationError(f"{name}={value!r} is not an integer") from exc
 
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
-
-def env_bool(name: str, default: bool) -> bool:
-    """A yes/no environment variable (1/0, true/false, yes/no, on/off), ``default`` when unset;
-    a clear error otherwise."""
-    value = env(name)
-    if value is None:
-        return default
-    if value.strip().lower() in _TRUE:
-        return True
-    if value.strip().lower() in _FALSE:
-        return False
-    raise ConfigurationError(f"{name}={value!r} is not a yes/no value (use 1 or 0)")
-
-
 def env_float(name: str, default: _T) -> float | _T:
     """A number from the environment, ``default`` when unset; a clear error when malformed."""
     value = env(name)

@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Final
@@ -51,7 +50,6 @@ from outbox.config import (
     ENV_DATABASE_URL,
     ENV_KAFKA_BOOTSTRAP,
     env,
-    env_bool,
     env_float,
     env_int,
     normalize_database_url,
@@ -83,7 +81,6 @@ ENV_LANES = "OUTBOX_RELAY_LANES"
 ENV_MAX_ATTEMPTS = "OUTBOX_RELAY_MAX_ATTEMPTS"
 ENV_REBALANCE_INTERVAL = "OUTBOX_RELAY_REBALANCE_INTERVAL"
 ENV_METRICS_PORT = "OUTBOX_RELAY_METRICS_PORT"
-ENV_PIPELINE = "OUTBOX_RELAY_PIPELINE"
 ENV_KAFKA_CONFIG = "OUTBOX_KAFKA_CONFIG"
 
 
@@ -112,9 +109,6 @@ class RelayConfig:
     backoff_max: float = 10.0
     stats_interval: float = 5.0
     shutdown_grace: float = 5.0
-    # Claim the next batch on a second connection while the current one is in flight (see
-    # Relay._step); off: one connection, claims wait for the batch before them.
-    pipeline: bool = True
 
     def validate(self) -> RelayConfig:
         normalize_database_url(self.database_url)
@@ -440,32 +434,6 @@ class BatchResult:
     error: str | None = None
 
 
-@dataclass
-class Batch:
-    """A claimed batch: its open transaction, its rows (claim rule applied) and records."""
-
-    conn: sa.Connection
-    started: float
-    claimed: int  # rows the claim locked
-    ids: set[int]  # their ids
-    keys: list[tuple[int, bytes | None]]  # (id, key) of every locked row, in id order
-    rows: list[ClaimedRow]  # the rows to send
-    confirmed: set[int] = field(default_factory=set)  # ids Kafka confirmed (set once settled)
-
-    def drop_unconfirmed(self, previous: Batch) -> None:
-        """Claim rule for a batch claimed while ``previous`` was in flight: now that
-        ``previous`` is settled, each of its rows that was not confirmed (failed, parked, not
-        sent, or held back itself) is still in the table and blocks the later rows of its key
-        here. A row of ``previous`` that this claim locked itself (its transaction had ended)
-        is no blocker: it goes out first, in this batch's own rounds."""
-        blockers = [
-            (row_id, key)
-            for row_id, key in previous.keys
-            if row_id not in previous.confirmed and row_id not in self.ids
-        ]
-        self.rows = drop_blocked(self.rows, blockers)
-
-
 class Relay:
     """One relay process's worth of work. ``run()`` until ``stop()`` (or drained, with
     ``once=True``).
@@ -521,10 +489,7 @@ class Relay:
             lambda: KafkaProducer(config.bootstrap_servers, config.kafka_config)
         )
         self._producer: KafkaProducer | None = None
-        self._conn: sa.Connection | None = None  # holds the lanes (session advisory locks)
-        self._spare: sa.Connection | None = None  # the other connection of the pipeline
-        self._claimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-relay-claim")
-        self._ahead: tuple[Future[Batch], Batch] | None = None  # (next claim, batch in flight)
+        self._conn: sa.Connection | None = None
         self._next_rebalance = 0.0
         self._next_stats = 0.0
         self._kafka_failures = 0
@@ -574,41 +539,16 @@ class Relay:
         return conn
 
     def _drop_connection(self) -> None:
-        """Throw both connections away (the lanes go with the lane connection's session)."""
-        self._discard_ahead()
-        self._close_connections()
-
-    def _close_connections(self) -> None:
-        conns = (self._conn, self._spare)
-        self._conn = self._spare = None
+        conn, self._conn = self._conn, None
         self.owned = set()
         self.metrics.lanes_owned.set(0)
         self.metrics.database_up = False
         self.metrics.up.set(0)
-        for conn in conns:
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.invalidate()
-                with contextlib.suppress(Exception):
-                    conn.close()
-
-    def _spare_connection(self) -> sa.Connection:
-        """The second connection, for the claim that runs ahead (it holds no lanes)."""
-        if self._spare is None:
-            self._spare = self.engine.connect()
-        return self._spare
-
-    def _discard_ahead(self) -> None:
-        """Wait for the claim running ahead, if any, and roll it back: its rows stay in the
-        outbox, unlocked, for the next claim."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return
-        try:
-            ahead[0].result().conn.rollback()
-        except Exception as exc:
-            log.warning("event=database_lost error=%r", _one_line(exc, self.url))
-            self._close_connections()
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.invalidate()
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def _rebalance(self, conn: sa.Connection) -> None:
         schema = self.config.schema
@@ -663,19 +603,9 @@ class Relay:
 
     def process_batch(self, conn: sa.Connection) -> BatchResult:
         """Claim, produce, confirm, delete and commit one batch of the owned lanes."""
+        result = BatchResult()
         if not self.owned:
-            return BatchResult()
-        return self._deliver(self._claim(conn, sorted(self.owned), None))
-
-    def _claim(self, conn: sa.Connection, owned: Sequence[int], in_flight: Batch | None) -> Batch:
-        """Claim a batch on ``conn`` (its transaction stays open until :meth:`_deliver`) and
-        build its records.
-
-        ``in_flight`` is the batch this relay is sending while this claim runs (pipelining):
-        its rows are locked by this relay's other transaction, so the claim skips them and
-        reports them as skipped. They do not block later rows of their keys *yet*: whether
-        they do is known only once that batch is settled (:meth:`Batch.drop_unconfirmed`).
-        """
+            return result
         started = time.monotonic()
         # The claim and the delete run on the driver's cursor (the hot path: thousands of rows
         # per batch, no per-row SQLAlchemy objects). Beginning the transaction through
@@ -686,37 +616,22 @@ class Relay:
         with dbapi.cursor(binary=True) as cur:
             cur.execute(
                 self.sql.claim,
-                {"lanes": self.config.lanes, "owned": owned, "batch_size": self.config.batch_size},
+                {
+                    "lanes": self.config.lanes,
+                    "owned": sorted(self.owned),
+                    "batch_size": self.config.batch_size,
+                },
             )
             fetched: list[ClaimedRow] = cur.fetchall()
         claimed = [r for r in fetched if not r[SKIPPED]]
         # In id order: the claim walks the primary key, so this sort only confirms it (O(n)).
         claimed.sort(key=_row_id)
-        skipped = [(r[ID], r[KEY]) for r in fetched if r[SKIPPED]]
-        if in_flight is not None and skipped:
-            skipped = [s for s in skipped if s[0] not in in_flight.ids]
-        rows = drop_blocked(claimed, skipped)
-        return Batch(
-            conn=conn,
-            started=started,
-            claimed=len(claimed),
-            ids={r[ID] for r in claimed},
-            keys=[(r[ID], r[KEY]) for r in claimed],
-            rows=rows,
-        )
-
-    def _deliver(self, batch: Batch) -> BatchResult:
-        """Produce a claimed batch, wait for every delivery report, delete the confirmed rows,
-        record the failed ones and commit the batch's transaction."""
-        result = BatchResult()
-        conn, rows = batch.conn, batch.rows
+        rows = drop_blocked(claimed, [(r[ID], r[KEY]) for r in fetched if r[SKIPPED]])
         if not rows:
             conn.commit()
             return result
-        # Built here, not by the claim running ahead: record building holds the GIL, and a
-        # thread holding it delays every delivery callback of the batch in flight.
+        result.claimed = len(claimed)
         records = build_records(rows)
-        result.claimed = batch.claimed
         outcomes: list[Outcome | None] = [None] * len(rows)
         failed_keys: set[bytes] = set()
         producer = self._producer_or_new()
@@ -742,7 +657,6 @@ class Relay:
         verdict = settle(
             [r[ID] for r in rows], [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts
         )
-        dbapi: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
         if verdict.delete:
             with dbapi.cursor() as cur:
                 cur.execute(self.sql.delete, ("{" + ",".join(map(str, verdict.delete)) + "}",))
@@ -752,7 +666,6 @@ class Relay:
                 {"ids": verdict.fail_ids, "errors": verdict.fail_errors, "park": verdict.fail_park},
             )
         conn.commit()
-        batch.confirmed = set(verdict.delete)
         result.confirmed = len(verdict.delete)
         result.parked = verdict.parked
         result.failed = verdict.failed
@@ -761,7 +674,7 @@ class Relay:
             failures = [o for o in outcomes if o is not None and not o.ok]
             result.stale_producer = any(o.stale_producer for o in failures)
             result.error = failures[0].error
-        self._report(rows, outcomes, verdict, result, time.monotonic() - batch.started)
+        self._report(rows, outcomes, verdict, result, time.monotonic() - started)
         return result
 
     def _report(
@@ -843,18 +756,14 @@ class Relay:
                     self._db_failures = 0
                 conn = self._conn
                 now = time.monotonic()
-                # Lane and stats upkeep use the lane connection, never while a batch claimed
-                # ahead may hold a transaction open on it: _step stops claiming ahead when
-                # upkeep is due, so it runs one batch later.
-                if self._ahead is None:
-                    if now >= self._next_rebalance:
-                        self._rebalance(conn)
-                        self._next_rebalance = now + self.config.rebalance_interval
-                    if not once and now >= self._next_stats:
-                        self._refresh_stats(conn)
-                        self._next_stats = now + self.config.stats_interval
+                if now >= self._next_rebalance:
+                    self._rebalance(conn)
+                    self._next_rebalance = now + self.config.rebalance_interval
+                if not once and now >= self._next_stats:
+                    self._refresh_stats(conn)
+                    self._next_stats = now + self.config.stats_interval
                 self.kick.clear()
-                result = self._step(conn, once, now)
+                result = self.process_batch(conn)
             except ConfigurationError:
                 raise
             except FatalProducerError as exc:
@@ -876,8 +785,6 @@ class Relay:
                 self._drop_connection()
                 self._sleep(delay)
                 continue
-            if result.outage or result.stale_producer:
-                self._discard_ahead()  # no batch is sent before the backoff is over
             if result.stale_producer or result.outage:
                 # A fresh producer after an outage or a broken idempotence state: message
                 # timeouts make librdkafka bump its epoch, which some brokers refuse for good.
@@ -898,7 +805,7 @@ class Relay:
                 log.info("event=kafka_recovered after_failures=%d", self._kafka_failures)
                 self._kafka_failures = 0
             full = result.claimed >= self.config.batch_size and result.sent > 0
-            if full or (result.sent and result.failed) or self._ahead is not None:
+            if full or (result.sent and result.failed):
                 continue
             if once:
                 if not self.owned and self._conn is not None:
@@ -916,54 +823,17 @@ class Relay:
                 self.idle.clear()
         return EXIT_OK
 
-    def _step(self, conn: sa.Connection, once: bool, now: float) -> BatchResult:
-        """Deliver the next batch: the one claimed ahead, or one claimed now.
-
-        Pipelining: while a full batch goes to Kafka, the next one is claimed (and its records
-        built) on the other connection by a worker thread, so the database and the relay's
-        own CPU work overlap the wait for the broker. Both batches stay in id order: the batch
-        claimed ahead is sent only after the batch in flight is settled, and its rows whose
-        keys have an unconfirmed row in that batch are held back (:meth:`Batch.drop_unconfirmed`).
-        At most one batch is ever sent and not yet deleted, so a crash re-sends at most one
-        batch, as without pipelining.
-        """
-        if self._ahead is not None:
-            future, previous = self._ahead
-            self._ahead = None
-            batch = future.result()  # a database error of the claim is raised here
-            batch.drop_unconfirmed(previous)
-        elif self.owned:
-            batch = self._claim(conn, sorted(self.owned), None)
-        else:
-            return BatchResult()
-        upkeep_due = now >= self._next_rebalance or (not once and now >= self._next_stats)
-        if (
-            batch.claimed >= self.config.batch_size
-            and not upkeep_due
-            and not self.stop_event.is_set()
-            and self.config.pipeline
-        ):
-            other = self._spare_connection() if batch.conn is conn else conn
-            self._ahead = (
-                self._claimer.submit(self._claim, other, sorted(self.owned), batch),
-                batch,
-            )
-        return self._deliver(batch)
-
     def _delay(self, failures: int) -> float:
         return backoff_delay(
             failures, self.config.backoff_initial, self.config.backoff_max, self._rng
         )
 
     def _rollback(self) -> None:
-        self._discard_ahead()
-        for conn in (self._conn, self._spare):
-            if conn is not None:
-                try:
-                    conn.rollback()
-                except sa.exc.SQLAlchemyError:
-                    self._drop_connection()
-                    return
+        if self._conn is not None:
+            try:
+                self._conn.rollback()
+            except sa.exc.SQLAlchemyError:
+                self._drop_connection()
 
     def _close_producer(self) -> None:
         producer, self._producer = self._producer, None
@@ -977,7 +847,6 @@ class Relay:
             self._producer.close(timeout=1.0)
             self._producer = None
         self._drop_connection()
-        self._claimer.shutdown(wait=True)
         if listener is not None:
             listener.join(2.0)
         self.engine.dispose()
@@ -1098,13 +967,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"serve /metrics and /healthz on this port (env {ENV_METRICS_PORT}; default off)",
     )
-    parser.add_argument(
-        "--pipeline",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="claim the next batch on a second database connection while the current one is "
-        f"in flight; --no-pipeline uses one connection (env {ENV_PIPELINE}=1|0; default on)",
-    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="drain what is pending, then exit 0")
     mode.add_argument(
@@ -1142,7 +1004,6 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
             args.rebalance_interval, env_float(ENV_REBALANCE_INTERVAL, d.rebalance_interval)
         ),
         metrics_port=metrics_port,
-        pipeline=pick(args.pipeline, env_bool(ENV_PIPELINE, d.pipeline)),
     ).validate()
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Any
 
 import sqlalchemy as sa
 
 from outbox import Outbox
 from outbox import lanes as lanes_mod
-from outbox.kafka import KafkaProducer, Outcome
 from outbox.parked import discard_parked, list_parked, retry_parked
 from outbox.relay import Relay, RelayConfig
 from tests._services import wait_for
@@ -89,36 +86,6 @@ def test_oversized_row_is_parked_while_other_keys_flow(
     assert outbox_count(engine) == 0
     records = wait_for_records(kafka_bootstrap, topic, [ids[2]])
     check_key_order(records, {b"poison": [str(ids[0]), str(ids[2])]})
-
-
-class _SlowProducer(KafkaProducer):
-    """Holds every send for a moment, so the claim running ahead surely runs while the batch
-    is in flight (the case the pipeline's order rule is for)."""
-
-    def send(self, *args: Any, **kwargs: Any) -> list[Outcome]:
-        time.sleep(0.3)
-        return super().send(*args, **kwargs)
-
-
-def test_row_parked_in_flight_holds_back_its_key_in_the_batch_claimed_ahead(
-    engine: sa.Engine, database_url: str, kafka_bootstrap: str
-) -> None:
-    """Batch 1 = [a1, a2 (too large)] is in flight while batch 2 = [a3, b1] is claimed ahead
-    (a2 is not parked yet, so the claim cannot see it blocks key a). Once batch 1 is settled,
-    a3 must wait behind the parked a2 while b1 goes."""
-    topic = _topic("relay-pipeline")
-    big = b"x" * 300_000
-    ids = insert_rows(engine, topic, [("a", b"a1"), ("a", big), ("a", b"a3"), ("b", b"b1")])
-    overrides = {"message.max.bytes": "100000"}
-    config = RelayConfig(database_url, kafka_bootstrap, kafka_config=overrides, batch_size=2)
-    relay = Relay(config, producer_factory=lambda: _SlowProducer(kafka_bootstrap, overrides))
-    assert relay.run(once=True) == 0
-    records = wait_for_records(kafka_bootstrap, topic, [ids[0], ids[3]])
-    assert str(ids[2]) not in {r.event_id for r in records}
-    with engine.connect() as conn:
-        assert [p.event_id for p in list_parked(conn)] == [ids[1]]
-    assert outbox_count(engine) == 2  # the parked a2 and a3 behind it
-    assert relay.totals.confirmed == 2
 
 
 def test_a_row_held_by_another_transaction_blocks_later_rows_of_its_key(

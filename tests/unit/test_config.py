@@ -92,16 +92,3 @@ def test_numbers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         env_int("OUTBOX_X", 7)
     with pytest.raises(ConfigurationError, match=r"OUTBOX_X='4x' is not a number"):
         env_float("OUTBOX_X", 1.0)
-
-
-def test_yes_no_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from outbox.config import env_bool
-
-    monkeypatch.delenv("OUTBOX_X", raising=False)
-    assert env_bool("OUTBOX_X", True) is True and env_bool("OUTBOX_X", False) is False
-    for raw, expected in [("1", True), ("TRUE", True), ("on", True), ("0", False), ("no", False)]:
-        monkeypatch.setenv("OUTBOX_X", raw)
-        assert env_bool("OUTBOX_X", not expected) is expected
-    monkeypatch.setenv("OUTBOX_X", "maybe")
-    with pytest.raises(ConfigurationError, match=r"OUTBOX_X='maybe' is not a yes/no value"):
-        env_bool("OUTBOX_X", True)

@@ -9,7 +9,6 @@ import pytest
 from outbox.errors import ConfigurationError
 from outbox.kafka import CONFIRMED, NOT_SENT, Outcome, is_permanent, producer_config
 from outbox.relay import (
-    Batch,
     ClaimedRow,
     RelayConfig,
     backoff_delay,
@@ -125,39 +124,3 @@ def test_records_of_claimed_rows_share_cached_headers_safely() -> None:
     own = build_records([_row(3, b"k", '{"X-Idempotency-Key": "mine"}')])[0]
     assert own[3] == [("X-Idempotency-Key", b"mine")]
     assert build_records(rows)[0][3] == first[3]  # the cached header list was not mutated
-
-
-def _batch(rows: list[ClaimedRow], confirmed: set[int] | None = None) -> Batch:
-    return Batch(
-        conn=None,  # type: ignore[arg-type]  # not touched by the decision under test
-        started=0.0,
-        claimed=len(rows),
-        ids={r[0] for r in rows},
-        keys=[(r[0], r[3]) for r in rows],
-        rows=list(rows),
-        confirmed=confirmed or set(),
-    )
-
-
-def test_batch_claimed_ahead_holds_back_keys_the_batch_in_flight_did_not_confirm() -> None:
-    """Pipelining: a batch claimed while another was in flight sends a row only if every row
-    of its key in that batch was confirmed."""
-    in_flight = _batch([_row(1, b"a"), _row(2, b"b"), _row(3, b"a"), _row(4, None)], {1, 2})
-    ahead = _batch([_row(5, b"a"), _row(6, b"b"), _row(7, b"c"), _row(8, None), _row(9, b"a")])
-    ahead.drop_unconfirmed(in_flight)
-    # 3 (key a) was not confirmed: 5 and 9 wait behind it; b, c and key-less rows go.
-    assert [r[0] for r in ahead.rows] == [6, 7, 8]
-
-    everything = _batch([_row(1, b"a"), _row(2, b"b")], {1, 2})
-    ahead = _batch([_row(5, b"a"), _row(6, b"b")])
-    ahead.drop_unconfirmed(everything)
-    assert [r[0] for r in ahead.rows] == [5, 6]
-
-
-def test_a_row_of_the_batch_in_flight_claimed_again_goes_first_not_blocked() -> None:
-    """A failed row of the batch in flight that the next claim locked itself (the first
-    transaction had ended) is sent again in the next batch, ahead of its key's later rows."""
-    in_flight = _batch([_row(1, b"a"), _row(2, b"a")], {1})
-    ahead = _batch([_row(2, b"a"), _row(3, b"a"), _row(4, b"b")])
-    ahead.drop_unconfirmed(in_flight)
-    assert [r[0] for r in ahead.rows] == [2, 3, 4]
