@@ -436,27 +436,69 @@ def delete_keys_matching(url: str, pattern: str) -> int:
     return deleted
 
 
-class PrivateRedis:
+class _ServerProcess:
+    """A server process of a test's own: its working directory and log, start, stop, kill."""
+
+    name = "server"
+
+    def __init__(self, workdir: Path | None, prefix: str) -> None:
+        self._own_dir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix=prefix))
+        self.log_path = self.workdir / f"{self.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                preexec_fn=_die_with_parent(),
+            )  # fmt: skip
+
+    def _exited(self) -> ServiceUnavailable | None:
+        """The error to raise when the process has already exited, else ``None``."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return ServiceUnavailable(
+                f"{self.name} exited with status {self.proc.returncode}:\n{_tail(self.log_path)}"
+            )
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM the process and wait for it to exit (SIGKILL after 10 s)."""
+        if self.proc is not None:
+            _stop_process(self.proc, signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the process and reap it."""
+        if self.proc is not None:
+            _stop_process(self.proc, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Kill the process and remove the working directory it was given or made."""
+        self.kill()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class PrivateRedis(_ServerProcess):
     """A ``redis-server`` of a test's own, which the test may stop and start for real.
 
     The port stays the same across :meth:`shutdown` / :meth:`start`, so clients configured
     with :attr:`url` reconnect to the restarted server. Nothing is persisted.
     """
 
+    name = "redis-server"
+
     def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
+        super().__init__(workdir, "outbox-redis-")
         self.port = port or free_port()
-        self._own_dir = workdir is None
-        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="outbox-redis-"))
-        self.log_path = self.workdir / "redis.log"
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout: float = 10.0) -> PrivateRedis:
         """Start the server (no-op when running) and wait until it answers PING."""
@@ -465,15 +507,12 @@ class PrivateRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise ServiceUnavailable("redis-server is not on PATH (install Redis)")
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                    "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
-                ],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent(),
-            )  # fmt: skip
+        self._spawn(
+            [
+                binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+            ]
+        )  # fmt: skip
         try:
             wait_for(self._answers, timeout, f"redis-server on port {self.port} did not answer")
         except TimeoutError as exc:
@@ -482,28 +521,14 @@ class PrivateRedis:
         return self
 
     def _answers(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise ServiceUnavailable(
-                f"redis-server exited with {self.proc.returncode}:\n{_tail(self.log_path)}"
-            )
+        if (exited := self._exited()) is not None:
+            raise exited
         check_redis(self.url, timeout=0.5)
         return True
 
     def shutdown(self) -> None:
         """Stop the server gracefully (SIGTERM; nothing is saved) and wait until it is gone."""
-        if self.proc is not None:
-            _stop_process(self.proc, signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL the server and reap it."""
-        if self.proc is not None:
-            _stop_process(self.proc, signal.SIGKILL)
-
-    def close(self) -> None:
-        """Stop the server and remove its working directory."""
-        self.kill()
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        self.stop()
 
 
 # --------------------------------------------------------------------------------------------
@@ -547,7 +572,7 @@ def check_kafka(bootstrap: str, timeout: float = 5.0) -> None:
         raise ServiceUnavailable(f"no Kafka-protocol broker answered at {bootstrap}")
 
 
-class Broker:
+class Broker(_ServerProcess):
     """A Tansu broker process on a loopback port (memory storage: a restart starts empty).
 
     ``advertised_port`` makes the broker advertise another port in its metadata; put a
@@ -555,12 +580,12 @@ class Broker:
     bootstrap included, goes through the proxy.
     """
 
+    name = "tansu"
+
     def __init__(self, port: int | None = None, advertised_port: int | None = None) -> None:
+        super().__init__(None, "outbox-tansu-")
         self.port = port or free_port()
         self.advertised_port = advertised_port or self.port
-        self.workdir = Path(tempfile.mkdtemp(prefix="outbox-tansu-"))
-        self.log_path = self.workdir / "tansu.log"
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -572,10 +597,6 @@ class Broker:
         """The broker's own listener, bypassing any proxy (metadata still names the proxy)."""
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def start(self, timeout: float = 20.0) -> Broker:
         """Start the broker and wait until it accepts connections and answers metadata."""
         if self.running:
@@ -586,17 +607,15 @@ class Broker:
             for k, v in os.environ.items()
             if k not in ("CLUSTER_ID", "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE")
         }
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    str(binary), "broker",
-                    "--listener-url", f"tcp://127.0.0.1:{self.port}",
-                    "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised_port}",
-                    "--storage-engine", "memory://tansu/",
-                ],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                preexec_fn=_die_with_parent(),
-            )  # fmt: skip
+        self._spawn(
+            [
+                str(binary), "broker",
+                "--listener-url", f"tcp://127.0.0.1:{self.port}",
+                "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised_port}",
+                "--storage-engine", "memory://tansu/",
+            ],
+            env,
+        )  # fmt: skip
         try:
             wait_for(
                 self._ready, timeout, f"Tansu broker on 127.0.0.1:{self.port} did not get ready"
@@ -609,25 +628,10 @@ class Broker:
         return self
 
     def _ready(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise ServiceUnavailable(f"Tansu exited with status {self.proc.returncode}")
+        if (exited := self._exited()) is not None:
+            raise exited
         # Metadata goes to our own listener: the advertised port may be a proxy not yet open.
         return port_open("127.0.0.1", self.port) and broker_answers(self.direct_bootstrap, 2.0)
-
-    def stop(self) -> None:
-        """SIGTERM the broker and wait for it to exit (SIGKILL after 10 s)."""
-        if self.proc is not None:
-            _stop_process(self.proc, signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL the broker and reap it."""
-        if self.proc is not None:
-            _stop_process(self.proc, signal.SIGKILL)
-
-    def close(self) -> None:
-        """Kill the broker and remove its log directory."""
-        self.kill()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def create_topic(bootstrap: str, name: str, partitions: int = 1, timeout: float = 15.0) -> None:
