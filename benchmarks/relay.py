@@ -342,9 +342,11 @@ def latency(url: str, bootstrap: str, rate: int, seconds: float) -> tuple[float,
 
 
 def _uow_worker(url: str, notify: bool, seconds: float, start: Any, out: Any, wid: int) -> None:
-    ob = outbox.Outbox(url, engine_options={"pool_size": 1, "max_overflow": 0})
-    if not notify:
-        ob._notify = lambda: None  # the baseline: same writer, no wake-up signal
+    ob = outbox.Outbox(
+        url,
+        engine_options={"pool_size": 1, "max_overflow": 0},
+        config=outbox.OutboxConfig(wake_relays=notify),  # off: the baseline, no wake-up
+    )
     start.wait()
     deadline = time.perf_counter() + seconds
     n = 0

@@ -4,7 +4,9 @@
 
 For 1, 4 and 16 concurrent worker processes it measures units of work per second and p50/p99
 latency, next to a *bare* transaction doing the same business insert + outbox insert without the
-idempotency layer, in the same run. Then it measures the answer time of ``KeyInProgress`` and
+idempotency layer, in the same run, and units of work with the relays' wake-up notifier switched
+off (``OutboxConfig(wake_relays=False)``), which separates the layer's cost from the
+wake-up's. Then it measures the answer time of ``KeyInProgress`` and
 duplicates answered through the Redis fast path against the PostgreSQL path (and counts the
 PostgreSQL statements the fast path issues). It prints a table.
 
@@ -50,7 +52,8 @@ def percentile(samples: list[float], q: float) -> float:
 
 def _worker(mode: str, url: str, seconds: float, start: Any, out: Any, wid: int) -> None:
     engine = sa.create_engine(url, pool_size=1, max_overflow=0)
-    ob = outbox.Outbox(engine) if mode == "uow" else None
+    config = outbox.OutboxConfig(wake_relays=mode == "uow")
+    ob = outbox.Outbox(engine, config=config) if mode != "bare" else None
     latencies: list[float] = []
     start.wait()
     deadline = time.perf_counter() + seconds
@@ -212,22 +215,24 @@ def main() -> int:
     print()
     header = (
         f"{'workers':>7} | {'bare tx/s':>10} {'p50 ms':>7} {'p99 ms':>7} | "
-        f"{'uow/s':>10} {'p50 ms':>7} {'p99 ms':>7} | {'uow/bare':>8}"
+        f"{'uow/s':>10} {'p50 ms':>7} {'p99 ms':>7} | {'uow/bare':>8} | "
+        f"{'no wake-up/s':>12} {'/bare':>6}"
     )
     print(header)
     print("-" * len(header))
     for workers in [int(w) for w in args.workers.split(",")]:
         best: dict[str, tuple[float, float, float]] = {}
         for _ in range(args.rounds):
-            for mode in ("bare", "uow"):
+            for mode in ("bare", "uow", "uow-no-wakeup"):
                 truncate(engine)
                 res = run_phase(mode, url_s, workers, args.seconds)
                 if mode not in best or res[0] > best[mode][0]:
                     best[mode] = res
-        b, u = best["bare"], best["uow"]
+        b, u, q = best["bare"], best["uow"], best["uow-no-wakeup"]
         print(
             f"{workers:>7} | {b[0]:>10.0f} {b[1] * 1e3:>7.2f} {b[2] * 1e3:>7.2f} | "
-            f"{u[0]:>10.0f} {u[1] * 1e3:>7.2f} {u[2] * 1e3:>7.2f} | {u[0] / b[0]:>8.2f}",
+            f"{u[0]:>10.0f} {u[1] * 1e3:>7.2f} {u[2] * 1e3:>7.2f} | {u[0] / b[0]:>8.2f} | "
+            f"{q[0]:>12.0f} {q[0] / b[0]:>6.2f}",
             flush=True,
         )
     truncate(engine)

@@ -272,9 +272,13 @@ class Outbox:
         )
         self._sql: Statements = statements(self.config.schema)
         install_guard(self.engine)
-        from outbox.wakeup import make_notifier
+        from outbox.wakeup import make_notifier, noop
 
-        self._notify = make_notifier(self.engine, client, self.config.schema)
+        self._notify = (
+            make_notifier(self.engine, client, self.config.schema)
+            if self.config.wake_relays
+            else noop
+        )
 
     # -- public API -------------------------------------------------------------------------
 

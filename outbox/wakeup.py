@@ -157,11 +157,12 @@ def make_notifier(engine: Any, redis: Any, schema: str | None) -> Callable[[], N
     measurement).
     """
     if not isinstance(engine, sa.Engine):
-        return _noop
+        return noop
     return _Notifier(engine, schema)
 
 
-def _noop() -> None:
+def noop() -> None:
+    """The notifier of an outbox that does not wake relays (``OutboxConfig.wake_relays``)."""
     return None
 
 

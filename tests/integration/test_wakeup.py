@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
-from outbox import Outbox
+from outbox import Outbox, OutboxConfig
 from outbox.wakeup import Listener, channel, make_notifier
 from tests._services import free_port, wait_for
 
@@ -38,6 +38,24 @@ def test_commit_with_events_wakes_a_listener(database_url: str, engine: sa.Engin
         with ob.unit_of_work("with-event") as uow:
             uow.publish("wakeup-test", b"x")
         assert woken.wait(10), "no notification after a commit that appended an event"
+    finally:
+        ob.close()
+        stop.set()
+        listener.join(5)
+
+
+def test_wake_relays_off_sends_no_notification(database_url: str, engine: sa.Engine) -> None:
+    listener, woken, stop = _listen(engine, None)
+    ob = Outbox(database_url, config=OutboxConfig(wake_relays=False))
+    try:
+        woken.clear()
+        with ob.unit_of_work("quiet") as uow:
+            uow.publish("wakeup-test", b"x")
+        assert not woken.wait(1.0), "a notification came although wake_relays is off"
+        # The listener still hears others: the silence above was the setting, not a dead line.
+        notify = make_notifier(engine, None, None)
+        notify()
+        assert woken.wait(10)
     finally:
         ob.close()
         stop.set()
