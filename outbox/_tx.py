@@ -59,6 +59,10 @@ def _refuse_commit(conn: sa.Connection) -> None:
 def _note_rollback(conn: sa.Connection) -> None:
     # A rollback (an ORM session does one after a failed flush) throws the whole unit of work
     # away, which is safe; what must not follow is more work outside the transaction.
+    if conn.invalidated:
+        # The connection was lost (SQLAlchemy rolls back while handling the error): touching
+        # conn.info now would raise PendingRollbackError in place of the real error.
+        return
     if conn.info.get(_GUARDED):
         conn.info[_ENDED] = True
 

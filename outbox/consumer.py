@@ -229,10 +229,13 @@ def backoff_delay(
 def header_key(message: Message, header: str) -> str | None:
     """The idempotency key from the first ``header`` header, or ``None`` if there is none.
 
-    Raises :class:`~outbox.errors.InvalidKeyError` for a value that is not UTF-8.
+    The name is matched without regard to case, as the relay does when it decides whether the
+    publisher set the header itself. Raises :class:`~outbox.errors.InvalidKeyError` for a value
+    that is not UTF-8.
     """
+    wanted = header.lower()
     for name, value in message_headers(message):
-        if name == header and value is not None:
+        if name.lower() == wanted and value is not None:
             try:
                 text: str = value.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -241,6 +244,33 @@ def header_key(message: Message, header: str) -> str | None:
                 ) from exc
             return text
     return None
+
+
+# SQLSTATEs of a server going away or refusing connections for now (class 08, connection
+# exception; admin or crash shutdown; "the database system is starting up").
+_UNAVAILABLE_SQLSTATES = ("57P01", "57P02", "57P03")
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """True when ``exc`` says PostgreSQL could not be reached or dropped the connection (an
+    outage, a restart, a failover, a full pool), as opposed to a statement that failed.
+
+    Errors raised by the server about a statement (deadlock, constraint, timeout) carry their
+    own SQLSTATE and are not outages; client-side connection errors carry none.
+    """
+    import psycopg
+    import sqlalchemy as sa
+
+    if isinstance(exc, sa.exc.TimeoutError):  # no pooled connection came free in time
+        return True
+    if isinstance(exc, sa.exc.DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        exc = exc.orig if isinstance(exc.orig, BaseException) else exc
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    sqlstate = exc.sqlstate
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES
 
 
 def message_headers(message: Message) -> list[tuple[str, bytes | None]]:
@@ -322,7 +352,7 @@ class _Metrics:
         self.failed = Counter(
             "outbox_consumer_failed",
             "Attempts that did not finish a message (kind: error, permanent, key_in_progress, "
-            "dead_letter_unavailable).",
+            "dead_letter_unavailable, database_unavailable).",
             (*labels, "kind"), registry=registry,
         )  # fmt: skip
         self.dead_lettered = Counter(
@@ -659,6 +689,8 @@ class ConsumerRunner:
     def _work(self) -> None:
         for key, state in list(self._partitions.items()):
             while state.backlog and not self._stopping.is_set():
+                if key not in self._partitions:
+                    break  # revoked while a dead-letter commit served a rebalance
                 now = time.monotonic()
                 if state.retry_at > now:
                     break
@@ -775,7 +807,24 @@ class ConsumerRunner:
                 return self._dead_letter_now(message, state, Reason.INVALID_INPUT, exc)
             if isinstance(exc, DeadLetterError):
                 return self._dead_letter_unavailable(message, state, exc)
+            if database_unavailable(exc):
+                return self._database_unavailable(message, state, exc)
             return self._failed(message, state, exc)
+
+    def _database_unavailable(self, message: Message, state: _Partition, exc: Exception) -> Outcome:
+        # Not the message's fault: an outage or failover must never exhaust its attempts and
+        # dead-letter it. Retried, in order, until PostgreSQL answers again.
+        state.waits += 1
+        delay = backoff_delay(state.waits, self.config.retry_backoff, self.config.retry_backoff_max)
+        state.retry_at = time.monotonic() + delay
+        self._metrics.failed.labels(
+            self.config.group, message.topic(), "database_unavailable"
+        ).inc()
+        log.warning(
+            "%s: PostgreSQL unavailable (%s); retrying in %.2fs, attempts not counted",
+            _where(message), _one_line(exc), delay,
+        )  # fmt: skip
+        return Outcome.RETRY
 
     def _in_progress(self, message: Message, state: _Partition, key: str) -> Outcome:
         state.waits += 1

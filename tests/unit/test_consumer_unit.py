@@ -55,8 +55,9 @@ def test_header_key_takes_the_first_matching_header() -> None:
     msg = FakeMessage([("other", b"x"), ("X-Idempotency-Key", b"k1"), ("X-Idempotency-Key", b"k2")])
     assert header_key(msg, "X-Idempotency-Key") == "k1"  # type: ignore[arg-type]
     assert header_key(FakeMessage(None), "X-Idempotency-Key") is None  # type: ignore[arg-type]
+    # Matched without regard to case, like the relay's check for a publisher's own header.
     assert header_key(FakeMessage([("x-idempotency-key", b"k")]),  # type: ignore[arg-type]
-                      "X-Idempotency-Key") is None  # fmt: skip
+                      "X-Idempotency-Key") == "k"  # fmt: skip
     with pytest.raises(InvalidKeyError, match="not UTF-8"):
         header_key(FakeMessage([("k", b"\xff\xfe")]), "k")  # type: ignore[arg-type]
 
@@ -164,3 +165,27 @@ def test_runner_refuses_a_handler_that_is_not_callable() -> None:
         ConsumerRunner(ob, "handler", topics=["orders"], group="g",  # type: ignore[arg-type]
                        bootstrap_servers="k:1")  # fmt: skip
     ob.close()
+
+
+def test_database_outages_are_told_apart_from_failed_statements() -> None:
+    import psycopg
+    import sqlalchemy as sa
+
+    from outbox.consumer import database_unavailable
+
+    refused = psycopg.OperationalError("connection failed: Connection refused")
+    assert database_unavailable(refused)  # client side: no SQLSTATE
+    assert database_unavailable(sa.exc.OperationalError("SELECT 1", {}, refused))
+    assert database_unavailable(psycopg.errors.AdminShutdown("terminating connection"))
+    assert database_unavailable(psycopg.errors.ConnectionFailure("gone"))  # class 08
+    assert database_unavailable(sa.exc.TimeoutError("QueuePool limit reached"))
+    lost = sa.exc.DBAPIError(
+        "SELECT 1", {}, psycopg.DatabaseError("x"), connection_invalidated=True
+    )
+    assert database_unavailable(lost)
+    # A statement the server refused is the message's business, not an outage.
+    assert not database_unavailable(psycopg.errors.DeadlockDetected("deadlock detected"))
+    assert not database_unavailable(psycopg.errors.QueryCanceled("statement timeout"))
+    unique = psycopg.errors.UniqueViolation("duplicate key")
+    assert not database_unavailable(sa.exc.IntegrityError("INSERT", {}, unique))
+    assert not database_unavailable(ValueError("bad payload"))
