@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from outbox._codec import CONTENT_TYPE_HEADER, JSON_CONTENT_TYPE
+from outbox._codec import CONTENT_TYPE_HEADER, IDEMPOTENCY_HEADER, JSON_CONTENT_TYPE
 from outbox.errors import (
     InvalidKeyError,
     InvalidTopicError,
@@ -172,6 +172,29 @@ def check_headers(headers: object) -> dict[str, str | bytes]:
                 f"header {name!r} must be str or bytes, got {type(value).__name__}"
             )
     return out
+
+
+def check_idempotency_header(headers: Mapping[str, str | bytes]) -> None:
+    """A publisher's own ``X-Idempotency-Key`` header (any case) must hold a valid idempotency
+    key: consumers use it as theirs, and one they cannot use would be dead-lettered there."""
+    wanted = IDEMPOTENCY_HEADER.lower()
+    for name, value in headers.items():
+        if name.lower() != wanted:
+            continue
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidKeyError(
+                    f"header {name!r} must be UTF-8 text: consumers use it as their idempotency key"
+                ) from exc
+        try:
+            check_key(value)
+        except InvalidKeyError as exc:
+            raise InvalidKeyError(
+                f"header {name!r}: {exc} (consumers use it as their idempotency key; leave it "
+                "out and the event id is sent instead)"
+            ) from exc
 
 
 def check_size(

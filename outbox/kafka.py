@@ -103,6 +103,12 @@ def producer_config(
                 f"{key}={value} to deliver without loss and in order; remove that setting"
             )
         config[key] = value
+    timeout = config.get("message.timeout.ms", "1")
+    if not timeout.isdigit() or int(timeout) <= 0:
+        raise ConfigurationError(
+            f"--kafka-config message.timeout.ms={timeout} is not allowed: the relay needs a "
+            "positive bound on delivery (0 means wait forever) to back off and retry an outage"
+        )
     if "transactional.id" in config:
         raise ConfigurationError(
             "--kafka-config transactional.id is not supported by the relay: remove it (the "
@@ -237,7 +243,16 @@ class KafkaProducer:
                 break
             # flush() sends at once instead of waiting for linger.ms and serves callbacks.
             self._producer.flush(min(0.1, limit - now))
-        return [o if o is not None else NOT_SENT for o in outcomes]
+        if stop_deadline is not None:
+            return [o if o is not None else NOT_SENT for o in outcomes]
+        # No report although message.timeout.ms (+5 s) passed: librdkafka lost track of these
+        # records. Retriable, and the producer is rebuilt (its queue purged) before a retry.
+        late = Outcome(
+            error=f"no delivery report within {self.message_timeout + 5.0:g}s",
+            code=int(KafkaError._MSG_TIMED_OUT),
+            stale_producer=True,
+        )
+        return [o if o is not None else late for o in outcomes]
 
     def check(self, timeout: float = 5.0) -> int:
         """Ask the cluster for metadata; returns the broker count or raises PublishError."""

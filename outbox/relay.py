@@ -283,6 +283,23 @@ def build_records(rows: Sequence[ClaimedRow]) -> list[RecordTuple]:
     return records
 
 
+def build_records_checked(
+    rows: Sequence[ClaimedRow],
+) -> tuple[list[RecordTuple | None], dict[int, str]]:
+    """:func:`build_records` for a batch in which some row cannot become a record (stored
+    headers that are not what ``uow.publish`` writes, e.g. from hand-written SQL): those rows
+    get ``None`` and an error text, by index; the others their records."""
+    records: list[RecordTuple | None] = []
+    broken: dict[int, str] = {}
+    for index, row in enumerate(rows):
+        try:
+            records.append(build_records([row])[0])
+        except Exception as exc:
+            records.append(None)
+            broken[index] = f"row cannot be turned into a record: {type(exc).__name__}: {exc}"
+    return records, broken
+
+
 def build_record(
     topic: str, key: bytes | None, value: bytes, stored_headers: Mapping[str, Any], event_id: str
 ) -> Record:
@@ -631,22 +648,37 @@ class Relay:
             conn.commit()
             return result
         result.claimed = len(claimed)
-        records = build_records(rows)
         outcomes: list[Outcome | None] = [None] * len(rows)
         failed_keys: set[bytes] = set()
+        records: Sequence[RecordTuple | None]
+        broken: dict[int, str] = {}
+        try:
+            records = build_records(rows)
+        except Exception:
+            records, broken = build_records_checked(rows)
+            for i, error in broken.items():
+                outcomes[i] = Outcome(error=error, permanent=True)  # parked below
+                key = rows[i][KEY]
+                if key is not None:
+                    failed_keys.add(key)  # its later rows wait behind it
         producer = self._producer_or_new()
         for round_ in delivery_rounds([r[KEY] for r in rows]):
             if self.stop_event.is_set():
                 break  # finish: what was confirmed so far is deleted below, the rest stays
             todo = round_
-            if failed_keys:
+            if failed_keys or broken:
                 todo = [
-                    i for i in round_ if rows[i][KEY] is None or rows[i][KEY] not in failed_keys
+                    i
+                    for i in round_
+                    if outcomes[i] is None
+                    and (rows[i][KEY] is None or rows[i][KEY] not in failed_keys)
                 ]
                 if not todo:
                     continue
             sent = producer.send(
-                [records[i] for i in todo], self.stop_event, self.config.shutdown_grace
+                [records[i] for i in todo],  # type: ignore[misc]  # broken rows are not in todo
+                self.stop_event,
+                self.config.shutdown_grace,
             )
             result.sent += len(todo)
             for i, outcome in zip(todo, sent, strict=True):

@@ -173,6 +173,7 @@ class UnitOfWork:
         _validate.check_topic(topic)
         key_bytes = _validate.encode_message_key(key)
         checked = _validate.check_headers(headers)
+        _validate.check_idempotency_header(checked)
         value_bytes, content_type = _validate.encode_value(value)
         _validate.with_content_type(checked, content_type)
         _validate.check_size(key_bytes, value_bytes, checked, self._outbox.config.max_payload_bytes)

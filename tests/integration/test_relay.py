@@ -88,6 +88,28 @@ def test_oversized_row_is_parked_while_other_keys_flow(
     check_key_order(records, {b"poison": [str(ids[0]), str(ids[2])]})
 
 
+def test_row_with_malformed_headers_is_parked_not_a_crash(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """A row written by hand with headers the relay cannot read parks with the reason; its key's
+    later rows wait behind it and the other keys flow."""
+    topic = _topic("relay-malformed")
+    ids = insert_rows(engine, topic, [("m", b"m1"), ("m", b"m2"), ("other", b"o1")])
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE outbox SET headers = CAST(:h AS jsonb) WHERE event_id = :e"),
+            {"h": '{"h": {"not": "base64"}}', "e": ids[0]},
+        )
+    assert Relay(RelayConfig(database_url, kafka_bootstrap)).run(once=True) == 0
+    with engine.connect() as conn:
+        parked = list_parked(conn)
+    assert [p.event_id for p in parked] == [ids[0]]
+    assert (parked[0].error or "").startswith("row cannot be turned into a record: ")
+    assert outbox_count(engine) == 2  # the parked m1 and m2 behind it
+    records = wait_for_records(kafka_bootstrap, topic, [ids[2]])
+    assert {r.event_id for r in records} == {str(ids[2])}
+
+
 def test_a_row_held_by_another_transaction_blocks_later_rows_of_its_key(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str
 ) -> None:

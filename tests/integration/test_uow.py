@@ -397,6 +397,18 @@ def _bad_publish(name: str):  # type: ignore[no-untyped-def]
             lambda u: u.publish("t", {"a": 1}, headers=[("h", "v")]),
             SerializationError,
         ),
+        "idem-header-empty": (
+            lambda u: u.publish("t", b"v", headers={"X-Idempotency-Key": ""}),
+            InvalidKeyError,
+        ),
+        "idem-header-long": (
+            lambda u: u.publish("t", b"v", headers={"x-idempotency-key": "k" * 256}),
+            InvalidKeyError,
+        ),
+        "idem-header-binary": (
+            lambda u: u.publish("t", b"v", headers={"X-Idempotency-Key": b"\xff"}),
+            InvalidKeyError,
+        ),
         "result-object": (lambda u: setattr(u, "result", object()), SerializationError),
         "result-nul": (lambda u: setattr(u, "result", "a\x00b"), SerializationError),
     }
@@ -417,6 +429,9 @@ def _bad_publish(name: str):  # type: ignore[no-untyped-def]
         "key-int",
         "header-int",
         "headers-list",
+        "idem-header-empty",
+        "idem-header-long",
+        "idem-header-binary",
         "result-object",
         "result-nul",
     ],

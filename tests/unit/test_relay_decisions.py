@@ -80,6 +80,8 @@ def test_producer_config_keeps_the_guarantees() -> None:
     for bad in ({"acks": "1"}, {"enable.idempotence": "false"}, {"transactional.id": "x"}):
         with pytest.raises(ConfigurationError):
             producer_config("b", bad)
+    with pytest.raises(ConfigurationError, match=r"message\.timeout\.ms=0 is not allowed"):
+        producer_config("b", {"message.timeout.ms": "0"})
     assert producer_config("b", {"acks": "-1"})["acks"] == "all"
 
 
@@ -124,3 +126,42 @@ def test_records_of_claimed_rows_share_cached_headers_safely() -> None:
     own = build_records([_row(3, b"k", '{"X-Idempotency-Key": "mine"}')])[0]
     assert own[3] == [("X-Idempotency-Key", b"mine")]
     assert build_records(rows)[0][3] == first[3]  # the cached header list was not mutated
+
+
+def test_rows_that_cannot_become_records_are_told_apart_by_index() -> None:
+    from outbox.relay import build_records_checked
+
+    good, bad = _row(1, b"a", '{"a": "1"}'), _row(2, b"a", '{"h": {}}')
+    records, broken = build_records_checked([good, bad, _row(3, None, "not json")])
+    assert records[0] == build_records([good])[0]
+    assert records[1] is None and records[2] is None
+    assert set(broken) == {1, 2}
+    assert broken[1].startswith("row cannot be turned into a record: ")
+
+
+def test_records_without_a_report_by_the_deadline_are_retriable_and_rebuild_the_producer() -> None:
+    """librdkafka reports every record within message.timeout.ms; should it not, the records
+    are failed as a retriable outage with a stale producer, never left without an outcome."""
+    import threading
+
+    from confluent_kafka import KafkaError
+
+    from outbox.kafka import KafkaProducer
+
+    class Silent:  # accepts records and never reports them
+        def produce(self, *args: object, **kwargs: object) -> None:
+            return None
+
+        def flush(self, timeout: float) -> int:
+            return 1
+
+    producer = KafkaProducer("127.0.0.1:9", {})
+    producer._producer = Silent()  # type: ignore[assignment]
+    producer.message_timeout = -4.9  # the deadline is message_timeout + 5 s: 0.1 s from now
+    outcomes = producer.send([("t", b"k", b"v", [])], threading.Event())
+    assert len(outcomes) == 1 and not outcomes[0].ok
+    assert outcomes[0].code == KafkaError._MSG_TIMED_OUT
+    assert outcomes[0].stale_producer and not outcomes[0].permanent
+    stopped = threading.Event()
+    stopped.set()
+    assert producer.send([("t", b"k", b"v", [])], stopped, grace=0.05) == [NOT_SENT]
