@@ -60,7 +60,8 @@ def statements(schema: str | None) -> Statements:
             claim_name,
             f"PREPARE {claim_name} (bigint, text, text) AS "
             f"WITH lock AS (SELECT pg_try_advisory_xact_lock($1) AS acquired) "
-            f"SELECT lock.acquired, k.status, k.fingerprint, k.result::text AS result, k.error "
+            f"SELECT lock.acquired, k.status, k.fingerprint, k.result::text AS result, k.error, "
+            f"EXTRACT(EPOCH FROM now() - k.updated_at)::float8 AS age "
             f"FROM lock LEFT JOIN {keys} AS k ON k.scope = $2 AND k.key = $3",
             f"EXECUTE {claim_name} (%(lock_id)s, %(scope)s, %(key)s)",
             "",

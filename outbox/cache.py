@@ -101,8 +101,9 @@ class OutcomeCache:
             return None
         return _decode(raw)
 
-    def put(self, scope: str, key: str, outcome: CachedOutcome) -> None:
-        """Remember an outcome; call only after the PostgreSQL commit that made it final."""
+    def put(self, scope: str, key: str, outcome: CachedOutcome, ttl: float | None = None) -> None:
+        """Remember an outcome for ``ttl`` seconds (default ``cache_ttl``); call only after the
+        PostgreSQL commit that made it final."""
         if not self.available():
             return
         entry: dict[str, Any] = {"s": outcome.status, "f": outcome.fingerprint}
@@ -111,7 +112,8 @@ class OutcomeCache:
         else:
             entry["e"] = outcome.error
         try:
-            self._client.set(self.redis_key(scope, key), json.dumps(entry), px=self._ttl_ms)
+            px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))
+            self._client.set(self.redis_key(scope, key), json.dumps(entry), px=px)
         except (redis.RedisError, OSError) as exc:
             self._failed("SET", exc)
 

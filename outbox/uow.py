@@ -359,7 +359,7 @@ class Outbox:
         tx = Transaction(self.engine)
         try:
             sql = self._sql
-            acquired, status, stored_fp, result_json, error = tx.begin_with(
+            acquired, status, stored_fp, result_json, error, age = tx.begin_with(
                 sql.idempotency_key_claim_prepared,
                 {"lock_id": lock_id(scope, key), "scope": scope, "key": key},
             )
@@ -372,8 +372,12 @@ class Outbox:
         if status is None:
             raise KeyInProgress(scope, key)
         if cache is not None:
-            # Warm the cache: this outcome was committed by an earlier transaction.
-            cache.put(scope, key, CachedOutcome(status, stored_fp, result_json, error))
+            # Warm the cache: this outcome was committed by an earlier transaction. Never for
+            # longer than PostgreSQL keeps the key (outbox gc deletes it `retention` after its
+            # last update): Redis must not answer for a key the database has forgotten.
+            ttl = min(self.config.cache_ttl, self.config.retention - float(age or 0.0))
+            if ttl >= 1.0:
+                cache.put(scope, key, CachedOutcome(status, stored_fp, result_json, error), ttl)
         return self._outcome(scope, key, fingerprint, status, stored_fp, result_json, error)
 
     def _commit(self, uow: UnitOfWork) -> None:

@@ -104,6 +104,32 @@ def test_ttl_is_configurable(
     assert 110_000 < ttl_ms <= 120_000
 
 
+def test_cache_warmed_from_postgres_never_outlives_the_key(
+    make_outbox: Callable[..., outbox.Outbox], redis_url: str, redis_prefix: str
+) -> None:
+    """A duplicate answered by PostgreSQL puts the outcome in Redis, but only for as long as the
+    database keeps the key (``retention`` after its last update, then ``outbox gc``)."""
+    ob = make_outbox(redis_url, cache_prefix=redis_prefix, cache_ttl=600.0, retention=3600.0)
+    assert ob.cache is not None
+    client = ob.cache.client
+    for key, age in (("young", 0), ("old", 3600 - 100), ("expiring", 3600 - 0.5)):
+        place(ob, key)
+        with ob.engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE idempotency_keys SET updated_at = now() - make_interval(secs => :a) "
+                    "WHERE scope = 'shop' AND key = :k"
+                ),
+                {"a": age, "k": key},
+            )
+        client.delete(ob.cache.redis_key("shop", key))
+        assert place(ob, key) == (True, {"order": key})  # replayed by PostgreSQL
+    ttl = {k: client.pttl(ob.cache.redis_key("shop", k)) for k in ("young", "old", "expiring")}
+    assert 590_000 < ttl["young"] <= 600_000  # the full cache_ttl
+    assert 0 < ttl["old"] <= 100_000  # what is left of the key's retention
+    assert ttl["expiring"] == -2  # under a second left: not cached at all
+
+
 def test_ttl_must_be_shorter_than_retention() -> None:
     with pytest.raises(ConfigurationError, match="shorter than retention"):
         OutboxConfig(cache_ttl=7 * 86400.0, retention=7 * 86400.0).validate()
