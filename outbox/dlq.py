@@ -39,7 +39,7 @@ HEADER_PARTITION = "outbox.dlq.partition"
 HEADER_OFFSET = "outbox.dlq.offset"
 HEADER_GROUP = "outbox.dlq.group"
 
-_MAX_ERROR_TEXT = 4000
+_MAX_ERROR_TEXT = 1000  # the error header: enough to diagnose, small next to the record
 
 # librdkafka properties that only a consumer understands: the dead-letter producer is built from
 # the runner's kafka_config without them (a producer would log a warning for each).
