@@ -48,7 +48,15 @@ def statements(schema: str | None) -> Statements:
     keys = _qualified(schema, IDEMPOTENCY_KEYS)
     # Prepared-statement names live per connection, across schemas: tell schemas apart by a
     # short digest (a long schema name would be truncated to 63 bytes and could collide).
-    claim_name = f"outbox_key_claim_{_digest(schema)}"
+    claim_body = (
+        f"WITH lock AS (SELECT pg_try_advisory_xact_lock($1) AS acquired) "
+        f"SELECT lock.acquired, k.status, k.fingerprint, k.result::text AS result, k.error, "
+        f"EXTRACT(EPOCH FROM now() - k.updated_at)::float8 AS age "
+        f"FROM lock LEFT JOIN {keys} AS k ON k.scope = $2 AND k.key = $3"
+    )
+    # The digest covers the text too: a server session that outlived a deploy (a pooler that
+    # does not reset sessions) may still hold an older statement under an older name.
+    claim_name = f"outbox_key_claim_{_digest(schema, claim_body)}"
     return Statements(
         # One round trip: try the key's transaction-scoped advisory lock (never waits) and read
         # any committed outcome. The lock is the claim: every writer of a key takes it first,
@@ -58,11 +66,7 @@ def statements(schema: str | None) -> Statements:
         # BEGIN without being planned every time.
         idempotency_key_claim_prepared=Prepared(
             claim_name,
-            f"PREPARE {claim_name} (bigint, text, text) AS "
-            f"WITH lock AS (SELECT pg_try_advisory_xact_lock($1) AS acquired) "
-            f"SELECT lock.acquired, k.status, k.fingerprint, k.result::text AS result, k.error, "
-            f"EXTRACT(EPOCH FROM now() - k.updated_at)::float8 AS age "
-            f"FROM lock LEFT JOIN {keys} AS k ON k.scope = $2 AND k.key = $3",
+            f"PREPARE {claim_name} (bigint, text, text) AS {claim_body}",
             f"EXECUTE {claim_name} (%(lock_id)s, %(scope)s, %(key)s)",
             "",
             ("lock_id", "scope", "key"),
@@ -92,7 +96,6 @@ def idempotency_key_complete(schema: str | None, events: int) -> Prepared:
     if events < 0:
         raise ValueError("events must not be negative")
     keys = _qualified(schema, IDEMPOTENCY_KEYS)
-    name = f"outbox_key_complete_{events}_{_digest(schema)}"
     types = ["text", "text", "text", "text"]
     args = ["%(scope)s", "%(key)s", "%(fingerprint)s", "%(result)s"]
     key_insert = (
@@ -113,6 +116,7 @@ def idempotency_key_complete(schema: str | None, events: int) -> Prepared:
             f"INSERT INTO {_qualified(schema, OUTBOX)} "
             f"(event_id, topic, key, value, headers, key_hash) VALUES {', '.join(rows)}"
         )
+    name = f"outbox_key_complete_{events}_{_digest(schema, body)}"  # see the claim's name
     direct = body
     for n in range(len(args), 0, -1):  # $10 before $1
         direct = direct.replace(f"${n}", args[n - 1])

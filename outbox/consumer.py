@@ -255,22 +255,31 @@ def database_unavailable(exc: BaseException) -> bool:
     """True when ``exc`` says PostgreSQL could not be reached or dropped the connection (an
     outage, a restart, a failover, a full pool), as opposed to a statement that failed.
 
-    Errors raised by the server about a statement (deadlock, constraint, timeout) carry their
-    own SQLSTATE and are not outages; client-side connection errors carry none.
+    * An error the server sent decides by its SQLSTATE: connection exceptions (class 08) and
+      shutdowns are outages; anything else (deadlock, constraint, a statement or
+      idle-in-transaction timeout that also ends the session) is about the work, not the
+      database.
+    * Without a SQLSTATE it is an outage when SQLAlchemy saw the connection die in use, or when
+      opening a connection failed; other client-side errors are not.
     """
     import psycopg
     import sqlalchemy as sa
 
     if isinstance(exc, sa.exc.TimeoutError):  # no pooled connection came free in time
         return True
+    invalidated = False
     if isinstance(exc, sa.exc.DBAPIError):
-        if exc.connection_invalidated:
-            return True
+        invalidated = bool(exc.connection_invalidated)
         exc = exc.orig if isinstance(exc.orig, BaseException) else exc
-    if not isinstance(exc, psycopg.OperationalError):
-        return False
+    if not isinstance(exc, psycopg.Error):
+        return invalidated
     sqlstate = exc.sqlstate
-    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES
+    if sqlstate is not None:
+        return sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES
+    if invalidated:
+        return True
+    # psycopg attaches the connection object only to a failed connection attempt.
+    return isinstance(exc, psycopg.OperationalError) and exc.pgconn is not None
 
 
 def message_headers(message: Message) -> list[tuple[str, bytes | None]]:

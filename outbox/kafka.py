@@ -92,6 +92,8 @@ def producer_config(
     config: dict[str, str] = {"bootstrap.servers": bootstrap_servers, "client.id": client_id}
     config.update(DEFAULT_CONFIG)
     config.update({k: str(v) for k, v in overrides.items()})
+    if "delivery.timeout.ms" in config:  # librdkafka's alias: one name from here on
+        config["message.timeout.ms"] = config.pop("delivery.timeout.ms")
     for key, value in REQUIRED_CONFIG.items():
         given = config.get(key, value).lower()
         normalized = {"-1": "all", "1": "true"}.get(given, given) if key == "acks" else given

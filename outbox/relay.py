@@ -658,13 +658,14 @@ class Relay:
             records, broken = build_records_checked(rows)
             for i, error in broken.items():
                 outcomes[i] = Outcome(error=error, permanent=True)  # parked below
-                key = rows[i][KEY]
-                if key is not None:
-                    failed_keys.add(key)  # its later rows wait behind it
         producer = self._producer_or_new()
         for round_ in delivery_rounds([r[KEY] for r in rows]):
             if self.stop_event.is_set():
                 break  # finish: what was confirmed so far is deleted below, the rest stays
+            for i in round_:
+                key = rows[i][KEY]
+                if i in broken and key is not None:
+                    failed_keys.add(key)  # its earlier rows went in earlier rounds; later wait
             todo = round_
             if failed_keys or broken:
                 todo = [

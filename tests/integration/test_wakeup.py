@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
-from outbox import Outbox, OutboxConfig
+from outbox import Outbox, OutboxConfig, migrate
 from outbox.wakeup import Listener, channel, make_notifier
 from tests._services import free_port, wait_for
 
@@ -45,15 +45,17 @@ def test_commit_with_events_wakes_a_listener(database_url: str, engine: sa.Engin
 
 
 def test_wake_relays_off_sends_no_notification(database_url: str, engine: sa.Engine) -> None:
-    listener, woken, stop = _listen(engine, None)
-    ob = Outbox(database_url, config=OutboxConfig(wake_relays=False))
+    # A schema of its own: its channel hears no other test's notifications.
+    migrate.upgrade(engine, schema="quiet")
+    listener, woken, stop = _listen(engine, "quiet")
+    ob = Outbox(database_url, config=OutboxConfig(schema="quiet", wake_relays=False))
     try:
         woken.clear()
         with ob.unit_of_work("quiet") as uow:
             uow.publish("wakeup-test", b"x")
         assert not woken.wait(1.0), "a notification came although wake_relays is off"
         # The listener still hears others: the silence above was the setting, not a dead line.
-        notify = make_notifier(engine, None, None)
+        notify = make_notifier(engine, None, "quiet")
         notify()
         assert woken.wait(10)
     finally:

@@ -173,16 +173,32 @@ def test_database_outages_are_told_apart_from_failed_statements() -> None:
 
     from outbox.consumer import database_unavailable
 
-    refused = psycopg.OperationalError("connection failed: Connection refused")
-    assert database_unavailable(refused)  # client side: no SQLSTATE
-    assert database_unavailable(sa.exc.OperationalError("SELECT 1", {}, refused))
+    refused: BaseException | None = None
+    try:  # a real failed connection attempt: nothing listens on port 9
+        psycopg.connect("host=127.0.0.1 port=9 connect_timeout=2")
+    except psycopg.OperationalError as exc:
+        refused = exc
+    assert refused is not None
+    assert database_unavailable(refused)  # no SQLSTATE; the failed attempt's connection attached
+    assert database_unavailable(sa.exc.OperationalError("connect", {}, refused))
+    lost = psycopg.OperationalError("consuming input failed: server closed the connection")
+    assert database_unavailable(
+        sa.exc.OperationalError("SELECT 1", {}, lost, connection_invalidated=True)
+    )
     assert database_unavailable(psycopg.errors.AdminShutdown("terminating connection"))
     assert database_unavailable(psycopg.errors.ConnectionFailure("gone"))  # class 08
     assert database_unavailable(sa.exc.TimeoutError("QueuePool limit reached"))
-    lost = sa.exc.DBAPIError(
-        "SELECT 1", {}, psycopg.DatabaseError("x"), connection_invalidated=True
+    gone = sa.exc.DBAPIError("SELECT 1", {}, Exception("x"), connection_invalidated=True)
+    assert database_unavailable(gone)
+    # A client-side failure of a healthy connection is not an outage.
+    too_many = psycopg.OperationalError("sending query and params failed: too many parameters")
+    assert not database_unavailable(too_many)
+    assert not database_unavailable(sa.exc.OperationalError("INSERT", {}, too_many))
+    # The server ended the session over the work itself: counted against the message.
+    idle = psycopg.errors.IdleInTransactionSessionTimeout("terminating connection: idle")
+    assert not database_unavailable(
+        sa.exc.OperationalError("SELECT 1", {}, idle, connection_invalidated=True)
     )
-    assert database_unavailable(lost)
     # A statement the server refused is the message's business, not an outage.
     assert not database_unavailable(psycopg.errors.DeadlockDetected("deadlock detected"))
     assert not database_unavailable(psycopg.errors.QueryCanceled("statement timeout"))

@@ -82,6 +82,10 @@ def test_producer_config_keeps_the_guarantees() -> None:
             producer_config("b", bad)
     with pytest.raises(ConfigurationError, match=r"message\.timeout\.ms=0 is not allowed"):
         producer_config("b", {"message.timeout.ms": "0"})
+    with pytest.raises(ConfigurationError, match=r"message\.timeout\.ms=0 is not allowed"):
+        producer_config("b", {"delivery.timeout.ms": "0"})  # librdkafka's alias
+    aliased = producer_config("b", {"delivery.timeout.ms": "45000"})
+    assert aliased["message.timeout.ms"] == "45000" and "delivery.timeout.ms" not in aliased
     assert producer_config("b", {"acks": "-1"})["acks"] == "all"
 
 
