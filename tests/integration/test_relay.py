@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -109,6 +110,31 @@ def test_row_with_malformed_headers_is_parked_not_a_crash(
     assert outbox_count(engine) == 2  # the parked m2 and m3 behind it
     records = wait_for_records(kafka_bootstrap, topic, [ids[0]])
     assert {r.event_id for r in records} == {str(ids[0])}
+
+
+def test_rows_behind_a_parked_row_are_neither_claimed_nor_sent_back_as_skipped(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """A queue behind a parked row costs the claim no transfer: only the other key's row comes
+    back, claimed, and nothing is reported skipped."""
+    topic = _topic("relay-parked-queue")
+    ids = insert_rows(engine, topic, [("k", b"head")] + [("k", b"x")] * 50 + [("o", b"o1")])
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE outbox SET parked_at = now() WHERE event_id = :e"), {"e": ids[0]}
+        )
+    relay = Relay(RelayConfig(database_url, kafka_bootstrap, lanes=1))
+    try:
+        with relay.engine.connect() as conn:
+            driver: Any = conn.connection.driver_connection
+            with driver.cursor(binary=True) as cur:
+                cur.execute(relay.sql.claim, {"lanes": 1, "owned": [0], "batch_size": 100})
+                fetched = cur.fetchall()
+            conn.rollback()
+    finally:
+        relay.engine.dispose()
+    assert [(bytes(r[3]), r[7]) for r in fetched] == [(b"o", False)]
+    assert fetched[0][6] == str(ids[-1]).encode()
 
 
 def test_a_row_held_by_another_transaction_blocks_later_rows_of_its_key(
