@@ -823,25 +823,38 @@ class ConsumerRunner:
     def _database_unavailable(self, message: Message, state: _Partition, exc: Exception) -> Outcome:
         # Not the message's fault: an outage or failover must never exhaust its attempts and
         # dead-letter it. Retried, in order, until PostgreSQL answers again.
-        state.waits += 1
-        delay = backoff_delay(state.waits, self.config.retry_backoff, self.config.retry_backoff_max)
-        state.retry_at = time.monotonic() + delay
-        self._metrics.failed.labels(
-            self.config.group, message.topic(), "database_unavailable"
-        ).inc()
+        delay = self._wait(
+            message,
+            state,
+            "database_unavailable",
+            self.config.retry_backoff,
+            self.config.retry_backoff_max,
+        )
         log.warning(
             "%s: PostgreSQL unavailable (%s); retrying in %.2fs, attempts not counted",
             _where(message), _one_line(exc), delay,
         )  # fmt: skip
         return Outcome.RETRY
 
-    def _in_progress(self, message: Message, state: _Partition, key: str) -> Outcome:
+    def _wait(
+        self, message: Message, state: _Partition, kind: str, base: float, cap: float
+    ) -> float:
+        """Schedule the same message again after a backoff, without counting an attempt (the
+        cause is not the message); returns the delay."""
         state.waits += 1
-        delay = backoff_delay(
-            state.waits, self.config.in_progress_backoff, self.config.in_progress_backoff_max
-        )
+        delay = backoff_delay(state.waits, base, cap)
         state.retry_at = time.monotonic() + delay
-        self._metrics.failed.labels(self.config.group, message.topic(), "key_in_progress").inc()
+        self._metrics.failed.labels(self.config.group, message.topic(), kind).inc()
+        return delay
+
+    def _in_progress(self, message: Message, state: _Partition, key: str) -> Outcome:
+        delay = self._wait(
+            message,
+            state,
+            "key_in_progress",
+            self.config.in_progress_backoff,
+            self.config.in_progress_backoff_max,
+        )
         log.debug("%s: key %r in progress elsewhere; retry in %.3fs", _where(message), key, delay)
         return Outcome.RETRY
 
@@ -884,12 +897,13 @@ class ConsumerRunner:
         self, message: Message, state: _Partition, exc: DeadLetterError
     ) -> Outcome:
         # Never commit a message whose dead letter is not durable: keep retrying it.
-        state.waits += 1
-        delay = backoff_delay(state.waits, self.config.retry_backoff, self.config.retry_backoff_max)
-        state.retry_at = time.monotonic() + delay
-        self._metrics.failed.labels(
-            self.config.group, message.topic(), "dead_letter_unavailable"
-        ).inc()
+        delay = self._wait(
+            message,
+            state,
+            "dead_letter_unavailable",
+            self.config.retry_backoff,
+            self.config.retry_backoff_max,
+        )
         log.error("%s: %s; retrying in %.2fs", _where(message), exc, delay)
         return Outcome.RETRY
 

@@ -335,6 +335,18 @@ def _with_event_id(headers: Headers, has_idempotency_key: bool, event_id: bytes)
 # SQL (written once; the table name is an allow-listed schema, quoted by the dialect)
 # --------------------------------------------------------------------------------------------
 
+
+def _not_behind_parked(row: str) -> str:
+    """SQL: ``row`` has no parked row of its key before it (``{outbox}`` is formatted later)."""
+    return f"""((SELECT NOT EXISTS (SELECT 1 FROM {{outbox}} WHERE parked_at IS NOT NULL))
+       OR NOT EXISTS (
+          SELECT 1 FROM {{outbox}} p
+          WHERE p.parked_at IS NOT NULL
+            AND p.key_hash = {row}.key_hash AND p.key = {row}.key AND p.id < {row}.id
+          OFFSET 0
+       ))"""
+
+
 # Claim rule (see the module docstring). Rows of keys blocked by a parked row are never even
 # locked, so a poison key cannot fill every batch. The per-row probe of the small partial index
 # ix_outbox_parked (`OFFSET 0` keeps it a probe instead of a join over the whole table) only
@@ -354,19 +366,16 @@ def _with_event_id(headers: Headers, has_idempotency_key: bool, event_id: bytes)
 #
 # Columns come back in binary (no hex decoding of bytea), the event id already as the bytes of
 # its text form (the value of the X-Idempotency-Key header). `%%` is psycopg's escaped `%`.
-OUTBOX_CLAIM_BATCH = """
+OUTBOX_CLAIM_BATCH = (
+    """
 WITH claim AS (
     SELECT o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.attempts
     FROM {outbox} o
     WHERE o.parked_at IS NULL
       AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
-      AND ((SELECT NOT EXISTS (SELECT 1 FROM {outbox} WHERE parked_at IS NOT NULL))
-           OR NOT EXISTS (
-              SELECT 1 FROM {outbox} p
-              WHERE p.parked_at IS NOT NULL
-                AND p.key_hash = o.key_hash AND p.key = o.key AND p.id < o.id
-              OFFSET 0
-           ))
+      AND """
+    + _not_behind_parked("o")
+    + """
     ORDER BY o.id
     LIMIT %(batch_size)s
     FOR UPDATE OF o SKIP LOCKED
@@ -382,14 +391,11 @@ WHERE s.id < (SELECT max(id) FROM claim)
   AND s.parked_at IS NULL
   AND (s.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
   AND NOT EXISTS (SELECT 1 FROM claim c WHERE c.id = s.id)
-  AND ((SELECT NOT EXISTS (SELECT 1 FROM {outbox} WHERE parked_at IS NOT NULL))
-       OR NOT EXISTS (
-          SELECT 1 FROM {outbox} p
-          WHERE p.parked_at IS NOT NULL
-            AND p.key_hash = s.key_hash AND p.key = s.key AND p.id < s.id
-          OFFSET 0
-       ))
+  AND """
+    + _not_behind_parked("s")
+    + """
 """
+)
 
 # The ids go as one text parameter, an array literal the relay formats itself ("{1,2,3}"): a
 # ",".join of ints is ~20 times cheaper than the driver's per-element array dumper.
