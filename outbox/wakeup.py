@@ -153,8 +153,8 @@ def make_notifier(engine: Any, redis: Any, schema: str | None) -> Callable[[], N
 
     The call returns at once and never raises. ``redis`` is accepted for interface stability
     and not used: relays need nothing but PostgreSQL, and a ``pg_notify`` outside the business
-    transaction costs writers no more than a Redis ``PUBLISH`` would (see docs/relay.md for the
-    measurement).
+    transaction costs writers no more than a Redis ``PUBLISH`` did when measured (docs/relay.md,
+    "Benchmark").
     """
     if not isinstance(engine, sa.Engine):
         return noop
