@@ -60,8 +60,8 @@ def statements(schema: str | None) -> Statements:
     return Statements(
         # One round trip: try the key's transaction-scoped advisory lock (never waits) and read
         # any committed outcome. The lock is the claim: every writer of a key takes it first,
-        # so the final INSERT of the key never waits on another writer's uncommitted row (I3),
-        # and it disappears with a crashed attempt's connection (I4). A named server-side
+        # so the final INSERT of the key never waits on another writer's uncommitted row,
+        # and it disappears with a crashed attempt's connection. A named server-side
         # prepared statement, so that it travels in one simple-protocol message together with
         # BEGIN without being planned every time.
         idempotency_key_claim_prepared=Prepared(

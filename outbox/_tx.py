@@ -76,7 +76,7 @@ def _refuse_begin(conn: sa.Connection) -> None:
 
 
 def install_guard(engine: sa.Engine) -> None:
-    """Keep a unit of work's transaction whole (I1) against its own body.
+    """Keep a unit of work's transaction whole against its own body.
 
     ``commit()`` from the body would commit business rows without the key and the outbox rows:
     refused before anything is sent. After a rollback from the body, any further statement is

@@ -1,4 +1,4 @@
-"""Pure input checks and encoders: run before any PostgreSQL, Redis or Kafka I/O (I9)."""
+"""Pure input checks and encoders: run before any PostgreSQL, Redis or Kafka I/O."""
 
 from __future__ import annotations
 

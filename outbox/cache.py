@@ -1,6 +1,6 @@
 """Redis fast path: remembers outcomes (COMPLETED results, FAILED errors) of committed keys.
 
-Redis is a cache, never the truth (I5). Entries are written only after the PostgreSQL commit,
+Redis is a cache, never the truth. Entries are written only after the PostgreSQL commit,
 read and written with single-key commands (safe on Redis Cluster), with bounded timeouts. Any
 Redis failure, a slow answer or a malformed entry makes the cache step aside: the caller goes
 to PostgreSQL, which decides. After a failure the cache stays out of the way for a short while

@@ -6,7 +6,7 @@ every delivery report; delete the confirmed rows in one statement, record failur
 commit. A row is deleted only after Kafka confirmed it, so a crash at any point re-sends (at
 least once), never loses.
 
-Per-key order (DESIGN.md I7) rests on two rules, both enforced here:
+Per-key order rests on two rules, both enforced here:
 
 1. **Claim rule.** A row is sent only when no earlier row of its key is left in the table
    outside this relay's own claim: not parked, not locked by another relay, not skipped. The

@@ -12,9 +12,9 @@
 How a key is claimed: the first statement tries a transaction-scoped advisory lock derived from
 ``(scope, key)`` (``pg_try_advisory_xact_lock``, which never waits) and reads any committed outcome
 in the same round trip. Holding that lock is the claim: a concurrent attempt fails at once with
-:class:`~outbox.errors.KeyInProgress` (I3), also when both attempts see the key for the first time,
-and a crashed attempt's lock vanishes with its connection (I4). The key row itself is inserted in
-its final state at the end, in the same statement as the outbox rows (I1), so PostgreSQL never
+:class:`~outbox.errors.KeyInProgress`, also when both attempts see the key for the first time,
+and a crashed attempt's lock vanishes with its connection. The key row itself is inserted in
+its final state at the end, in the same statement as the outbox rows, so PostgreSQL never
 holds a row in a "started" state that another writer would have to wait for.
 """
 

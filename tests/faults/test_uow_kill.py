@@ -1,4 +1,4 @@
-"""SIGKILL in the middle of a unit of work: nothing remains, the key is free at once (I1, I4)."""
+"""SIGKILL in the middle of a unit of work: nothing remains, the key is free at once."""
 
 from __future__ import annotations
 

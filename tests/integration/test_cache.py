@@ -1,4 +1,4 @@
-"""The Redis fast path on real Redis servers: a cache, never the truth (I5)."""
+"""The Redis fast path on real Redis servers: a cache, never the truth."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Exactly one committed effect per (scope, key) under 16 racing threads (I2, I3)."""
+"""Exactly one committed effect per (scope, key) under 16 racing threads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit-of-work semantics on the real PostgreSQL and Redis (I1, I2, I3, I5, I9)."""
+"""Unit-of-work semantics on the real PostgreSQL and Redis."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure input checks (I9): what is refused, what passes, and that messages say why."""
+"""Pure input checks: what is refused, what passes, and that messages say why."""
 
 from __future__ import annotations
 
