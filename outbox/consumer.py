@@ -42,6 +42,8 @@ from enum import StrEnum
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+import psycopg
+import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from outbox import _validate
@@ -262,9 +264,6 @@ def database_unavailable(exc: BaseException) -> bool:
     * Without a SQLSTATE it is an outage when SQLAlchemy saw the connection die in use, or when
       opening a connection failed; other client-side errors are not.
     """
-    import psycopg
-    import sqlalchemy as sa
-
     if isinstance(exc, sa.exc.TimeoutError):  # no pooled connection came free in time
         return True
     invalidated = False

@@ -677,10 +677,11 @@ class Relay:
         for round_ in delivery_rounds([r[KEY] for r in rows]):
             if self.stop_event.is_set():
                 break  # finish: what was confirmed so far is deleted below, the rest stays
-            for i in round_:
-                key = rows[i][KEY]
-                if i in broken and key is not None:
-                    failed_keys.add(key)  # its earlier rows went in earlier rounds; later wait
+            if broken:
+                for i in round_:
+                    key = rows[i][KEY]
+                    if i in broken and key is not None:
+                        failed_keys.add(key)  # its earlier rows went in earlier rounds
             todo = round_
             if failed_keys or broken:
                 todo = [

@@ -7,19 +7,25 @@ order, with every offset committed.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from typing import Any
 
 import sqlalchemy as sa
-from confluent_kafka import Producer
 from prometheus_client import CollectorRegistry
 
 from outbox import Outbox
 from outbox.consumer import ConsumerRunner
 from tests._services import create_topic, wait_for
-from tests.integration.test_consumer import KAFKA, Running, committed, metric, read_topic
+from tests.integration.test_consumer import (
+    KAFKA,
+    Running,
+    committed,
+    keyed,
+    metric,
+    produce,
+    read_topic,
+)
 
 COUNT = 40
 
@@ -38,13 +44,7 @@ def test_database_outage_retries_without_dead_letters(
         conn.execute(
             sa.text("CREATE TABLE effects (seq serial, key text NOT NULL, value text NOT NULL)")
         )
-    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
-    for i in range(COUNT):
-        producer.produce(topic, value=f"v{i}".encode(),
-                         headers=[("X-Idempotency-Key", f"k{i}".encode())])  # fmt: skip
-    assert producer.flush(30) == 0
-
-    applied = threading.Event()
+    produce(kafka_bootstrap, topic, [keyed(f"k{i}", f"v{i}") for i in range(COUNT)])
 
     def handle(uow: Any, message: Any) -> None:
         time.sleep(0.02)  # keeps messages in flight when the connection is cut
@@ -52,7 +52,6 @@ def test_database_outage_retries_without_dead_letters(
             sa.text("INSERT INTO effects (key, value) VALUES (:k, :v)"),
             {"k": uow.key, "v": message.value().decode()},
         )
-        applied.set()
 
     def effects() -> list[str]:
         with engine.connect() as conn:
