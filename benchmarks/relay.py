@@ -38,8 +38,9 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 import outbox
-from outbox import _codec, migrate
-from outbox.kafka import producer_config
+from outbox import migrate
+from outbox._core import codec as _codec
+from outbox._kafka.producer import producer_config
 from outbox.schema import tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -362,7 +363,7 @@ def _uow_worker(url: str, notify: bool, seconds: float, start: Any, out: Any, wi
 def wakeup_cost(url: str, seconds: float, rounds: int) -> tuple[float, float]:
     """Units of work per second (4 writer processes) with and without the notifier,
     alternating modes to spread machine noise; a listener consumes the notifications."""
-    from outbox.wakeup import Listener
+    from outbox._pg.wakeup import Listener
 
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     listen_stop, kicked = threading.Event(), threading.Event()

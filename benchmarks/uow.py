@@ -28,7 +28,8 @@ import redis as redis_lib
 import sqlalchemy as sa
 
 import outbox
-from outbox import _codec, migrate
+from outbox import migrate
+from outbox._core import codec as _codec
 
 BUSINESS_DDL = (
     "CREATE TABLE IF NOT EXISTS bench_orders ("

@@ -40,7 +40,7 @@ from outbox.config import (
     normalize_database_url,
     redact_url,
 )
-from outbox.errors import ConfigurationError, OutboxError
+from outbox.errors import ConfigurationError, OutboxError, RetentionError
 
 # The relay's variable: status must split the backlog into lanes the way the relays do.
 from outbox.relay import ENV_LANES
@@ -69,10 +69,6 @@ DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS = 7 * 24 * 3600.0
 DEFAULT_GC_BATCH_SIZE = 5000
 MAX_GC_BATCH_SIZE = 100_000
 JSON_FORMAT_VERSION = 1
-
-
-class RetentionError(ConfigurationError):
-    """``outbox gc`` was asked to forget keys while a duplicate could still arrive."""
 
 
 # --------------------------------------------------------------------------------------------

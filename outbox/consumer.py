@@ -46,12 +46,11 @@ import psycopg
 import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from outbox import _validate
-from outbox._codec import IDEMPOTENCY_HEADER
+from outbox._core import validate as _validate
+from outbox._core.codec import IDEMPOTENCY_HEADER
 from outbox.config import ENV_KAFKA_BOOTSTRAP, ENV_REDIS_URL, env, env_int, redact_url
 from outbox.dlq import (
     DeadLetter,
-    DeadLetterError,
     DeadLetterProducer,
     Reason,
     dead_letter_headers,
@@ -60,10 +59,11 @@ from outbox.dlq import (
 )
 from outbox.errors import (
     ConfigurationError,
+    ConsumerError,
+    DeadLetterError,
     InvalidKeyError,
     KeyInProgress,
     KeyReuseError,
-    OutboxError,
     PermanentError,
     PreviouslyFailed,
     SerializationError,
@@ -92,10 +92,6 @@ FingerprintFunc = Callable[[Message], "str | None"]
 ENV_GROUP = "OUTBOX_CONSUMER_GROUP"
 ENV_METRICS_PORT = "OUTBOX_CONSUMER_METRICS_PORT"
 ENV_KAFKA_CONFIG = "OUTBOX_KAFKA_CONFIG"
-
-
-class ConsumerError(OutboxError):
-    """The consumer cannot go on (a fatal Kafka client error); restart it."""
 
 
 class Outcome(StrEnum):

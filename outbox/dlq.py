@@ -24,8 +24,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from outbox._codec import IDEMPOTENCY_HEADER
-from outbox.errors import PublishError
+from outbox._core.codec import IDEMPOTENCY_HEADER
+from outbox.errors import DeadLetterError
 
 log = logging.getLogger("outbox.dlq")
 
@@ -74,10 +74,6 @@ class Reason(StrEnum):
     """The handler raised a permanent error; the key is recorded as failed."""
     RETRIES_EXHAUSTED = "retries-exhausted"
     """The handler kept failing for ``max_attempts`` attempts; the key stays free for a redrive."""
-
-
-class DeadLetterError(PublishError):
-    """A dead letter could not be confirmed by the broker; the original offset stays uncommitted."""
 
 
 @dataclass(frozen=True)

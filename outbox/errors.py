@@ -105,3 +105,26 @@ class PublishError(OutboxError):
     def __init__(self, message: str, *, retriable: bool) -> None:
         super().__init__(message)
         self.retriable = retriable
+
+
+class TransactionEndedError(OutboxError):
+    """The transaction of a unit of work was ended from inside its body."""
+
+
+class RetentionError(ConfigurationError):
+    """``outbox gc`` was asked to forget keys while a duplicate could still arrive."""
+
+
+class ConsumerError(OutboxError):
+    """The consumer cannot go on (a fatal Kafka client error); restart it."""
+
+
+class DeadLetterError(PublishError):
+    """A dead letter could not be confirmed by the broker; the original offset stays uncommitted."""
+
+
+class FatalProducerError(PublishError):
+    """The producer hit a fatal error and must be rebuilt (idempotence state lost)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retriable=True)

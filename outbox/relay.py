@@ -45,7 +45,16 @@ import psycopg
 import sqlalchemy as sa
 
 from outbox import lanes as lanes_mod
-from outbox._codec import IDEMPOTENCY_HEADER, decode_headers
+from outbox._core.codec import IDEMPOTENCY_HEADER, decode_headers
+from outbox._kafka.producer import (
+    CONFIRMED,
+    KafkaProducer,
+    Outcome,
+    Record,
+    RecordTuple,
+)
+from outbox._kafka.producer import Headers as Headers
+from outbox._pg.wakeup import Listener
 from outbox.config import (
     ENV_DATABASE_URL,
     ENV_KAFKA_BOOTSTRAP,
@@ -55,19 +64,9 @@ from outbox.config import (
     normalize_database_url,
     redact_url,
 )
-from outbox.errors import ConfigurationError, OutboxError, PublishError
-from outbox.kafka import (
-    CONFIRMED,
-    FatalProducerError,
-    KafkaProducer,
-    Outcome,
-    Record,
-    RecordTuple,
-)
-from outbox.kafka import Headers as Headers
+from outbox.errors import ConfigurationError, FatalProducerError, OutboxError, PublishError
 from outbox.metrics import MetricsServer, RelayMetrics
 from outbox.schema import OUTBOX, validate_schema_name
-from outbox.wakeup import Listener
 
 log = logging.getLogger("outbox.relay")
 
@@ -471,7 +470,7 @@ class Relay:
     ``once=True``).
 
     ``producer_factory`` exists for the benchmark and tests that need another producer
-    configuration; it defaults to :class:`outbox.kafka.KafkaProducer`.
+    configuration; it defaults to :class:`outbox._kafka.producer.KafkaProducer`.
     """
 
     def __init__(

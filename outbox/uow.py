@@ -34,10 +34,11 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from outbox import _codec, _validate
-from outbox._sql import Statements, idempotency_key_complete, statements
-from outbox._tx import Transaction, install_guard
-from outbox.cache import CachedOutcome, OutcomeCache, make_client
+from outbox._core import codec as _codec
+from outbox._core import validate as _validate
+from outbox._pg.statements import Statements, idempotency_key_complete, statements
+from outbox._pg.transaction import Transaction, install_guard
+from outbox._redis.cache import CachedOutcome, OutcomeCache, make_client
 from outbox.config import (
     DEFAULT_SCOPE,
     ENV_DATABASE_URL,
@@ -273,7 +274,7 @@ class Outbox:
         )
         self._sql: Statements = statements(self.config.schema)
         install_guard(self.engine)
-        from outbox.wakeup import make_notifier, noop
+        from outbox._pg.wakeup import make_notifier, noop
 
         self._notify = (
             make_notifier(self.engine, client, self.config.schema)

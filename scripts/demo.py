@@ -43,7 +43,7 @@ import sqlalchemy as sa  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
 from outbox import migrate  # noqa: E402
-from outbox._codec import IDEMPOTENCY_HEADER  # noqa: E402
+from outbox._core.codec import IDEMPOTENCY_HEADER  # noqa: E402
 from outbox.config import (  # noqa: E402
     ENV_DATABASE_URL,
     ENV_KAFKA_BOOTSTRAP,

@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outbox import _codec
+from outbox._core import codec as _codec
 from outbox.relay import Relay, RelayConfig
 from outbox.schema import tables
 

@@ -15,7 +15,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import outbox
 from outbox import OutboxConfig
-from outbox._codec import decode_headers
+from outbox._core.codec import decode_headers
 from outbox.errors import (
     InvalidKeyError,
     InvalidTopicError,
@@ -60,7 +60,7 @@ def ob_pg(engine: sa.Engine) -> Iterator[outbox.Outbox]:
 
 
 def _redis(url: str) -> object:
-    from outbox.cache import make_client
+    from outbox._redis.cache import make_client
 
     return make_client(url, OutboxConfig())
 
@@ -490,7 +490,7 @@ def test_large_and_many_events_take_the_other_statement_paths(ob_pg: outbox.Outb
 
 @pytest.mark.parametrize("end", ["commit", "rollback"])
 def test_ending_the_transaction_inside_the_body_is_refused(ob_pg: outbox.Outbox, end: str) -> None:
-    from outbox._tx import TransactionEndedError
+    from outbox.errors import TransactionEndedError
 
     with pytest.raises(TransactionEndedError), ob_pg.unit_of_work("sneaky") as uow:
         uow.connection.execute(INSERT_ORDER, {"k": "sneaky", "a": 1})
@@ -520,7 +520,7 @@ def test_orm_flush_error_surfaces_as_itself(ob_pg: outbox.Outbox) -> None:
         uow.session.flush()
     assert count(ob_pg.engine, "orders") == 0
     # A body that swallows the error cannot go on outside the transaction either.
-    from outbox._tx import TransactionEndedError
+    from outbox.errors import TransactionEndedError
 
     with pytest.raises(TransactionEndedError), ob_pg.unit_of_work("orm-dup") as uow:
         uow.session.add(Order(id=5, order_key="a", amount=1))
@@ -540,7 +540,7 @@ def test_failure_is_recorded_while_the_key_stays_held(
     ob_pg: outbox.Outbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Between the rollback of a failed body and its failure record, nobody may run the key."""
-    from outbox import _tx
+    from outbox._pg import transaction as _tx
 
     seen: list[str] = []
     raced: list[bool] = []

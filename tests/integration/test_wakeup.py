@@ -11,7 +11,7 @@ import psycopg
 import sqlalchemy as sa
 
 from outbox import Outbox, OutboxConfig, migrate
-from outbox.wakeup import Listener, channel, make_notifier
+from outbox._pg.wakeup import Listener, channel, make_notifier
 from tests._services import free_port, wait_for
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from outbox import OutboxConfig
-from outbox._sql import idempotency_key_complete, statements
+from outbox._pg.statements import idempotency_key_complete, statements
 from outbox.cli import parse_kafka_config
 from outbox.config import normalize_database_url, redact_url
 from outbox.errors import ConfigurationError

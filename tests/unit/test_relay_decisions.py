@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from outbox._kafka.producer import CONFIRMED, NOT_SENT, Outcome, is_permanent, producer_config
 from outbox.errors import ConfigurationError
-from outbox.kafka import CONFIRMED, NOT_SENT, Outcome, is_permanent, producer_config
 from outbox.relay import (
     ClaimedRow,
     RelayConfig,
@@ -150,7 +150,7 @@ def test_records_without_a_report_by_the_deadline_are_retriable_and_rebuild_the_
 
     from confluent_kafka import KafkaError
 
-    from outbox.kafka import KafkaProducer
+    from outbox._kafka.producer import KafkaProducer
 
     class Silent:  # accepts records and never reports them
         def produce(self, *args: object, **kwargs: object) -> None:

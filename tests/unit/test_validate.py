@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox import _codec, _validate
+from outbox._core import codec as _codec
+from outbox._core import validate as _validate
 from outbox.errors import (
     InvalidKeyError,
     InvalidTopicError,

@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from outbox._codec import CONTENT_TYPE_HEADER, IDEMPOTENCY_HEADER, JSON_CONTENT_TYPE
+from outbox._core.codec import CONTENT_TYPE_HEADER, IDEMPOTENCY_HEADER, JSON_CONTENT_TYPE
 from outbox.errors import (
     InvalidKeyError,
     InvalidTopicError,

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from outbox.errors import ConfigurationError, PublishError
+from outbox.errors import ConfigurationError, FatalProducerError, PublishError
 
 log = logging.getLogger("outbox.relay")
 
@@ -162,13 +162,6 @@ def _outcome(err: KafkaError) -> Outcome:
         permanent=is_permanent(code),
         stale_producer=code in PRODUCER_STATE_ERRORS or err.fatal(),
     )
-
-
-class FatalProducerError(PublishError):
-    """The producer hit a fatal error and must be rebuilt (idempotence state lost)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retriable=True)
 
 
 class KafkaProducer:

@@ -25,8 +25,8 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import ClientCursor, IsolationLevel, pq
 
-from outbox._sql import Prepared
-from outbox.errors import OutboxError
+from outbox._pg.statements import Prepared
+from outbox.errors import TransactionEndedError
 
 # Names of the statements this module PREPAREd on each driver connection, and statements to
 # PREPARE at the connection's next begin_with().
@@ -41,10 +41,6 @@ _wanted: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[Prepared]] = (
 
 _GUARDED = "outbox.unit_of_work_open"
 _ENDED = "outbox.unit_of_work_rolled_back"
-
-
-class TransactionEndedError(OutboxError):
-    """The transaction of a unit of work was ended from inside its body."""
 
 
 def _refuse_commit(conn: sa.Connection) -> None:

@@ -1,0 +1,1 @@
+"""The Redis adapter: the only importer of ``redis`` (the outcome cache, the guard's scripts)."""
