@@ -746,7 +746,7 @@ def run_gc(
 
 
 def _engine(args: argparse.Namespace) -> sa.Engine:
-    from outbox.cli import require
+    from outbox.cli_old import require
 
     url = normalize_database_url(require(args.database_url, "--database-url", ENV_DATABASE_URL))
     return sa.create_engine(
@@ -859,7 +859,7 @@ def gc_to_json(result: GcResult, older_than: float) -> Mapping[str, Any]:
 
 def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``outbox status`` and ``outbox gc``."""
-    from outbox.cli import add_database_url, add_log_level
+    from outbox.cli_old import add_database_url, add_log_level
 
     p = subparsers.add_parser(
         "status",

@@ -10,15 +10,32 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
+from outbox._core.redact import redact_url as redact_url
 from outbox.errors import ConfigurationError
 from outbox.schema import validate_schema_name
 
+# Every OUTBOX_* environment variable, in one table. The CLI reads each flag's variable from
+# here (flag first, then the variable, then the default), and --help names it.
 ENV_DATABASE_URL = "OUTBOX_DATABASE_URL"
 ENV_REDIS_URL = "OUTBOX_REDIS_URL"
 ENV_SCHEMA = "OUTBOX_SCHEMA"
 ENV_KAFKA_BOOTSTRAP = "OUTBOX_KAFKA_BOOTSTRAP_SERVERS"
+ENV_KAFKA_CONFIG = "OUTBOX_KAFKA_CONFIG"
+ENV_LOG_LEVEL = "OUTBOX_LOG_LEVEL"
+ENV_WAKEUP_INTERVAL = "OUTBOX_WAKEUP_INTERVAL"
+ENV_RELAY_BATCH_SIZE = "OUTBOX_RELAY_BATCH_SIZE"
+ENV_RELAY_POLL_INTERVAL = "OUTBOX_RELAY_POLL_INTERVAL"
+ENV_RELAY_LANES = "OUTBOX_RELAY_LANES"
+ENV_RELAY_MAX_ATTEMPTS = "OUTBOX_RELAY_MAX_ATTEMPTS"
+ENV_RELAY_REBALANCE_INTERVAL = "OUTBOX_RELAY_REBALANCE_INTERVAL"
+ENV_RELAY_METRICS_PORT = "OUTBOX_RELAY_METRICS_PORT"
+ENV_CONSUMER_GROUP = "OUTBOX_CONSUMER_GROUP"
+ENV_CONSUMER_METRICS_PORT = "OUTBOX_CONSUMER_METRICS_PORT"
+ENV_RETENTION = "OUTBOX_RETENTION"
+ENV_CACHE_TTL = "OUTBOX_CACHE_TTL"
+ENV_MIN_REDELIVERY_WINDOW = "OUTBOX_MIN_REDELIVERY_WINDOW"
+ENV_GC_BATCH_SIZE = "OUTBOX_GC_BATCH_SIZE"
 
 DEFAULT_SCOPE = "default"
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
@@ -77,19 +94,6 @@ class OutboxConfig:
                     f"permanent_errors must hold exception classes, got {exc_type!r}"
                 )
         return self
-
-
-def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (safe for logs and errors)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 def normalize_database_url(url: str) -> str:

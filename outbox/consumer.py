@@ -42,12 +42,11 @@ from enum import StrEnum
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-import psycopg
-import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from outbox._core import validate as _validate
 from outbox._core.codec import IDEMPOTENCY_HEADER
+from outbox._pg.errors import database_unavailable
 from outbox.config import ENV_KAFKA_BOOTSTRAP, ENV_REDIS_URL, env, env_int, redact_url
 from outbox.dlq import (
     DeadLetter,
@@ -242,39 +241,6 @@ def header_key(message: Message, header: str) -> str | None:
                 ) from exc
             return text
     return None
-
-
-# SQLSTATEs of a server going away or refusing connections for now (class 08, connection
-# exception; admin or crash shutdown; "the database system is starting up").
-_UNAVAILABLE_SQLSTATES = ("57P01", "57P02", "57P03")
-
-
-def database_unavailable(exc: BaseException) -> bool:
-    """True when ``exc`` says PostgreSQL could not be reached or dropped the connection (an
-    outage, a restart, a failover, a full pool), as opposed to a statement that failed.
-
-    * An error the server sent decides by its SQLSTATE: connection exceptions (class 08) and
-      shutdowns are outages; anything else (deadlock, constraint, a statement or
-      idle-in-transaction timeout that also ends the session) is about the work, not the
-      database.
-    * Without a SQLSTATE it is an outage when SQLAlchemy saw the connection die in use, or when
-      opening a connection failed; other client-side errors are not.
-    """
-    if isinstance(exc, sa.exc.TimeoutError):  # no pooled connection came free in time
-        return True
-    invalidated = False
-    if isinstance(exc, sa.exc.DBAPIError):
-        invalidated = bool(exc.connection_invalidated)
-        exc = exc.orig if isinstance(exc.orig, BaseException) else exc
-    if not isinstance(exc, psycopg.Error):
-        return invalidated
-    sqlstate = exc.sqlstate
-    if sqlstate is not None:
-        return sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES
-    if invalidated:
-        return True
-    # psycopg attaches the connection object only to a failed connection attempt.
-    return isinstance(exc, psycopg.OperationalError) and exc.pgconn is not None
 
 
 def message_headers(message: Message) -> list[tuple[str, bytes | None]]:
@@ -1064,7 +1030,7 @@ def _one_line(exc: BaseException) -> str:
 
 def register_cli(subparsers: Any) -> None:
     """Add ``outbox consume`` to the ``outbox`` command."""
-    from outbox import cli
+    from outbox import cli_old as cli
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "consume",
@@ -1114,7 +1080,7 @@ def register_cli(subparsers: Any) -> None:
 
 
 def _cmd_consume(args: argparse.Namespace) -> int:
-    from outbox import cli
+    from outbox import cli_old as cli
     from outbox.uow import Outbox
 
     database_url = cli.require(args.database_url, "--database-url", "OUTBOX_DATABASE_URL")

@@ -116,7 +116,7 @@ def discard_parked(
 
 
 def _engine(args: argparse.Namespace) -> sa.Engine:
-    from outbox.cli import require
+    from outbox.cli_old import require
     from outbox.config import ENV_DATABASE_URL
 
     url = normalize_database_url(require(args.database_url, "--database-url", ENV_DATABASE_URL))
@@ -200,7 +200,7 @@ def _cmd_change(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``outbox parked list|retry|discard``."""
-    from outbox.cli import add_database_url, add_log_level
+    from outbox.cli_old import add_database_url, add_log_level
 
     parked = subparsers.add_parser("parked", help="show and manage rows the relay parked")
     sub = parked.add_subparsers(dest="parked_command", required=True, metavar="ACTION")

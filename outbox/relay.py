@@ -965,7 +965,7 @@ def _one_line(exc: BaseException, url: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from outbox.cli import add_database_url, add_kafka, add_log_level
+    from outbox.cli_old import add_database_url, add_kafka, add_log_level
 
     parser = argparse.ArgumentParser(
         prog="outbox-relay",
@@ -1027,7 +1027,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RelayConfig:
     """Flags first, then ``OUTBOX_*`` environment variables, then defaults."""
-    from outbox.cli import parse_kafka_config, require
+    from outbox.cli_old import parse_kafka_config, require
 
     d = RelayConfig("", "")
     metrics_port = args.metrics_port
@@ -1089,7 +1089,7 @@ def _command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``outbox-relay`` console script."""
-    from outbox.cli import configure_logging, run
+    from outbox.cli_old import configure_logging, run
 
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)

@@ -31,11 +31,11 @@ from types import TracebackType
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from outbox._core import codec as _codec
 from outbox._core import validate as _validate
+from outbox._pg.errors import unique_violation_of
 from outbox._pg.statements import Statements, idempotency_key_complete, statements
 from outbox._pg.transaction import Transaction, install_guard
 from outbox._redis.cache import CachedOutcome, OutcomeCache, make_client
@@ -412,17 +412,12 @@ class Outbox:
                 # Large values go as binary parameters rather than quoted literals.
                 tx.execute(statement.direct, params)
                 tx.commit()
-        except IntegrityError as exc:
+        except BaseException as exc:
             _close(uow)
-            if getattr(getattr(exc.orig, "diag", None), "constraint_name", None) == (
-                "idempotency_keys_pkey"
-            ):
+            if unique_violation_of(exc, "idempotency_keys_pkey"):
                 # Another attempt committed the key between our read and our lock: a race
                 # of microseconds. Its effects stand; ours were rolled back.
                 raise KeyInProgress(uow.scope, uow.key) from exc
-            raise
-        except BaseException:
-            _close(uow)
             raise
         _close(uow)
         if self.cache is not None:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from outbox import cli, relay
+from outbox.cli._common import resolve_flags
 from outbox.config import ENV_DATABASE_URL, ENV_KAFKA_BOOTSTRAP, ENV_REDIS_URL, ENV_SCHEMA
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,7 +197,7 @@ def test_migrate_environment_is_what_outbox_migrate_reads(
     _with_env(monkeypatch, env)
     command = migrate["command"]
     assert command[0] == "outbox"
-    args = cli.build_parser().parse_args(command[1:])
+    args = resolve_flags(cli.build_parser(command[1:]).parse_args(command[1:]))
     assert args.command == "migrate" and args.database_url == env[ENV_DATABASE_URL]
 
 
@@ -226,7 +227,7 @@ def test_dockerfile_installs_the_package_and_runs_the_relay() -> None:
     cmd = re.search(r"^CMD (\[.*\])", text, re.M)
     assert cmd is not None and yaml.safe_load(cmd.group(1)) == ["outbox-relay"]
     scripts = (REPO / "pyproject.toml").read_text()
-    assert 'outbox-relay = "outbox.relay:main"' in scripts
+    assert 'outbox-relay = "outbox.cli.relay:main"' in scripts
     assert 'outbox = "outbox.cli:main"' in scripts
     # Everything COPY names must exist, or the build fails.
     for line in text.splitlines():

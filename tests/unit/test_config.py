@@ -6,7 +6,7 @@ import pytest
 
 from outbox import OutboxConfig
 from outbox._pg.statements import idempotency_key_complete, statements
-from outbox.cli import parse_kafka_config
+from outbox.cli._common import parse_kafka_config
 from outbox.config import normalize_database_url, redact_url
 from outbox.errors import ConfigurationError
 from outbox.uow import lock_id

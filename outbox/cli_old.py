@@ -7,7 +7,6 @@ variables and shows them in ``--help``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -24,10 +23,6 @@ from outbox.errors import ConfigurationError, OutboxError
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-
-# Modules that add subcommands: each defines `register_cli(subparsers) -> None` and sets
-# `func` on its parsers (a callable taking the parsed namespace and returning an exit code).
-SUBCOMMAND_MODULES: tuple[str, ...] = ("outbox.consumer", "outbox.parked", "outbox.admin")
 
 
 def add_database_url(parser: argparse.ArgumentParser) -> None:
@@ -103,41 +98,6 @@ def configure_logging(level: str) -> None:
         logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-def _cmd_migrate(args: argparse.Namespace) -> int:
-    from outbox import migrate
-
-    url = require(args.database_url, "--database-url", ENV_DATABASE_URL)
-    if args.revision_down:
-        migrate.downgrade(url, args.revision_down, schema=args.schema)
-        print(f"downgraded {redact_url(url)} to {args.revision_down}")
-    else:
-        migrate.upgrade(url, args.revision, schema=args.schema)
-        print(f"migrated {redact_url(url)} to {args.revision}")
-    return EXIT_OK
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="outbox", description="outbox-kit: migrations, parked rows, consumers, operations"
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("migrate", help="create or upgrade the outbox tables (alembic)")
-    add_database_url(p)
-    add_log_level(p)
-    p.add_argument("--revision", default="head", help="target revision (default: head)")
-    p.add_argument(
-        "--downgrade",
-        dest="revision_down",
-        metavar="REVISION",
-        help="migrate down to REVISION instead ('base' removes every table)",
-    )
-    p.set_defaults(func=_cmd_migrate)
-    for name in SUBCOMMAND_MODULES:
-        module = importlib.import_module(name)
-        module.register_cli(sub)
-    return parser
-
-
 def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a command, turning toolkit errors into one clear line on stderr (no traceback)."""
     try:
@@ -155,14 +115,3 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
             message = message.replace(url, redact_url(url))
         print(f"outbox: error: {type(exc).__name__}: {message}", file=sys.stderr)
         return EXIT_FAILURE
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(getattr(args, "log_level", "INFO"))
-    return run(args.func, args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

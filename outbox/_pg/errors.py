@@ -1,0 +1,60 @@
+"""What a database error means, decided in one place from SQLSTATEs and connection state.
+
+Services ask these questions of any exception (a SQLAlchemy wrapper or psycopg's own) and never
+import the driver themselves:
+
+* :func:`database_unavailable` -- PostgreSQL could not be reached or dropped the connection (an
+  outage, a restart, a failover, a full pool): retry later without counting an attempt. The relay
+  and the consumer runner both use it.
+* :func:`unique_violation_of` -- a unique constraint refused a row (the unit of work's key race).
+"""
+
+from __future__ import annotations
+
+import psycopg
+import sqlalchemy as sa
+
+# SQLSTATEs of a server going away or refusing connections for now (class 08, connection
+# exception; admin or crash shutdown; "the database system is starting up").
+_UNAVAILABLE_SQLSTATES = ("57P01", "57P02", "57P03")
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """True when ``exc`` says PostgreSQL could not be reached or dropped the connection, as
+    opposed to a statement that failed.
+
+    * An error the server sent decides by its SQLSTATE: connection exceptions (class 08) and
+      shutdowns are outages; anything else (deadlock, constraint, a statement or
+      idle-in-transaction timeout that also ends the session) is about the work, not the
+      database.
+    * Without a SQLSTATE it is an outage when SQLAlchemy saw the connection die in use, or when
+      opening a connection failed; other client-side errors are not.
+    """
+    if isinstance(exc, sa.exc.TimeoutError):  # no pooled connection came free in time
+        return True
+    invalidated = False
+    if isinstance(exc, sa.exc.DBAPIError):
+        invalidated = bool(exc.connection_invalidated)
+        exc = exc.orig if isinstance(exc.orig, BaseException) else exc
+    if not isinstance(exc, psycopg.Error):
+        return invalidated
+    sqlstate = exc.sqlstate
+    if sqlstate is not None:
+        return sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES
+    if invalidated:
+        return True
+    # psycopg attaches the connection object only to a failed connection attempt.
+    return isinstance(exc, psycopg.OperationalError) and exc.pgconn is not None
+
+
+def unique_violation_of(exc: BaseException, constraint: str) -> bool:
+    """True when ``exc`` is a unique violation of ``constraint``."""
+    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    if not isinstance(origin, psycopg.errors.UniqueViolation):
+        return False
+    return origin.diag.constraint_name == constraint
+
+
+def is_database_error(exc: BaseException) -> bool:
+    """True for any error raised by the database layer (driver or SQLAlchemy)."""
+    return isinstance(exc, sa.exc.SQLAlchemyError | psycopg.Error)

@@ -1,0 +1,60 @@
+"""The ``outbox`` command: ``migrate``, ``status``, ``gc``, ``parked``, ``consume``.
+
+Each command lives in a module of its own. Only the module of the command being run is
+imported, so ``outbox migrate --help`` loads neither the Kafka client nor the runner; the
+others are listed in ``outbox --help`` from :data:`COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from outbox.cli._common import run
+
+# name -> (module defining `register(subparsers)`, one-line help for `outbox --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "migrate": ("outbox.cli.migrate", "create or upgrade the outbox tables (alembic)"),
+    "status": (
+        "outbox.cli.status",
+        "backlog per topic and lane, parked rows, keys by status, live relays",
+    ),
+    "gc": ("outbox.cli.gc", "delete idempotency keys older than the retention, in small batches"),
+    "parked": ("outbox.cli.parked", "list, retry or discard parked outbox rows"),
+    "consume": (
+        "outbox.cli.consume",
+        "run a handler on Kafka messages, at most once per idempotency key",
+    ),
+}
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``outbox`` parser; the command named in ``argv`` gets its full set of flags."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="outbox", description="outbox-kit: migrations, parked rows, consumers, operations"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = _chosen(argv)
+    if chosen in COMMANDS:
+        importlib.import_module(COMMANDS[chosen][0]).register(sub)
+    for name, (_module, help_line) in COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=help_line, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``outbox`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return run("outbox", args.func, args)

@@ -1,0 +1,39 @@
+"""``outbox migrate``: create or upgrade (or downgrade) the outbox tables with alembic."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from outbox import migrate
+from outbox.cli._common import EXIT_OK, add_flags, require
+from outbox.config import redact_url
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "migrate",
+        help="create or upgrade the outbox tables (alembic)",
+        description="Create or upgrade the outbox tables to REVISION (default: head). "
+        "Exit codes: 0 done, 1 database error, 2 bad usage.",
+    )
+    add_flags(p, "database_url", "schema", "log_level")
+    p.add_argument("--revision", default="head", help="target revision (default: head)")
+    p.add_argument(
+        "--downgrade",
+        dest="revision_down",
+        metavar="REVISION",
+        help="migrate down to REVISION instead ('base' removes every table)",
+    )
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    url = require(args, "database_url")
+    if args.revision_down:
+        migrate.downgrade(url, args.revision_down, schema=args.schema)
+        print(f"downgraded {redact_url(url)} to {args.revision_down}")
+    else:
+        migrate.upgrade(url, args.revision, schema=args.schema)
+        print(f"migrated {redact_url(url)} to {args.revision}")
+    return EXIT_OK
