@@ -1,67 +1,62 @@
-"""Operator commands: ``outbox status`` and ``outbox gc``.
+"""Operations: the status of the pipeline and the clean-up of old idempotency keys.
 
-``status`` answers "is the pipeline healthy?" from PostgreSQL alone: the outbox backlog per topic
-and per lane, the oldest pending row, parked rows, idempotency keys by status, and the live
-relays with the lanes they hold (read from their advisory locks, see :mod:`outbox.lanes`).
+:func:`read_status` answers "is the pipeline healthy?" from PostgreSQL alone: the outbox
+backlog per topic and per lane, the oldest pending row, parked rows, idempotency keys by status,
+and the live relays with the lanes they hold (read from their advisory locks, see
+:mod:`outbox.lanes`).
 
-``gc`` deletes idempotency keys older than the retention, in short batches that skip rows another
-transaction has locked, so it never blocks live units of work. It refuses a retention that would
-let a duplicate run twice: one shorter than the Redis cache TTL, or shorter than the window in
-which a broker can still redeliver a message (see :func:`check_retention`).
+:func:`run_gc` deletes idempotency keys older than the retention, in short batches that skip
+rows another transaction has locked, so it never blocks live units of work. It refuses a
+retention that would let a duplicate run twice (see
+:func:`~outbox._core.durations.check_retention`).
 
-The duration parser, the retention check and the report builders are pure functions; the SQL
-helpers take a SQLAlchemy ``Connection``.
+A library: the ``outbox status`` and ``outbox gc`` commands (:mod:`outbox.cli.status`,
+:mod:`outbox.cli.gc`) print what these functions return.
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
-import json
-import logging
-import math
-import re
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import IO, Any
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 
 from outbox import lanes as lanes_mod
-from outbox.config import (
-    DEFAULT_CACHE_TTL_SECONDS,
-    ENV_DATABASE_URL,
-    env,
-    env_int,
-    normalize_database_url,
-    redact_url,
+from outbox import migrate
+from outbox._core.durations import (
+    check_retention,
+    format_duration,
+    format_ranges,
+    parse_duration,
 )
+from outbox._core.environment import ENV_RELAY_LANES
+from outbox._pg import operations as ops
+from outbox.config import DEFAULT_CACHE_TTL_SECONDS, redact_url
 from outbox.errors import ConfigurationError, OutboxError, RetentionError
-
-# The relay's variable: status must split the backlog into lanes the way the relays do.
-from outbox.relay import ENV_LANES
 from outbox.schema import (
-    IDEMPOTENCY_KEYS,
     STATUS_COMPLETED,
     STATUS_FAILED,
     STATUS_STARTED,
-    tables,
     validate_schema_name,
 )
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-EXIT_RETENTION_REFUSED = 3
-
-ENV_RETENTION = "OUTBOX_RETENTION"
-ENV_CACHE_TTL = "OUTBOX_CACHE_TTL"
-ENV_MIN_REDELIVERY_WINDOW = "OUTBOX_MIN_REDELIVERY_WINDOW"
-ENV_GC_BATCH_SIZE = "OUTBOX_GC_BATCH_SIZE"
+__all__ = [
+    "GcResult",
+    "RetentionError",
+    "Status",
+    "check_retention",
+    "format_duration",
+    "format_ranges",
+    "parse_duration",
+    "read_status",
+    "render_status",
+    "run_gc",
+    "status_to_json",
+]
 
 # Kafka's default log retention (log.retention.hours=168): a consumer group that lost its
 # committed offsets and starts from the earliest record re-reads up to this far back.
@@ -72,106 +67,7 @@ JSON_FORMAT_VERSION = 1
 
 
 # --------------------------------------------------------------------------------------------
-# Pure helpers: durations and the retention rule
-# --------------------------------------------------------------------------------------------
-
-_UNITS = {"w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
-_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?[wdhms])+$")
-_PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
-_NUMBER = re.compile(r"^\d+(?:\.\d+)?$")
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a duration such as ``7d``, ``36h``, ``90m``, ``1d12h`` or ``1.5h``.
-
-    Units: ``w`` weeks, ``d`` days, ``h`` hours, ``m`` minutes, ``s`` seconds; parts add up.
-    A bare number is seconds (what ``OutboxConfig.cache_ttl`` holds). The result must be
-    positive. Raises :class:`ConfigurationError` with the accepted forms otherwise.
-    """
-    cleaned = text.strip().lower().replace(" ", "") if isinstance(text, str) else ""
-    if _NUMBER.match(cleaned):
-        seconds = float(cleaned)
-    elif _DURATION.match(cleaned):
-        seconds = sum(float(n) * _UNITS[u] for n, u in _PART.findall(cleaned))
-    else:
-        raise ConfigurationError(
-            f"invalid duration {text!r}: use a number with a unit, e.g. 7d, 36h, 90m, 45s or "
-            "1d12h (w=weeks, d=days, h=hours, m=minutes, s=seconds)"
-        )
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigurationError(f"invalid duration {text!r}: it must be longer than zero")
-    return seconds
-
-
-def format_duration(seconds: float) -> str:
-    """A compact, readable duration: ``7d``, ``1d12h``, ``90m`` -> ``1h30m``, ``2.5s``.
-
-    Whole seconds are split into d/h/m/s parts; a fraction is kept on the seconds.
-    """
-    if seconds < 0:
-        return "-" + format_duration(-seconds)
-    whole = int(seconds)
-    fraction = seconds - whole
-    if whole < 60:
-        value = seconds if fraction else whole
-        return f"{value:.3g}s" if fraction else f"{value}s"
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        count, whole = divmod(whole, size)
-        if count:
-            parts.append(f"{count}{unit}")
-    return "".join(parts)
-
-
-def check_retention(older_than: float, cache_ttl: float, min_redelivery_window: float) -> None:
-    """Refuse a gc retention under which a duplicate could run its effects twice.
-
-    * It must be **longer than the Redis cache TTL**: otherwise the cache would still answer
-      for keys PostgreSQL has forgotten, and whether a duplicate replays or runs again would
-      depend on which copy it meets (and, after the cache entry expires, it runs again).
-      ``OutboxConfig.validate()`` holds ``retention`` to the same rule.
-    * It must be **at least the minimum redelivery window**: a broker can redeliver a message
-      that long after it was first handled (a consumer restarting from old offsets, a replay);
-      if its key is already gone, the duplicate runs twice.
-    """
-    if older_than <= cache_ttl:
-        raise RetentionError(
-            f"refusing --older-than {format_duration(older_than)}: it must be longer than the "
-            f"Redis cache TTL ({format_duration(cache_ttl)}, --cache-ttl / {ENV_CACHE_TTL}). "
-            "Redis would still answer for keys PostgreSQL had forgotten, so a duplicate could "
-            "run twice once the cache entry expires. Use a longer --older-than, or lower "
-            "--cache-ttl if the application's OutboxConfig.cache_ttl really is shorter."
-        )
-    if older_than < min_redelivery_window:
-        raise RetentionError(
-            f"refusing --older-than {format_duration(older_than)}: it is shorter than the "
-            f"minimum redelivery window ({format_duration(min_redelivery_window)}, "
-            f"--min-redelivery-window / {ENV_MIN_REDELIVERY_WINDOW}). A message redelivered "
-            "after its key was deleted would run twice. Use a longer --older-than, or lower "
-            "--min-redelivery-window if no broker can redeliver that late (e.g. a shorter "
-            "topic retention)."
-        )
-
-
-def format_ranges(values: Iterable[int]) -> str:
-    """``[0, 1, 2, 3, 7, 9, 10]`` -> ``0-3,7,9-10`` (``-`` when empty)."""
-    items = sorted(set(values))
-    if not items:
-        return "-"
-    parts: list[str] = []
-    start = prev = items[0]
-    for v in items[1:]:
-        if v == prev + 1:
-            prev = v
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = v
-    parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return ",".join(parts)
-
-
-# --------------------------------------------------------------------------------------------
-# outbox status
+# status
 # --------------------------------------------------------------------------------------------
 
 
@@ -250,7 +146,7 @@ def choose_lanes(
         try:
             lanes = int(env_value)
         except ValueError as exc:
-            raise ConfigurationError(f"{ENV_LANES}={env_value!r} is not an integer") from exc
+            raise ConfigurationError(f"{ENV_RELAY_LANES}={env_value!r} is not an integer") from exc
         source = "env"
     else:
         counts = sorted(set(announced))
@@ -309,84 +205,34 @@ def read_status(
     lanes_env: str | None = None,
 ) -> Status:
     """Collect the status of the outbox in ``schema`` (read-only; one snapshot)."""
-    from outbox import migrate
-
     schema = validate_schema_name(schema)
     revision = migrate.current_revision(connection, schema)
     if revision is None:
         raise OutboxError(
             f"no outbox tables in schema {schema or 'public'}: run `outbox migrate` first"
         )
-    t = tables(schema)
-    o, k = t.outbox, t.idempotency_keys
-    pending = o.c.parked_at.is_(None)
-    parked = o.c.parked_at.is_not(None)
-    taken_at = connection.execute(sa.select(sa.func.now())).scalar_one()
+    taken_at = ops.database_now(connection)
     locks = lanes_mod.read_locks(connection, schema)
     announced = tuple(sorted(lanes_mod.configured_lane_counts(locks, schema)))
     lanes, source = choose_lanes(lanes_flag, lanes_env, announced)
-    age = sa.extract("epoch", sa.func.now() - sa.func.min(o.c.created_at).filter(pending))
-
-    topics = tuple(
-        TopicBacklog(r.topic, int(r.pending), int(r.parked), _float(r.age))
-        for r in connection.execute(
-            sa.select(
-                o.c.topic,
-                sa.func.count().filter(pending).label("pending"),
-                sa.func.count().filter(parked).label("parked"),
-                age.label("age"),
-            )
-            .group_by(o.c.topic)
-            .order_by(o.c.topic)
-        )
-    )
-    per_row = sa.select(
-        (o.c.key_hash % sa.literal(lanes, sa.Integer)).label("lane"),
-        o.c.parked_at,
-    ).subquery()
-    lane_backlog = tuple(
-        LaneBacklog(int(r.lane), int(r.pending), int(r.parked))
-        for r in connection.execute(
-            sa.select(
-                per_row.c.lane,
-                sa.func.count().filter(per_row.c.parked_at.is_(None)).label("pending"),
-                sa.func.count().filter(per_row.c.parked_at.is_not(None)).label("parked"),
-            )
-            .group_by(per_row.c.lane)
-            .order_by(per_row.c.lane)
-        )
-    )
-    oldest = connection.execute(sa.select(age)).scalar_one()
-    keys = tuple(
-        ScopeKeys(r.scope, r.status, int(r.n))
-        for r in connection.execute(
-            sa.select(k.c.scope, k.c.status, sa.func.count().label("n"))
-            .group_by(k.c.scope, k.c.status)
-            .order_by(k.c.scope, k.c.status)
-        )
-    )
-    # min(updated_at) is answered from ix_idempotency_keys_updated_at.
-    oldest_key = connection.execute(
-        sa.select(sa.extract("epoch", sa.func.now() - sa.func.min(k.c.updated_at)))
-    ).scalar_one()
     relays = tuple(
         replace(r, client_addr=_host(r.client_addr))
         for r in lanes_mod.relay_ownership(connection, schema)
     )
-    from outbox.migrate import head_revision
-
     status = Status(
         schema=schema,
         revision=revision,
-        head_revision=head_revision(),
+        head_revision=migrate.head_revision(),
         lanes=lanes,
         lanes_source=source,
         relay_lane_counts=announced,
-        topics=topics,
-        lane_backlog=lane_backlog,
-        oldest_pending_age=_float(oldest),
-        keys=keys,
-        oldest_key_age=_float(oldest_key),
+        topics=tuple(TopicBacklog(*row) for row in ops.outbox_backlog_by_topic(connection, schema)),
+        lane_backlog=tuple(
+            LaneBacklog(*row) for row in ops.outbox_backlog_by_lane(connection, schema, lanes)
+        ),
+        oldest_pending_age=ops.outbox_oldest_pending_age(connection, schema),
+        keys=tuple(ScopeKeys(*row) for row in ops.idempotency_keys_by_scope(connection, schema)),
+        oldest_key_age=ops.idempotency_keys_oldest_update_age(connection, schema),
         relays=relays,
         taken_at=taken_at,
     )
@@ -405,10 +251,6 @@ def _host(addr: str | None) -> str | None:
 
 def _with_warnings(status: Status) -> Status:
     return replace(status, warnings=tuple(status_warnings(status)))
-
-
-def _float(value: Any) -> float | None:
-    return None if value is None else round(float(value), 3)
 
 
 def status_to_json(status: Status, database_url: str | None = None) -> dict[str, Any]:
@@ -563,60 +405,8 @@ def render_status(status: Status, database_url: str | None = None, max_lanes: in
 
 
 # --------------------------------------------------------------------------------------------
-# outbox gc
+# gc
 # --------------------------------------------------------------------------------------------
-
-# Each batch locks at most `limit` old rows, skipping any row a live transaction holds, and
-# deletes exactly those by ctid (a TID scan), in its own short transaction.
-IDEMPOTENCY_KEYS_GC_BATCH = """
-DELETE FROM {keys}
-WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM {keys}
-    WHERE updated_at < :cutoff {scope_filter}
-    LIMIT :limit
-    FOR UPDATE SKIP LOCKED
-))
-AND updated_at < :cutoff
-"""
-
-IDEMPOTENCY_KEYS_GC_COUNT = "SELECT count(*) FROM {keys} WHERE updated_at < :cutoff {scope_filter}"
-
-_SCOPE_FILTER = "AND scope = :scope"
-
-# Wait at most this long for a table lock (e.g. behind a migration) instead of queueing and
-# making every unit of work queue behind gc.
-_GC_LOCK_TIMEOUT = "2s"
-
-
-def _qualified_keys(schema: str | None) -> str:
-    preparer = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
-    schema = validate_schema_name(schema)
-    name = str(preparer.quote(IDEMPOTENCY_KEYS))
-    return name if schema is None else f"{preparer.quote_schema(schema)}.{name}"
-
-
-def _gc_sql(template: str, schema: str | None, scope: str | None) -> sa.TextClause:
-    return sa.text(
-        template.format(keys=_qualified_keys(schema), scope_filter=_SCOPE_FILTER if scope else "")
-    )
-
-
-def gc_cutoff(connection: sa.Connection, older_than: float) -> datetime:
-    """The database's ``now() - older_than`` (the database clock decides, like ``updated_at``)."""
-    value = connection.execute(
-        sa.text("SELECT now() - make_interval(secs => :s)"), {"s": older_than}
-    ).scalar_one()
-    assert isinstance(value, datetime)
-    return value
-
-
-def count_expired_keys(
-    connection: sa.Connection, cutoff: datetime, schema: str | None = None, scope: str | None = None
-) -> int:
-    """Idempotency keys last updated before ``cutoff``."""
-    params: dict[str, Any] = {"cutoff": cutoff, "scope": scope}
-    sql = _gc_sql(IDEMPOTENCY_KEYS_GC_COUNT, schema, scope)
-    return int(connection.execute(sql, params).scalar_one())
 
 
 @dataclass(frozen=True)
@@ -627,6 +417,28 @@ class GcResult:
     batches: int
     seconds: float
     dry_run: bool
+
+
+def gc_cutoff(connection: sa.Connection, older_than: float) -> datetime:
+    """The database's ``now() - older_than`` (the database clock decides, like ``updated_at``)."""
+    return ops.idempotency_keys_gc_cutoff(connection, older_than)
+
+
+def count_expired_keys(
+    connection: sa.Connection, cutoff: datetime, schema: str | None = None, scope: str | None = None
+) -> int:
+    """Idempotency keys last updated before ``cutoff``."""
+    return ops.idempotency_keys_count_expired(
+        connection, cutoff, validate_schema_name(schema), scope
+    )
+
+
+def check_gc_batch_size(batch_size: int) -> int:
+    if not 1 <= batch_size <= MAX_GC_BATCH_SIZE:
+        raise ConfigurationError(
+            f"--batch-size must be between 1 and {MAX_GC_BATCH_SIZE}, got {batch_size}"
+        )
+    return batch_size
 
 
 def delete_expired_keys(
@@ -645,17 +457,11 @@ def delete_expired_keys(
     are skipped, not waited for; a later run gets them). ``progress(deleted_so_far, batch)`` is
     called after each committed batch. Returns ``(deleted, batches)``.
     """
-    if not 1 <= batch_size <= MAX_GC_BATCH_SIZE:
-        raise ConfigurationError(
-            f"--batch-size must be between 1 and {MAX_GC_BATCH_SIZE}, got {batch_size}"
-        )
-    sql = _gc_sql(IDEMPOTENCY_KEYS_GC_BATCH, schema, scope)
-    params: dict[str, Any] = {"cutoff": cutoff, "limit": batch_size, "scope": scope}
+    check_gc_batch_size(batch_size)
+    schema = validate_schema_name(schema)
     deleted = batches = 0
     while max_batches is None or batches < max_batches:
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"SET LOCAL lock_timeout = '{_GC_LOCK_TIMEOUT}'"))
-            n = int(conn.execute(sql, params).rowcount)
+        n = ops.idempotency_keys_delete_expired_batch(engine, cutoff, schema, scope, batch_size)
         batches += 1
         deleted += n
         if progress is not None:
@@ -663,47 +469,6 @@ def delete_expired_keys(
         if n < batch_size:
             break
     return deleted, batches
-
-
-class Progress:
-    """A progress bar on a terminal, plain lines (at most one a second) otherwise."""
-
-    def __init__(self, total: int, stream: IO[str], tty: bool | None = None, width: int = 30):
-        self.total = total
-        self.stream = stream
-        self.tty = stream.isatty() if tty is None else tty
-        self.width = width
-        self.started = time.monotonic()
-        self._last_line = 0.0
-
-    def line(self, done: int) -> str:
-        """The text shown for ``done`` of :attr:`total` (pure; tested)."""
-        total = max(self.total, done)
-        fraction = done / total if total else 1.0
-        elapsed = max(time.monotonic() - self.started, 1e-6)
-        rate = done / elapsed
-        if self.tty:
-            filled = round(fraction * self.width)
-            bar = "#" * filled + "." * (self.width - filled)
-            return f"[{bar}] {fraction:4.0%}  {done:,}/{total:,} keys  {rate:,.0f}/s"
-        return f"gc: deleted {done:,} of {total:,} keys ({fraction:.0%}, {rate:,.0f}/s)"
-
-    def update(self, done: int, _batch: int = 0) -> None:
-        if self.tty:
-            self.stream.write("\r" + self.line(done))
-            self.stream.flush()
-            return
-        now = time.monotonic()
-        if now - self._last_line >= 1.0:
-            self._last_line = now
-            print(self.line(done), file=self.stream, flush=True)
-
-    def finish(self, done: int) -> None:
-        if self.tty:
-            self.stream.write("\r" + self.line(done) + "\n")
-        else:
-            print(self.line(done), file=self.stream)
-        self.stream.flush()
 
 
 def run_gc(
@@ -716,9 +481,12 @@ def run_gc(
     scope: str | None = None,
     batch_size: int = DEFAULT_GC_BATCH_SIZE,
     dry_run: bool = False,
-    progress_stream: IO[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> GcResult:
-    """Check the retention, count the expired keys, then (unless ``dry_run``) delete them."""
+    """Check the retention, count the expired keys, then (unless ``dry_run``) delete them.
+
+    ``progress(deleted_so_far, candidates)`` is called after each committed batch.
+    """
     check_retention(older_than, cache_ttl, min_redelivery_window)
     started = time.monotonic()
     with engine.connect() as conn:
@@ -726,121 +494,16 @@ def run_gc(
         candidates = count_expired_keys(conn, cutoff, schema, scope)
     if dry_run or candidates == 0:
         return GcResult(cutoff, candidates, 0, 0, time.monotonic() - started, dry_run)
-    bar = Progress(candidates, progress_stream) if progress_stream is not None else None
+    report = progress
     deleted, batches = delete_expired_keys(
         engine,
         cutoff,
         schema=schema,
         scope=scope,
         batch_size=batch_size,
-        progress=bar.update if bar is not None else None,
+        progress=(lambda done, _batch: report(done, candidates)) if report is not None else None,
     )
-    if bar is not None:
-        bar.finish(deleted)
     return GcResult(cutoff, candidates, deleted, batches, time.monotonic() - started, dry_run)
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-
-def _engine(args: argparse.Namespace) -> sa.Engine:
-    from outbox.cli_old import require
-
-    url = normalize_database_url(require(args.database_url, "--database-url", ENV_DATABASE_URL))
-    return sa.create_engine(
-        url,
-        poolclass=sa.pool.NullPool,
-        connect_args={"application_name": f"outbox {args.command}", "connect_timeout": 10},
-    )
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    if args.log_level != "DEBUG":  # alembic's version lookup logs at INFO; not news here
-        logging.getLogger("alembic").setLevel(logging.WARNING)
-    engine = _engine(args)
-    try:
-        # One snapshot, read-only: every number in the report is from the same moment.
-        with engine.connect().execution_options(
-            isolation_level="REPEATABLE READ", postgresql_readonly=True
-        ) as conn:
-            status = read_status(conn, args.schema, lanes_flag=args.lanes, lanes_env=env(ENV_LANES))
-            conn.rollback()
-    finally:
-        engine.dispose()
-    if args.json:
-        print(json.dumps(status_to_json(status, args.database_url), indent=2))
-    else:
-        print(render_status(status, args.database_url))
-    return EXIT_OK
-
-
-def _duration_arg(value: str | None, flag: str, env_name: str, default: float | None) -> float:
-    if value is None:
-        value = env(env_name)
-    if value is None:
-        if default is None:
-            raise ConfigurationError(f"{flag} is required (or set {env_name}), e.g. {flag} 7d")
-        return default
-    try:
-        return parse_duration(value)
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"{flag}: {exc}") from exc
-
-
-def _cmd_gc(args: argparse.Namespace) -> int:
-    older_than = _duration_arg(args.older_than, "--older-than", ENV_RETENTION, None)
-    cache_ttl = _duration_arg(
-        args.cache_ttl, "--cache-ttl", ENV_CACHE_TTL, DEFAULT_CACHE_TTL_SECONDS
-    )
-    window = _duration_arg(
-        args.min_redelivery_window,
-        "--min-redelivery-window",
-        ENV_MIN_REDELIVERY_WINDOW,
-        DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS,
-    )
-    batch_size = args.batch_size
-    if batch_size is None:
-        batch_size = env_int(ENV_GC_BATCH_SIZE, DEFAULT_GC_BATCH_SIZE)
-    if not 1 <= batch_size <= MAX_GC_BATCH_SIZE:
-        raise ConfigurationError(
-            f"--batch-size must be between 1 and {MAX_GC_BATCH_SIZE}, got {batch_size}"
-        )
-    try:
-        check_retention(older_than, cache_ttl, window)
-    except RetentionError as exc:
-        print(f"outbox: error: {exc}", file=sys.stderr)
-        return EXIT_RETENTION_REFUSED
-    engine = _engine(args)
-    try:
-        result = run_gc(
-            engine,
-            older_than,
-            cache_ttl=cache_ttl,
-            min_redelivery_window=window,
-            schema=validate_schema_name(args.schema),
-            scope=args.scope,
-            batch_size=batch_size,
-            dry_run=args.dry_run,
-            progress_stream=None if args.json else sys.stderr,
-        )
-    finally:
-        engine.dispose()
-    if args.json:
-        print(json.dumps(gc_to_json(result, older_than), indent=2))
-    elif result.dry_run:
-        print(
-            f"dry run: {result.candidates:,} idempotency keys last updated before "
-            f"{result.cutoff.isoformat(timespec='seconds')} would be deleted"
-        )
-    else:
-        print(
-            f"deleted {result.deleted:,} idempotency keys last updated before "
-            f"{result.cutoff.isoformat(timespec='seconds')} in {result.batches} batches "
-            f"({result.seconds:.1f}s)"
-        )
-    return EXIT_OK
 
 
 def gc_to_json(result: GcResult, older_than: float) -> Mapping[str, Any]:
@@ -855,72 +518,3 @@ def gc_to_json(result: GcResult, older_than: float) -> Mapping[str, Any]:
         "batches": result.batches,
         "seconds": round(result.seconds, 3),
     }
-
-
-def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``outbox status`` and ``outbox gc``."""
-    from outbox.cli_old import add_database_url, add_log_level
-
-    p = subparsers.add_parser(
-        "status",
-        help="backlog per topic and lane, parked rows, keys by status, live relays",
-        description="Read-only report of the outbox, idempotency keys and live relays. "
-        "Exit codes: 0 report printed, 1 database error or tables missing, 2 bad usage.",
-    )
-    add_database_url(p)
-    add_log_level(p)
-    p.add_argument(
-        "--lanes",
-        type=int,
-        default=None,
-        help=f"lane count to split the backlog by (env {ENV_LANES}, the relay's; default: "
-        f"what live relays use, else {lanes_mod.DEFAULT_LANES})",
-    )
-    p.add_argument("--json", action="store_true", help="machine-readable output (format 1)")
-    p.set_defaults(func=_cmd_status)
-
-    p = subparsers.add_parser(
-        "gc",
-        help="delete idempotency keys older than the retention, in small batches",
-        description="Delete idempotency keys whose updated_at is older than --older-than, "
-        "in short batches that skip locked rows (live units of work never wait). Exit codes: "
-        f"0 done, 1 database error, 2 bad usage, {EXIT_RETENTION_REFUSED} retention refused "
-        "(shorter than the cache TTL or the minimum redelivery window).",
-    )
-    add_database_url(p)
-    add_log_level(p)
-    p.add_argument(
-        "--older-than",
-        metavar="DURATION",
-        default=None,
-        help=f"delete keys last updated longer ago than this, e.g. 7d, 36h, 90m (env "
-        f"{ENV_RETENTION}; required)",
-    )
-    p.add_argument(
-        "--cache-ttl",
-        metavar="DURATION",
-        default=None,
-        help=f"the applications' Redis cache TTL (OutboxConfig.cache_ttl); --older-than must "
-        f"be longer (env {ENV_CACHE_TTL}; default {format_duration(DEFAULT_CACHE_TTL_SECONDS)})",
-    )
-    p.add_argument(
-        "--min-redelivery-window",
-        metavar="DURATION",
-        default=None,
-        help=f"how late a broker may redeliver a message; --older-than must be at least this "
-        f"(env {ENV_MIN_REDELIVERY_WINDOW}; default "
-        f"{format_duration(DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS)}, Kafka's default retention)",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help=f"keys deleted per transaction (env {ENV_GC_BATCH_SIZE}; default "
-        f"{DEFAULT_GC_BATCH_SIZE})",
-    )
-    p.add_argument("--scope", default=None, help="only keys of this scope (default: all)")
-    p.add_argument(
-        "--dry-run", action="store_true", help="count what would be deleted, delete nothing"
-    )
-    p.add_argument("--json", action="store_true", help="print the result as JSON (no progress)")
-    p.set_defaults(func=_cmd_gc)

@@ -11,31 +11,66 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from outbox._core.environment import (
+    ENV_CACHE_TTL as ENV_CACHE_TTL,
+)
+from outbox._core.environment import (
+    ENV_CONSUMER_GROUP as ENV_CONSUMER_GROUP,
+)
+from outbox._core.environment import (
+    ENV_CONSUMER_METRICS_PORT as ENV_CONSUMER_METRICS_PORT,
+)
+from outbox._core.environment import (  # the table of OUTBOX_* variables
+    ENV_DATABASE_URL as ENV_DATABASE_URL,
+)
+from outbox._core.environment import (
+    ENV_GC_BATCH_SIZE as ENV_GC_BATCH_SIZE,
+)
+from outbox._core.environment import (
+    ENV_KAFKA_BOOTSTRAP as ENV_KAFKA_BOOTSTRAP,
+)
+from outbox._core.environment import (
+    ENV_KAFKA_CONFIG as ENV_KAFKA_CONFIG,
+)
+from outbox._core.environment import (
+    ENV_LOG_LEVEL as ENV_LOG_LEVEL,
+)
+from outbox._core.environment import (
+    ENV_MIN_REDELIVERY_WINDOW as ENV_MIN_REDELIVERY_WINDOW,
+)
+from outbox._core.environment import (
+    ENV_REDIS_URL as ENV_REDIS_URL,
+)
+from outbox._core.environment import (
+    ENV_RELAY_BATCH_SIZE as ENV_RELAY_BATCH_SIZE,
+)
+from outbox._core.environment import (
+    ENV_RELAY_LANES as ENV_RELAY_LANES,
+)
+from outbox._core.environment import (
+    ENV_RELAY_MAX_ATTEMPTS as ENV_RELAY_MAX_ATTEMPTS,
+)
+from outbox._core.environment import (
+    ENV_RELAY_METRICS_PORT as ENV_RELAY_METRICS_PORT,
+)
+from outbox._core.environment import (
+    ENV_RELAY_POLL_INTERVAL as ENV_RELAY_POLL_INTERVAL,
+)
+from outbox._core.environment import (
+    ENV_RELAY_REBALANCE_INTERVAL as ENV_RELAY_REBALANCE_INTERVAL,
+)
+from outbox._core.environment import (
+    ENV_RETENTION as ENV_RETENTION,
+)
+from outbox._core.environment import (
+    ENV_SCHEMA as ENV_SCHEMA,
+)
+from outbox._core.environment import (
+    ENV_WAKEUP_INTERVAL as ENV_WAKEUP_INTERVAL,
+)
 from outbox._core.redact import redact_url as redact_url
 from outbox.errors import ConfigurationError
 from outbox.schema import validate_schema_name
-
-# Every OUTBOX_* environment variable, in one table. The CLI reads each flag's variable from
-# here (flag first, then the variable, then the default), and --help names it.
-ENV_DATABASE_URL = "OUTBOX_DATABASE_URL"
-ENV_REDIS_URL = "OUTBOX_REDIS_URL"
-ENV_SCHEMA = "OUTBOX_SCHEMA"
-ENV_KAFKA_BOOTSTRAP = "OUTBOX_KAFKA_BOOTSTRAP_SERVERS"
-ENV_KAFKA_CONFIG = "OUTBOX_KAFKA_CONFIG"
-ENV_LOG_LEVEL = "OUTBOX_LOG_LEVEL"
-ENV_WAKEUP_INTERVAL = "OUTBOX_WAKEUP_INTERVAL"
-ENV_RELAY_BATCH_SIZE = "OUTBOX_RELAY_BATCH_SIZE"
-ENV_RELAY_POLL_INTERVAL = "OUTBOX_RELAY_POLL_INTERVAL"
-ENV_RELAY_LANES = "OUTBOX_RELAY_LANES"
-ENV_RELAY_MAX_ATTEMPTS = "OUTBOX_RELAY_MAX_ATTEMPTS"
-ENV_RELAY_REBALANCE_INTERVAL = "OUTBOX_RELAY_REBALANCE_INTERVAL"
-ENV_RELAY_METRICS_PORT = "OUTBOX_RELAY_METRICS_PORT"
-ENV_CONSUMER_GROUP = "OUTBOX_CONSUMER_GROUP"
-ENV_CONSUMER_METRICS_PORT = "OUTBOX_CONSUMER_METRICS_PORT"
-ENV_RETENTION = "OUTBOX_RETENTION"
-ENV_CACHE_TTL = "OUTBOX_CACHE_TTL"
-ENV_MIN_REDELIVERY_WINDOW = "OUTBOX_MIN_REDELIVERY_WINDOW"
-ENV_GC_BATCH_SIZE = "OUTBOX_GC_BATCH_SIZE"
 
 DEFAULT_SCOPE = "default"
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024

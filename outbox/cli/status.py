@@ -1,5 +1,55 @@
-"""``outbox status`` and ``outbox gc`` (transitional: both registered by outbox.admin)."""
+"""``outbox status``: a read-only report of the outbox, the idempotency keys and the relays."""
 
-from outbox.admin import register_cli as register
+from __future__ import annotations
 
-__all__ = ["register"]
+import argparse
+import json
+from typing import Any
+
+from outbox import admin
+from outbox._core.environment import ENV_RELAY_LANES
+from outbox.cli._common import EXIT_OK, add_flags
+from outbox.cli._database import command_engine
+from outbox.config import env
+from outbox.lanes import DEFAULT_LANES
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "status",
+        help="backlog per topic and lane, parked rows, keys by status, live relays",
+        description="Read-only report of the outbox, idempotency keys and live relays. "
+        "Exit codes: 0 report printed, 1 database error or tables missing, 2 bad usage.",
+    )
+    add_flags(p, "database_url", "schema", "log_level")
+    # Not from the table: status reads OUTBOX_RELAY_LANES itself, to tell the operator where
+    # the lane count came from (flag, variable, live relays or default).
+    p.add_argument(
+        "--lanes",
+        type=int,
+        default=None,
+        help=f"lane count to split the backlog by (env {ENV_RELAY_LANES}, the relay's; "
+        f"default: what live relays use, else {DEFAULT_LANES})",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output (format 1)")
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    engine = command_engine(args, "outbox status")
+    try:
+        # One snapshot, read-only: every number in the report is from the same moment.
+        with engine.connect().execution_options(
+            isolation_level="REPEATABLE READ", postgresql_readonly=True
+        ) as conn:
+            status = admin.read_status(
+                conn, args.schema, lanes_flag=args.lanes, lanes_env=env(ENV_RELAY_LANES)
+            )
+            conn.rollback()
+    finally:
+        engine.dispose()
+    if args.json:
+        print(json.dumps(admin.status_to_json(status, args.database_url), indent=2))
+    else:
+        print(admin.render_status(status, args.database_url))
+    return EXIT_OK

@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, PermanentError, admin, cli, lanes, migrate
+from outbox._core import environment
 from outbox.relay import RelayConfig
 from tests._services import wait_for
 from tests.integration.test_relay_support import RelayThread, insert_rows, outbox_count
@@ -259,7 +260,11 @@ def test_gc_cli_refuses_short_retention_and_deletes_nothing(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name in (admin.ENV_CACHE_TTL, admin.ENV_MIN_REDELIVERY_WINDOW, admin.ENV_RETENTION):
+    for name in (
+        environment.ENV_CACHE_TTL,
+        environment.ENV_MIN_REDELIVERY_WINDOW,
+        environment.ENV_RETENTION,
+    ):
         monkeypatch.delenv(name, raising=False)
     _seed_keys(engine, "billing", completed=5, failed=0, prefix="old")
     _age_keys(engine, "old-%", days=3)

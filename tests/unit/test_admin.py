@@ -10,6 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox import admin, cli, relay
+from outbox._core import durations as durations_mod
+from outbox._core import environment
+from outbox.cli import gc as gc_cli
 from outbox.config import DEFAULT_CACHE_TTL_SECONDS, OutboxConfig
 from outbox.errors import ConfigurationError
 from outbox.lanes import DEFAULT_LANES, RelayInfo
@@ -61,7 +64,7 @@ def test_format_then_parse_round_trips_whole_seconds(seconds: int) -> None:
     )
 )
 def test_compound_durations_add_up(parts: list[tuple[int, str]]) -> None:
-    total = sum(n * admin._UNITS[u] for n, u in parts)
+    total = sum(n * durations_mod._UNITS[u] for n, u in parts)
     text = "".join(f"{n}{u}" for n, u in parts)
     if total == 0:
         with pytest.raises(ConfigurationError):
@@ -125,7 +128,7 @@ def test_defaults_accept_the_default_retention_and_match_outbox_config() -> None
 
 
 def test_status_reads_the_relays_lane_variable() -> None:
-    assert admin.ENV_LANES == relay.ENV_LANES
+    assert environment.ENV_RELAY_LANES == relay.ENV_LANES
 
 
 def test_choose_lanes_prefers_flag_then_env_then_live_relays_then_default() -> None:
@@ -220,16 +223,20 @@ def test_human_report_is_compact_and_redacted() -> None:
 
 
 def test_progress_bar_on_a_terminal_and_plain_lines_elsewhere() -> None:
-    bar = admin.Progress(200, io.StringIO(), tty=True, width=10)
+    bar = gc_cli.Progress(200, io.StringIO(), tty=True, width=10)
     assert bar.line(100).startswith("[#####.....]  50%  100/200 keys")
-    plain = admin.Progress(200, io.StringIO(), tty=False)
+    plain = gc_cli.Progress(200, io.StringIO(), tty=False)
     assert plain.line(200).startswith("gc: deleted 200 of 200 keys (100%")
 
 
 def test_gc_refuses_short_retention_before_touching_the_database(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in (admin.ENV_CACHE_TTL, admin.ENV_MIN_REDELIVERY_WINDOW, admin.ENV_RETENTION):
+    for name in (
+        environment.ENV_CACHE_TTL,
+        environment.ENV_MIN_REDELIVERY_WINDOW,
+        environment.ENV_RETENTION,
+    ):
         monkeypatch.delenv(name, raising=False)
     # An unroutable URL: reaching the database would fail with exit 1, not 3.
     url = "postgresql+psycopg://postgres@192.0.2.1:1/none"
@@ -237,8 +244,8 @@ def test_gc_refuses_short_retention_before_touching_the_database(
     assert "cache TTL (1d" in capsys.readouterr().err
     assert cli.main(["gc", "--database-url", url, "--older-than", "2d"]) == 3
     assert "redelivery window (7d" in capsys.readouterr().err
-    monkeypatch.setenv(admin.ENV_MIN_REDELIVERY_WINDOW, "36h")
-    monkeypatch.setenv(admin.ENV_CACHE_TTL, "1h")
+    monkeypatch.setenv(environment.ENV_MIN_REDELIVERY_WINDOW, "36h")
+    monkeypatch.setenv(environment.ENV_CACHE_TTL, "1h")
     assert cli.main(["gc", "--database-url", url, "--older-than", "1d"]) == 3
     assert "redelivery window (1d12h" in capsys.readouterr().err
 

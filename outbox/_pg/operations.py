@@ -1,0 +1,228 @@
+"""The operators' SQL: what ``outbox status`` reads, what ``outbox gc`` deletes, and what
+``outbox parked`` lists, retries and discards.
+
+Every statement here is built from the SQLAlchemy Core tables of :mod:`outbox.schema` or from
+constant text with the schema-qualified, quoted table name (:func:`~outbox._pg.statements.
+qualified`); values always travel as bound parameters. The services in :mod:`outbox.admin` and
+:mod:`outbox.parked` call these and hold no SQL of their own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox._pg.statements import qualified
+from outbox.schema import IDEMPOTENCY_KEYS, tables, validate_schema_name
+
+# -- outbox status ---------------------------------------------------------------------------
+
+
+def database_now(connection: sa.Connection) -> datetime:
+    """The database clock (every age in the status report is measured against it)."""
+    value = connection.execute(sa.select(sa.func.now())).scalar_one()
+    assert isinstance(value, datetime)
+    return value
+
+
+def _pending_age(o: sa.Table) -> sa.ColumnElement[Any]:
+    pending = o.c.parked_at.is_(None)
+    return sa.extract("epoch", sa.func.now() - sa.func.min(o.c.created_at).filter(pending))
+
+
+def outbox_backlog_by_topic(
+    connection: sa.Connection, schema: str | None
+) -> list[tuple[str, int, int, float | None]]:
+    """``(topic, pending, parked, oldest pending age in seconds)`` per topic."""
+    o = tables(schema).outbox
+    pending = o.c.parked_at.is_(None)
+    parked = o.c.parked_at.is_not(None)
+    rows = connection.execute(
+        sa.select(
+            o.c.topic,
+            sa.func.count().filter(pending).label("pending"),
+            sa.func.count().filter(parked).label("parked"),
+            _pending_age(o).label("age"),
+        )
+        .group_by(o.c.topic)
+        .order_by(o.c.topic)
+    )
+    return [(r.topic, int(r.pending), int(r.parked), _float(r.age)) for r in rows]
+
+
+def outbox_backlog_by_lane(
+    connection: sa.Connection, schema: str | None, lanes: int
+) -> list[tuple[int, int, int]]:
+    """``(lane, pending, parked)`` per lane, rows split into ``lanes`` lanes as relays do."""
+    o = tables(schema).outbox
+    per_row = sa.select(
+        (o.c.key_hash % sa.literal(lanes, sa.Integer)).label("lane"),
+        o.c.parked_at,
+    ).subquery()
+    rows = connection.execute(
+        sa.select(
+            per_row.c.lane,
+            sa.func.count().filter(per_row.c.parked_at.is_(None)).label("pending"),
+            sa.func.count().filter(per_row.c.parked_at.is_not(None)).label("parked"),
+        )
+        .group_by(per_row.c.lane)
+        .order_by(per_row.c.lane)
+    )
+    return [(int(r.lane), int(r.pending), int(r.parked)) for r in rows]
+
+
+def outbox_oldest_pending_age(connection: sa.Connection, schema: str | None) -> float | None:
+    """Seconds since the oldest pending (not parked) row was written; ``None`` if none."""
+    o = tables(schema).outbox
+    return _float(connection.execute(sa.select(_pending_age(o))).scalar_one())
+
+
+def idempotency_keys_by_scope(
+    connection: sa.Connection, schema: str | None
+) -> list[tuple[str, str, int]]:
+    """``(scope, status, count)`` of the idempotency keys."""
+    k = tables(schema).idempotency_keys
+    rows = connection.execute(
+        sa.select(k.c.scope, k.c.status, sa.func.count().label("n"))
+        .group_by(k.c.scope, k.c.status)
+        .order_by(k.c.scope, k.c.status)
+    )
+    return [(r.scope, r.status, int(r.n)) for r in rows]
+
+
+def idempotency_keys_oldest_update_age(
+    connection: sa.Connection, schema: str | None
+) -> float | None:
+    """Seconds since the least recently updated key changed (served by its updated_at index)."""
+    k = tables(schema).idempotency_keys
+    return _float(
+        connection.execute(
+            sa.select(sa.extract("epoch", sa.func.now() - sa.func.min(k.c.updated_at)))
+        ).scalar_one()
+    )
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else round(float(value), 3)
+
+
+# -- outbox gc -------------------------------------------------------------------------------
+
+# Each batch locks at most `limit` old rows, skipping any row a live transaction holds, and
+# deletes exactly those by ctid (a TID scan), in its own short transaction.
+IDEMPOTENCY_KEYS_GC_BATCH = """
+DELETE FROM {keys}
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {keys}
+    WHERE updated_at < :cutoff {scope_filter}
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+))
+AND updated_at < :cutoff
+"""
+
+IDEMPOTENCY_KEYS_GC_COUNT = "SELECT count(*) FROM {keys} WHERE updated_at < :cutoff {scope_filter}"
+
+_SCOPE_FILTER = "AND scope = :scope"
+
+# Wait at most this long for a table lock (e.g. behind a migration) instead of queueing and
+# making every unit of work queue behind gc.
+_GC_LOCK_TIMEOUT = "2s"
+
+
+def _gc_sql(template: str, schema: str | None, scope: str | None) -> sa.TextClause:
+    keys = qualified(validate_schema_name(schema), IDEMPOTENCY_KEYS)
+    return sa.text(template.format(keys=keys, scope_filter=_SCOPE_FILTER if scope else ""))
+
+
+def idempotency_keys_gc_cutoff(connection: sa.Connection, older_than: float) -> datetime:
+    """The database's ``now() - older_than`` (the database clock decides, like ``updated_at``)."""
+    value = connection.execute(
+        sa.text("SELECT now() - make_interval(secs => :s)"), {"s": older_than}
+    ).scalar_one()
+    assert isinstance(value, datetime)
+    return value
+
+
+def idempotency_keys_count_expired(
+    connection: sa.Connection, cutoff: datetime, schema: str | None, scope: str | None
+) -> int:
+    """Idempotency keys last updated before ``cutoff``."""
+    sql = _gc_sql(IDEMPOTENCY_KEYS_GC_COUNT, schema, scope)
+    return int(connection.execute(sql, {"cutoff": cutoff, "scope": scope}).scalar_one())
+
+
+def idempotency_keys_delete_expired_batch(
+    engine: sa.Engine, cutoff: datetime, schema: str | None, scope: str | None, limit: int
+) -> int:
+    """Delete up to ``limit`` keys last updated before ``cutoff`` in one short transaction,
+    skipping rows a live transaction holds; returns how many were deleted."""
+    sql = _gc_sql(IDEMPOTENCY_KEYS_GC_BATCH, schema, scope)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"SET LOCAL lock_timeout = '{_GC_LOCK_TIMEOUT}'"))
+        result = conn.execute(sql, {"cutoff": cutoff, "limit": limit, "scope": scope})
+        return int(result.rowcount)
+
+
+# -- outbox parked ---------------------------------------------------------------------------
+
+
+def _parked_selection(
+    table: sa.Table, event_ids: Sequence[uuid.UUID] | None, topic: str | None
+) -> list[sa.ColumnElement[bool]]:
+    where: list[sa.ColumnElement[bool]] = [table.c.parked_at.is_not(None)]
+    if event_ids:
+        where.append(table.c.event_id.in_(list(event_ids)))
+    if topic is not None:
+        where.append(table.c.topic == topic)
+    return where
+
+
+def outbox_parked_list(
+    connection: sa.Connection, schema: str | None, topic: str | None, limit: int
+) -> list[tuple[Any, ...]]:
+    """``(id, event_id, topic, key, attempts, last_error, parked_at, created_at)`` of parked
+    rows, oldest first."""
+    t = tables(schema).outbox
+    query = (
+        sa.select(
+            t.c.id, t.c.event_id, t.c.topic, t.c.key, t.c.attempts, t.c.last_error,
+            t.c.parked_at, t.c.created_at,
+        )
+        .where(*_parked_selection(t, None, topic))
+        .order_by(t.c.id)
+        .limit(limit)
+    )  # fmt: skip
+    return [tuple(row) for row in connection.execute(query)]
+
+
+def outbox_parked_retry(
+    connection: sa.Connection,
+    schema: str | None,
+    event_ids: Sequence[uuid.UUID] | None,
+    topic: str | None,
+) -> int:
+    """Unpark rows with a fresh attempt count; returns how many. The caller commits."""
+    t = tables(schema).outbox
+    result = connection.execute(
+        sa.update(t)
+        .where(*_parked_selection(t, event_ids, topic))
+        .values(parked_at=None, attempts=0)
+    )
+    return int(result.rowcount)
+
+
+def outbox_parked_discard(
+    connection: sa.Connection,
+    schema: str | None,
+    event_ids: Sequence[uuid.UUID] | None,
+    topic: str | None,
+) -> int:
+    """Delete parked rows; returns how many. The caller commits."""
+    t = tables(schema).outbox
+    result = connection.execute(sa.delete(t).where(*_parked_selection(t, event_ids, topic)))
+    return int(result.rowcount)
