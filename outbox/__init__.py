@@ -7,7 +7,6 @@ back through units of work.
 """
 
 from outbox.config import OutboxConfig
-from outbox.decorators import idempotent
 from outbox.errors import (
     ConfigurationError,
     KeyInProgress,
@@ -19,7 +18,7 @@ from outbox.errors import (
     ReplayedWriteError,
     ValidationError,
 )
-from outbox.uow import Outbox, UnitOfWork, configure, default_outbox, unit_of_work
+from outbox.uow import Outbox, UnitOfWork, configure, default_outbox, idempotent, unit_of_work
 
 __all__ = [
     "ConfigurationError",

@@ -1,24 +1,30 @@
-"""``@idempotent``: run a function inside a unit of work, replay its result to duplicates."""
+"""``@idempotent``: run a function inside a unit of work, replay its result to duplicates.
+
+The wrapping is written here once; :func:`outbox.idempotent` and :meth:`outbox.Outbox.idempotent`
+(in :mod:`outbox.uow`) supply the outbox it runs on.
+"""
 
 from __future__ import annotations
 
 import functools
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
-from outbox.config import DEFAULT_SCOPE
 from outbox.errors import ConfigurationError
 
-if TYPE_CHECKING:
-    from outbox.uow import Outbox
 
-P = ParamSpec("P")
-R = TypeVar("R")
+class _UnitOfWorkSource(Protocol):
+    """What the decorator needs of an outbox: units of work (``Outbox`` is one)."""
+
+    def unit_of_work(
+        self, key: str, scope: str = ..., fingerprint: str | None = None
+    ) -> AbstractContextManager[Any]: ...
 
 
 def make_idempotent(
-    get_outbox: Callable[[], Outbox],
+    get_outbox: Callable[[], _UnitOfWorkSource],
     key: str | Callable[..., str],
     scope: str,
     fingerprint: Callable[..., str | None] | None,
@@ -66,39 +72,3 @@ def make_idempotent(
         return wrapper
 
     return decorate
-
-
-def idempotent(
-    key: str | Callable[..., str],
-    *,
-    scope: str = DEFAULT_SCOPE,
-    fingerprint: Callable[..., str | None] | None = None,
-    outbox: Outbox | None = None,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Run the decorated function at most once per idempotency key.
-
-    The function takes the :class:`~outbox.uow.UnitOfWork` as its first parameter, followed by
-    its own arguments; callers pass only their own arguments::
-
-        @outbox.idempotent(key="request_id", scope="payments")
-        def charge(uow, request_id: str, amount: int) -> dict:
-            uow.connection.execute(...)
-            uow.publish("payments.charged", {"amount": amount}, key=request_id)
-            return {"charged": amount}
-
-        charge("req-1", 500)   # runs, stores {"charged": 500}
-        charge("req-1", 500)   # returns {"charged": 500} without calling the function
-
-    ``key`` names the parameter that holds the idempotency key, or is a callable that receives
-    the caller's arguments and returns the key. ``fingerprint`` is an optional callable of the
-    same arguments returning a request fingerprint (reusing a key with another one raises
-    :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
-    stored and a duplicate gets its JSON form back (tuples come back as lists). ``outbox``
-    defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
-    """
-    from outbox.uow import default_outbox
-
-    def resolve() -> Outbox:
-        return outbox if outbox is not None else default_outbox()
-
-    return make_idempotent(resolve, key, scope, fingerprint)

@@ -13,7 +13,7 @@ from alembic import command
 from alembic.config import Config
 
 from outbox.config import normalize_database_url
-from outbox.schema import validate_schema_name
+from outbox.schema import VERSION_TABLE, validate_schema_name
 
 
 def _script_location() -> str:
@@ -48,8 +48,6 @@ def downgrade(url_or_engine: str | sa.Engine, revision: str, schema: str | None 
 def current_revision(connection: sa.Connection, schema: str | None = None) -> str | None:
     """The applied revision, or ``None`` when the toolkit's tables were never migrated."""
     from alembic.migration import MigrationContext
-
-    from outbox.schema import VERSION_TABLE
 
     ctx = MigrationContext.configure(
         connection, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}

@@ -32,6 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
+from outbox._core import claim
 from outbox.errors import ConfigurationError
 
 IDEMPOTENCY_KEYS = "idempotency_keys"
@@ -39,8 +40,8 @@ OUTBOX = "outbox"
 VERSION_TABLE = "outbox_alembic_version"
 
 STATUS_STARTED = "started"
-STATUS_COMPLETED = "completed"
-STATUS_FAILED = "failed"
+STATUS_COMPLETED = claim.STATUS_COMPLETED
+STATUS_FAILED = claim.STATUS_FAILED
 
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 

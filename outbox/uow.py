@@ -20,7 +20,6 @@ holds a row in a "started" state that another writer would have to wait for.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -33,12 +32,15 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from outbox._core import claim
 from outbox._core import codec as _codec
 from outbox._core import validate as _validate
+from outbox._core.claim import StoredOutcome
 from outbox._pg.errors import unique_violation_of
 from outbox._pg.statements import Statements, idempotency_key_complete, statements
 from outbox._pg.transaction import Transaction, install_guard
-from outbox._redis.cache import CachedOutcome, OutcomeCache, make_client
+from outbox._pg.wakeup import make_notifier, noop
+from outbox._redis.cache import OutcomeCache, make_client
 from outbox.config import (
     DEFAULT_SCOPE,
     ENV_DATABASE_URL,
@@ -47,32 +49,19 @@ from outbox.config import (
     env,
     normalize_database_url,
 )
+from outbox.decorators import make_idempotent
 from outbox.errors import (
     ConfigurationError,
     KeyInProgress,
-    KeyReuseError,
     PermanentError,
-    PreviouslyFailed,
     ReplayedWriteError,
 )
-from outbox.schema import STATUS_COMPLETED, STATUS_FAILED
 
 log = logging.getLogger("outbox.uow")
 
-_MAX_ERROR_TEXT = 4000
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
-
-
-def lock_id(scope: str, key: str) -> int:
-    """The signed 64-bit advisory lock id of ``(scope, key)``.
-
-    The single-``bigint`` advisory lock space is used only for keys; lock ids of other
-    components use the two-``int4`` form, a separate lock space in PostgreSQL.
-    """
-    digest = hashlib.blake2b(f"{len(scope)}:{scope}:{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,8 +263,6 @@ class Outbox:
         )
         self._sql: Statements = statements(self.config.schema)
         install_guard(self.engine)
-        from outbox._pg.wakeup import make_notifier, noop
-
         self._notify = (
             make_notifier(self.engine, client, self.config.schema)
             if self.config.wake_relays
@@ -307,8 +294,6 @@ class Outbox:
         fingerprint: Callable[..., str | None] | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator form of :meth:`unit_of_work`; see :func:`outbox.idempotent`."""
-        from outbox.decorators import make_idempotent
-
         return make_idempotent(lambda: self, key, scope, fingerprint)
 
     def close(self) -> None:
@@ -326,21 +311,11 @@ class Outbox:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _outcome(
-        self,
-        scope: str,
-        key: str,
-        fingerprint: str | None,
-        status: str,
-        stored_fingerprint: str | None,
-        result_json: str | None,
-        error: str | None,
+    def _replay(
+        self, scope: str, key: str, fingerprint: str | None, stored: StoredOutcome
     ) -> UnitOfWork:
-        if fingerprint is not None and stored_fingerprint not in (None, fingerprint):
-            raise KeyReuseError(scope, key)
-        if status == STATUS_FAILED:
-            raise PreviouslyFailed(scope, key, error or "")
-        result = json.loads(result_json) if result_json is not None else None
+        claim.verdict(scope, key, fingerprint, stored, acquired=False)  # raises unless REPLAY
+        result = json.loads(stored.result_json) if stored.result_json is not None else None
         return UnitOfWork(self, scope, key, fingerprint, None, replayed=True, result=result)
 
     def _begin(self, key: str, scope: str, fingerprint: str | None) -> UnitOfWork:
@@ -348,21 +323,12 @@ class Outbox:
         if cache is not None:
             cached = cache.get(scope, key)
             if cached is not None:
-                return self._outcome(
-                    scope,
-                    key,
-                    fingerprint,
-                    cached.status,
-                    cached.fingerprint,
-                    cached.result_json,
-                    cached.error,
-                )
+                return self._replay(scope, key, fingerprint, cached)
         tx = Transaction(self.engine)
         try:
-            sql = self._sql
             acquired, status, stored_fp, result_json, error, age = tx.begin_with(
-                sql.idempotency_key_claim_prepared,
-                {"lock_id": lock_id(scope, key), "scope": scope, "key": key},
+                self._sql.idempotency_key_claim_prepared,
+                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
             )
             if status is None and acquired:
                 return UnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
@@ -370,16 +336,15 @@ class Outbox:
             tx.close()
             raise
         tx.finish()  # nothing was written
-        if status is None:
-            raise KeyInProgress(scope, key)
+        stored = None if status is None else StoredOutcome(status, stored_fp, result_json, error)
+        claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
+        assert stored is not None
         if cache is not None:
-            # Warm the cache: this outcome was committed by an earlier transaction. Never for
-            # longer than PostgreSQL keeps the key (outbox gc deletes it `retention` after its
-            # last update): Redis must not answer for a key the database has forgotten.
-            ttl = min(self.config.cache_ttl, self.config.retention - float(age or 0.0))
-            if ttl >= 1.0:
-                cache.put(scope, key, CachedOutcome(status, stored_fp, result_json, error), ttl)
-        return self._outcome(scope, key, fingerprint, status, stored_fp, result_json, error)
+            # Warm the cache: this outcome was committed by an earlier transaction.
+            ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
+            if ttl is not None:
+                cache.put(scope, key, stored, ttl)
+        return self._replay(scope, key, fingerprint, stored)
 
     def _commit(self, uow: UnitOfWork) -> None:
         tx = uow._tx
@@ -424,7 +389,7 @@ class Outbox:
             self.cache.put(
                 uow.scope,
                 uow.key,
-                CachedOutcome(STATUS_COMPLETED, uow.fingerprint, result_json, None),
+                StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None),
             )
         if events:
             self._notify()
@@ -437,8 +402,8 @@ class Outbox:
         if not permanent or tx is None:
             _close(uow)  # rolls back the business writes and the outbox rows
             return
-        error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
-        key_lock = lock_id(uow.scope, uow.key)
+        error = claim.failure_text(exc)
+        key_lock = claim.lock_id(uow.scope, uow.key)
         try:
             # Keep the key held from the body's failure to its record: a concurrent attempt
             # must see either the running attempt (KeyInProgress) or the failure, never a gap
@@ -469,7 +434,7 @@ class Outbox:
             )
         if recorded and self.cache is not None:
             self.cache.put(
-                uow.scope, uow.key, CachedOutcome(STATUS_FAILED, uow.fingerprint, None, error)
+                uow.scope, uow.key, StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error)
             )
 
 
@@ -530,3 +495,38 @@ def default_outbox() -> Outbox:
 def unit_of_work(key: str, scope: str = DEFAULT_SCOPE, fingerprint: str | None = None) -> _Attempt:
     """:meth:`Outbox.unit_of_work` on the default :class:`Outbox`."""
     return default_outbox().unit_of_work(key, scope=scope, fingerprint=fingerprint)
+
+
+def idempotent(
+    key: str | Callable[..., str],
+    *,
+    scope: str = DEFAULT_SCOPE,
+    fingerprint: Callable[..., str | None] | None = None,
+    outbox: Outbox | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run the decorated function at most once per idempotency key.
+
+    The function takes the :class:`~outbox.uow.UnitOfWork` as its first parameter, followed by
+    its own arguments; callers pass only their own arguments::
+
+        @outbox.idempotent(key="request_id", scope="payments")
+        def charge(uow, request_id: str, amount: int) -> dict:
+            uow.connection.execute(...)
+            uow.publish("payments.charged", {"amount": amount}, key=request_id)
+            return {"charged": amount}
+
+        charge("req-1", 500)   # runs, stores {"charged": 500}
+        charge("req-1", 500)   # returns {"charged": 500} without calling the function
+
+    ``key`` names the parameter that holds the idempotency key, or is a callable that receives
+    the caller's arguments and returns the key. ``fingerprint`` is an optional callable of the
+    same arguments returning a request fingerprint (reusing a key with another one raises
+    :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
+    stored and a duplicate gets its JSON form back (tuples come back as lists). ``outbox``
+    defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
+    """
+
+    def resolve() -> Outbox:
+        return outbox if outbox is not None else default_outbox()
+
+    return make_idempotent(resolve, key, scope, fingerprint)

@@ -9,30 +9,24 @@ to PostgreSQL, which decides. After a failure the cache stays out of the way for
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from outbox._core.claim import StoredOutcome
+from outbox._redis.entry import decode_entry, encode_entry
 from outbox.config import OutboxConfig, redact_url
+from outbox.errors import ConfigurationError
 
 log = logging.getLogger("outbox.cache")
 
 
-@dataclass(frozen=True)
-class CachedOutcome:
-    """An outcome read back from Redis."""
-
-    status: str  # "completed" or "failed"
-    fingerprint: str | None
-    result_json: str | None
-    error: str | None
+# An outcome as the cache holds it: the same record the claim decides on.
+CachedOutcome = StoredOutcome
 
 
 def make_client(url: str, config: OutboxConfig) -> redis.Redis:
@@ -47,8 +41,6 @@ def make_client(url: str, config: OutboxConfig) -> redis.Redis:
             health_check_interval=0,
         )
     except ValueError as exc:
-        from outbox.errors import ConfigurationError
-
         raise ConfigurationError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc
 
 
@@ -99,48 +91,18 @@ class OutcomeCache:
             return None
         if raw is None:
             return None
-        return _decode(raw)
+        return decode_entry(raw)
 
     def put(self, scope: str, key: str, outcome: CachedOutcome, ttl: float | None = None) -> None:
         """Remember an outcome for ``ttl`` seconds (default ``cache_ttl``); call only after the
         PostgreSQL commit that made it final."""
         if not self.available():
             return
-        entry: dict[str, Any] = {"s": outcome.status, "f": outcome.fingerprint}
-        if outcome.status == "completed":
-            entry["r"] = outcome.result_json
-        else:
-            entry["e"] = outcome.error
         try:
             px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))
-            self._client.set(self.redis_key(scope, key), json.dumps(entry), px=px)
+            self._client.set(self.redis_key(scope, key), encode_entry(outcome), px=px)
         except (redis.RedisError, OSError) as exc:
             self._failed("SET", exc)
 
     def close(self) -> None:
         self._client.close()
-
-
-def _decode(raw: Any) -> CachedOutcome | None:
-    # Garbage in Redis must never change an outcome: anything unexpected is a miss.
-    try:
-        entry = json.loads(raw)
-        status = entry["s"]
-        fingerprint = entry.get("f")
-        if fingerprint is not None and not isinstance(fingerprint, str):
-            return None
-        if status == "completed":
-            result_json = entry.get("r")
-            if result_json is not None:
-                if not isinstance(result_json, str):
-                    return None
-                json.loads(result_json)
-            return CachedOutcome("completed", fingerprint, result_json, None)
-        if status == "failed":
-            error = entry.get("e")
-            if not isinstance(error, str):
-                return None
-            return CachedOutcome("failed", fingerprint, None, error)
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return None
-    return None

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from outbox import OutboxConfig
+from outbox._core.claim import lock_id
 from outbox._pg.statements import idempotency_key_complete, statements
 from outbox.cli._common import parse_kafka_config
 from outbox.config import normalize_database_url, redact_url
 from outbox.errors import ConfigurationError
-from outbox.uow import lock_id
 
 
 def test_defaults_are_valid() -> None:
