@@ -22,8 +22,9 @@ services:
 test: venv services lint typecheck pytest
 
 lint:
-	$(PYTHON) -m ruff check outbox migrations tests benchmarks scripts examples
-	$(PYTHON) -m ruff format --check outbox migrations tests benchmarks scripts examples
+	$(PYTHON) tools/async_to_sync.py --check
+	$(PYTHON) -m ruff check outbox migrations tests benchmarks scripts examples tools
+	$(PYTHON) -m ruff format --check outbox migrations tests benchmarks scripts examples tools
 
 typecheck:
 	$(PYTHON) -m mypy outbox

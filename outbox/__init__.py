@@ -7,6 +7,7 @@ back through units of work.
 """
 
 from outbox.config import OutboxConfig
+from outbox.default import configure, default_outbox, idempotent, unit_of_work
 from outbox.errors import (
     ConfigurationError,
     KeyInProgress,
@@ -18,9 +19,12 @@ from outbox.errors import (
     ReplayedWriteError,
     ValidationError,
 )
-from outbox.uow import Outbox, UnitOfWork, configure, default_outbox, idempotent, unit_of_work
+from outbox.uow import Outbox, UnitOfWork
+from outbox.uow_async import AsyncOutbox, AsyncUnitOfWork
 
 __all__ = [
+    "AsyncOutbox",
+    "AsyncUnitOfWork",
     "ConfigurationError",
     "KeyInProgress",
     "KeyReuseError",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from outbox.errors import ConfigurationError
@@ -18,9 +17,7 @@ from outbox.errors import ConfigurationError
 class _UnitOfWorkSource(Protocol):
     """What the decorator needs of an outbox: units of work (``Outbox`` is one)."""
 
-    def unit_of_work(
-        self, key: str, scope: str = ..., fingerprint: str | None = None
-    ) -> AbstractContextManager[Any]: ...
+    def unit_of_work(self, key: str, scope: str = ..., fingerprint: str | None = None) -> Any: ...
 
 
 def make_idempotent(
@@ -28,8 +25,26 @@ def make_idempotent(
     key: str | Callable[..., str],
     scope: str,
     fingerprint: Callable[..., str | None] | None,
+    *,
+    is_async: bool | None = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``@idempotent`` decorator on the outbox ``get_outbox()`` returns.
+
+    ``is_async`` is the flavour of that outbox (``None``: not known until the call): an
+    ``async def`` needs an ``AsyncOutbox`` and a plain function an ``Outbox``.
+    """
+
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        coroutine = inspect.iscoroutinefunction(func)
+        if is_async is not None and coroutine != is_async:
+            raise ConfigurationError(
+                f"@idempotent on {func.__qualname__}: "
+                + (
+                    "an async def needs an AsyncOutbox"
+                    if coroutine
+                    else "a plain function needs an Outbox (use async def with AsyncOutbox)"
+                )
+            )
         signature = inspect.signature(func)
         params = list(signature.parameters)
         if not params:
@@ -57,6 +72,22 @@ def make_idempotent(
             raise ConfigurationError(
                 f"@idempotent key must be a parameter name or a callable, got {key!r}"
             )
+
+        if coroutine:
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                ob = get_outbox()
+                fp = fingerprint(*args, **kwargs) if fingerprint is not None else None
+                attempt = ob.unit_of_work(key_of(*args, **kwargs), scope=scope, fingerprint=fp)
+                async with attempt as uow:
+                    if uow.replayed:
+                        return uow.result
+                    value = await func(uow, *args, **kwargs)
+                    uow.result = value
+                    return value
+
+            return async_wrapper
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

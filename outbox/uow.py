@@ -1,3 +1,4 @@
+# generated from outbox/uow_async.py by tools/async_to_sync.py; do not edit
 """The unit of work: business rows, the idempotency key and outbox rows in one transaction.
 
 ::
@@ -16,64 +17,46 @@ in the same round trip. Holding that lock is the claim: a concurrent attempt fai
 and a crashed attempt's lock vanishes with its connection. The key row itself is inserted in
 its final state at the end, in the same statement as the outbox rows, so PostgreSQL never
 holds a row in a "started" state that another writer would have to wait for.
+
+This asyncio module is the source of both flavours: ``uow.py`` (``Outbox``, ``UnitOfWork``) is
+generated from it by ``tools/async_to_sync.py``, so each I/O sequence is written once. The
+decisions (the claim's verdict, permanence, event encoding) live in :mod:`outbox._core`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-import sqlalchemy as sa
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from outbox._core import claim
-from outbox._core import codec as _codec
 from outbox._core import validate as _validate
 from outbox._core.claim import StoredOutcome
+from outbox._core.events import Event, encode_event, event_params
+from outbox._pg.engines import engine_for, notifier_engine
 from outbox._pg.errors import unique_violation_of
 from outbox._pg.statements import Statements, idempotency_key_complete, statements
 from outbox._pg.transaction import Transaction, install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache import OutcomeCache, make_client
-from outbox.config import (
-    DEFAULT_SCOPE,
-    ENV_DATABASE_URL,
-    ENV_REDIS_URL,
-    OutboxConfig,
-    env,
-    normalize_database_url,
-)
+from outbox._redis.clients import check_flavour
+from outbox.config import DEFAULT_SCOPE, OutboxConfig
 from outbox.decorators import make_idempotent
-from outbox.errors import (
-    ConfigurationError,
-    KeyInProgress,
-    PermanentError,
-    ReplayedWriteError,
-)
+from outbox.errors import ConfigurationError, KeyInProgress, PermanentError, ReplayedWriteError
 
 log = logging.getLogger("outbox.uow")
+
+_ASYNC = False
 
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
-
-
-@dataclass(frozen=True, slots=True)
-class _Event:
-    """An event published in a unit of work, encoded and waiting for the final statement."""
-
-    event_id: uuid.UUID
-    topic: str
-    key: bytes | None
-    value: bytes
-    headers_json: str
-    key_hash: int
 
 
 class UnitOfWork:
@@ -102,7 +85,7 @@ class UnitOfWork:
         self._tx = tx
         self._session: Session | None = None
         self._result: Any = result
-        self._events: list[_Event] = []
+        self._events: list[Event] = []
 
     def _refuse(self, what: str) -> ReplayedWriteError:
         return ReplayedWriteError(
@@ -111,7 +94,7 @@ class UnitOfWork:
         )
 
     @property
-    def connection(self) -> sa.Connection:
+    def connection(self) -> Connection:
         """SQLAlchemy Core connection inside the unit of work's transaction."""
         if self.replayed or self._tx is None:
             raise self._refuse("database access")
@@ -152,34 +135,18 @@ class UnitOfWork:
     ) -> uuid.UUID:
         """Append an event to the outbox; it is written when the unit of work commits.
 
-        ``value`` may be ``bytes``, ``str`` (UTF-8) or anything JSON-serializable (encoded as
-        JSON with a ``content-type: application/json`` header). ``key`` is the Kafka message key
-        (``str``, ``bytes`` or ``None``); events with the same key reach Kafka in commit order.
-        Returns the event's UUID, also sent as the ``X-Idempotency-Key`` header unless
-        ``headers`` sets one. Invalid input raises before anything is written.
+        Synchronous in both flavours: it only buffers. ``value`` may be ``bytes``, ``str``
+        (UTF-8) or anything JSON-serializable (encoded as JSON with a
+        ``content-type: application/json`` header). ``key`` is the Kafka message key (``str``,
+        ``bytes`` or ``None``); events with the same key reach Kafka in commit order. Returns
+        the event's UUID, also sent as the ``X-Idempotency-Key`` header unless ``headers`` sets
+        one. Invalid input raises before anything is written.
         """
         if self.replayed:
             raise self._refuse("publish()")
-        _validate.check_topic(topic)
-        key_bytes = _validate.encode_message_key(key)
-        checked = _validate.check_headers(headers)
-        _validate.check_idempotency_header(checked)
-        value_bytes, content_type = _validate.encode_value(value)
-        _validate.with_content_type(checked, content_type)
-        _validate.check_size(key_bytes, value_bytes, checked, self._outbox.config.max_payload_bytes)
-        event_id = uuid.uuid4()
-        headers_json = json.dumps(_codec.encode_headers(checked), ensure_ascii=False)
-        self._events.append(
-            _Event(
-                event_id,
-                topic,
-                key_bytes,
-                value_bytes,
-                headers_json,
-                _codec.key_hash(key_bytes, event_id.bytes),
-            )
-        )
-        return event_id
+        event = encode_event(topic, value, key, headers, self._outbox.config.max_payload_bytes)
+        self._events.append(event)
+        return event.event_id
 
 
 class _Attempt:
@@ -217,13 +184,16 @@ class _Attempt:
 class Outbox:
     """Entry point: owns the engine, the optional Redis fast path and the configuration.
 
-    ``Outbox("postgresql+psycopg://...", redis_url="redis://...")`` builds its own engine and Redis
-    client; ``Outbox(engine, redis=client)`` uses yours (and leaves closing them to you).
+    ``Outbox("postgresql+psycopg://...", redis_url="redis://...")`` builds its own engine and
+    Redis client; ``Outbox(engine, redis=client)`` uses yours (and leaves closing them to
+    you).
     """
+
+    is_async: ClassVar[bool] = _ASYNC
 
     def __init__(
         self,
-        database: str | sa.Engine,
+        database: str | Engine,
         *,
         redis_url: str | None = None,
         redis: Any = None,
@@ -240,22 +210,10 @@ class Outbox:
         self.config = config.validate()
         if redis_url is not None and redis is not None:
             raise ConfigurationError("pass either redis_url or redis, not both")
-        if isinstance(database, sa.Engine):
-            self.engine = database
-            self._owns_engine = False
-        elif isinstance(database, str):
-            options: dict[str, Any] = {"pool_size": 20, "max_overflow": 20}
-            options.update(engine_options or {})
-            self.engine = sa.create_engine(normalize_database_url(database), **options)
-            self._owns_engine = True
-        else:
-            raise ConfigurationError(
-                f"database must be a URL or a SQLAlchemy Engine, got {type(database).__name__}"
-            )
-        if self.engine.dialect.name != "postgresql":
-            raise ConfigurationError(
-                f"outbox-kit needs PostgreSQL, got a {self.engine.dialect.name} engine"
-            )
+        if redis is not None:
+            check_flavour(redis, want_async=_ASYNC)
+        engine, self._owns_engine = engine_for(database, _ASYNC, engine_options)
+        self.engine: Engine = engine
         self._owns_redis = redis_url is not None
         client = make_client(redis_url, self.config) if redis_url is not None else redis
         self.cache: OutcomeCache | None = (
@@ -264,7 +222,7 @@ class Outbox:
         self._sql: Statements = statements(self.config.schema)
         install_guard(self.engine)
         self._notify = (
-            make_notifier(self.engine, client, self.config.schema)
+            make_notifier(notifier_engine(self.engine), client, self.config.schema)
             if self.config.wake_relays
             else noop
         )
@@ -294,7 +252,7 @@ class Outbox:
         fingerprint: Callable[..., str | None] | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator form of :meth:`unit_of_work`; see :func:`outbox.idempotent`."""
-        return make_idempotent(lambda: self, key, scope, fingerprint)
+        return make_idempotent(lambda: self, key, scope, fingerprint, is_async=_ASYNC)
 
     def close(self) -> None:
         """Dispose of the engine and Redis client if this object created them."""
@@ -324,7 +282,7 @@ class Outbox:
             cached = cache.get(scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
-        tx = Transaction(self.engine)
+        tx = Transaction.open(self.engine)
         try:
             acquired, status, stored_fp, result_json, error, age = tx.begin_with(
                 self._sql.idempotency_key_claim_prepared,
@@ -349,6 +307,7 @@ class Outbox:
     def _commit(self, uow: UnitOfWork) -> None:
         tx = uow._tx
         assert tx is not None
+        events = uow._events
         try:
             result_json = _validate.dumps_json(uow._result, "uow.result")
             if uow._session is not None:
@@ -359,17 +318,7 @@ class Outbox:
                 "fingerprint": uow.fingerprint,
                 "result": result_json,
             }
-            events = uow._events
-            size = 0
-            if events:
-                for i, e in enumerate(events):
-                    params[f"e{i}"] = e.event_id
-                    params[f"t{i}"] = e.topic
-                    params[f"k{i}"] = e.key
-                    params[f"v{i}"] = e.value
-                    params[f"h{i}"] = e.headers_json
-                    params[f"x{i}"] = e.key_hash
-                    size += len(e.value)
+            size = event_params(events, params)
             statement = idempotency_key_complete(self.config.schema, len(events))
             if size <= _INLINE_LIMIT and len(events) <= _INLINE_EVENTS:
                 tx.commit_with(statement, params)
@@ -434,7 +383,9 @@ class Outbox:
             )
         if recorded and self.cache is not None:
             self.cache.put(
-                uow.scope, uow.key, StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error)
+                uow.scope,
+                uow.key,
+                StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error),
             )
 
 
@@ -445,88 +396,3 @@ def _close(uow: UnitOfWork) -> None:
     if uow._tx is not None:
         uow._tx.close()
         uow._tx = None
-
-
-# -- the default Outbox behind module-level functions ------------------------------------------
-
-_default: Outbox | None = None
-_default_lock = threading.Lock()
-
-
-def configure(database: str | sa.Engine | None = None, **options: Any) -> Outbox:
-    """Set the default :class:`Outbox` used by :func:`unit_of_work` and :func:`idempotent`.
-
-    Without ``database`` it reads ``OUTBOX_DATABASE_URL`` (and ``OUTBOX_REDIS_URL`` unless
-    ``redis_url``/``redis`` is passed). Replaces and closes a previous default.
-    """
-    global _default
-    if database is None:
-        database = env(ENV_DATABASE_URL)
-        if database is None:
-            raise ConfigurationError(
-                f"no database configured: call outbox.configure(url) or set {ENV_DATABASE_URL}"
-            )
-        if "redis_url" not in options and "redis" not in options:
-            options["redis_url"] = env(ENV_REDIS_URL)
-    new = Outbox(database, **options)
-    with _default_lock:
-        old, _default = _default, new
-    if old is not None:
-        old.close()
-    return new
-
-
-def default_outbox() -> Outbox:
-    """The default :class:`Outbox`, built from the environment on first use."""
-    global _default
-    if _default is None:
-        with _default_lock:
-            if _default is None:
-                url = env(ENV_DATABASE_URL)
-                if url is None:
-                    raise ConfigurationError(
-                        "no default Outbox: call outbox.configure(url) or set "
-                        f"{ENV_DATABASE_URL} (and optionally {ENV_REDIS_URL})"
-                    )
-                _default = Outbox(url, redis_url=env(ENV_REDIS_URL))
-    return _default
-
-
-def unit_of_work(key: str, scope: str = DEFAULT_SCOPE, fingerprint: str | None = None) -> _Attempt:
-    """:meth:`Outbox.unit_of_work` on the default :class:`Outbox`."""
-    return default_outbox().unit_of_work(key, scope=scope, fingerprint=fingerprint)
-
-
-def idempotent(
-    key: str | Callable[..., str],
-    *,
-    scope: str = DEFAULT_SCOPE,
-    fingerprint: Callable[..., str | None] | None = None,
-    outbox: Outbox | None = None,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Run the decorated function at most once per idempotency key.
-
-    The function takes the :class:`~outbox.uow.UnitOfWork` as its first parameter, followed by
-    its own arguments; callers pass only their own arguments::
-
-        @outbox.idempotent(key="request_id", scope="payments")
-        def charge(uow, request_id: str, amount: int) -> dict:
-            uow.connection.execute(...)
-            uow.publish("payments.charged", {"amount": amount}, key=request_id)
-            return {"charged": amount}
-
-        charge("req-1", 500)   # runs, stores {"charged": 500}
-        charge("req-1", 500)   # returns {"charged": 500} without calling the function
-
-    ``key`` names the parameter that holds the idempotency key, or is a callable that receives
-    the caller's arguments and returns the key. ``fingerprint`` is an optional callable of the
-    same arguments returning a request fingerprint (reusing a key with another one raises
-    :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
-    stored and a duplicate gets its JSON form back (tuples come back as lists). ``outbox``
-    defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
-    """
-
-    def resolve() -> Outbox:
-        return outbox if outbox is not None else default_outbox()
-
-    return make_idempotent(resolve, key, scope, fingerprint)

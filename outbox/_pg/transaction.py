@@ -1,4 +1,8 @@
+# generated from outbox/_pg/transaction_async.py by tools/async_to_sync.py; do not edit
 """The unit of work's transaction: one pooled connection, the toolkit's statements sent raw.
+
+This asyncio module is the source; ``transaction.py`` (the sync flavour) is generated from it by
+``tools/async_to_sync.py``.
 
 Round trips are most of a short transaction's cost, so the toolkit keeps its own to a minimum:
 
@@ -24,6 +28,7 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 from psycopg import ClientCursor, IsolationLevel, pq
+from sqlalchemy import Connection, Engine
 
 from outbox._pg.statements import Prepared
 from outbox.errors import TransactionEndedError
@@ -71,7 +76,7 @@ def _refuse_begin(conn: sa.Connection) -> None:
         )
 
 
-def install_guard(engine: sa.Engine) -> None:
+def install_guard(engine: Engine) -> None:
     """Keep a unit of work's transaction whole against its own body.
 
     ``commit()`` from the body would commit business rows without the key and the outbox rows:
@@ -138,14 +143,21 @@ class Transaction:
 
     __slots__ = ("_driver", "_saved_autocommit", "connection")
 
-    def __init__(self, engine: sa.Engine) -> None:
-        self.connection = engine.connect()
-        driver = self.connection.connection.driver_connection
-        if not isinstance(driver, psycopg.Connection):
-            self.connection.close()
-            raise TypeError("outbox-kit needs the psycopg 3 driver (postgresql+psycopg://)")
-        self._driver: psycopg.Connection[Any] = driver
+    def __init__(self, connection: Connection, driver: psycopg.Connection[Any]) -> None:
+        self.connection = connection
+        self._driver = driver
         self._saved_autocommit: bool | None = None
+
+    @classmethod
+    def open(cls, engine: Engine) -> Transaction:
+        """Check a connection out of ``engine`` (the psycopg 3 driver is required)."""
+        connection = engine.connect()
+        raw = connection.connection
+        driver = raw.driver_connection
+        if not isinstance(driver, psycopg.Connection):
+            connection.close()
+            raise TypeError("outbox-kit needs the psycopg 3 driver (postgresql+psycopg://)")
+        return cls(connection, driver)
 
     def begin(self) -> None:
         """Start an ordinary transaction (psycopg sends BEGIN with the first statement)."""
@@ -162,7 +174,7 @@ class Transaction:
         known = _prepared.setdefault(driver, set())
         self._saved_autocommit = driver.autocommit
         try:
-            driver.autocommit = True
+            driver.set_autocommit(True)
             begin = _begin_command(driver)
             wanted = _wanted.setdefault(driver, set())
             for _attempt in range(2):
@@ -182,12 +194,10 @@ class Transaction:
                     # once, outside any transaction, and try again.
                     self._rollback()
                     known.clear()
-                    known.update(
-                        row[0]
-                        for row in driver.execute(
-                            "SELECT name FROM pg_prepared_statements WHERE name LIKE 'outbox_%'"
-                        )
+                    names = driver.execute(
+                        "SELECT name FROM pg_prepared_statements WHERE name LIKE 'outbox_%'"
                     )
+                    known.update(row[0] for row in names.fetchall())
                     continue
                 known.update(p.name for p in missing)
                 wanted.clear()
@@ -259,7 +269,8 @@ class Transaction:
         if driver.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
             return False
         try:
-            row = driver.execute("SELECT pg_try_advisory_lock(%s)", (lock_id,)).fetchone()
+            cursor = driver.execute("SELECT pg_try_advisory_lock(%s)", (lock_id,))
+            row = cursor.fetchone()
         except psycopg.Error as exc:
             raise self._translate("pg_try_advisory_lock", {}, exc) from exc
         return bool(row and row[0])
@@ -278,12 +289,13 @@ class Transaction:
         try:
             self._rollback()
             if not held:
-                row = driver.execute("SELECT pg_try_advisory_lock(%s)", (lock_id,)).fetchone()
+                cursor = driver.execute("SELECT pg_try_advisory_lock(%s)", (lock_id,))
+                row = cursor.fetchone()
                 held = bool(row and row[0])
             if not held:
                 return False, False
             # The connection is in autocommit mode: the statement is a transaction of its own.
-            return True, driver.execute(sql, params).rowcount == 1
+            return True, (driver.execute(sql, params)).rowcount == 1
         except psycopg.Error as exc:
             raise self._translate(sql, params, exc) from exc
         finally:
@@ -313,7 +325,7 @@ class Transaction:
                     _prepared.pop(self._driver, None)
                 self._rollback()
                 if self._saved_autocommit is not None:
-                    self._driver.autocommit = self._saved_autocommit
+                    self._driver.set_autocommit(self._saved_autocommit)
         except (sa.exc.DBAPIError, psycopg.Error) as exc:
             connection.invalidate(exc)
         finally:
@@ -331,7 +343,8 @@ class Transaction:
             driver.rollback()
             _prepared.pop(driver, None)
         if self.connection.in_transaction():
-            self.connection.rollback()  # SQLAlchemy's view; the server is idle, nothing is sent
+            # SQLAlchemy's view; the server is idle, nothing is sent.
+            self.connection.rollback()
 
     def _translate(self, sql: str, params: dict[str, Any], exc: psycopg.Error) -> Exception:
         broken = self._driver.broken or self._driver.closed

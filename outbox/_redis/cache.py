@@ -1,3 +1,4 @@
+# generated from outbox/_redis/cache_async.py by tools/async_to_sync.py; do not edit
 """Redis fast path: remembers outcomes (COMPLETED results, FAILED errors) of committed keys.
 
 Redis is a cache, never the truth. Entries are written only after the PostgreSQL commit,
@@ -5,6 +6,9 @@ read and written with single-key commands (safe on Redis Cluster), with bounded 
 Redis failure, a slow answer or a malformed entry makes the cache step aside: the caller goes
 to PostgreSQL, which decides. After a failure the cache stays out of the way for a short while
 (``cache_retry_after``) so that a Redis outage does not add a timeout to every call.
+
+This asyncio module is the source; ``cache.py`` (the sync flavour) is generated from it by
+``tools/async_to_sync.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import logging
 import threading
 import time
 
-import redis
+from redis import Redis
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from outbox._core.claim import StoredOutcome
@@ -29,10 +34,10 @@ log = logging.getLogger("outbox.cache")
 CachedOutcome = StoredOutcome
 
 
-def make_client(url: str, config: OutboxConfig) -> redis.Redis:
+def make_client(url: str, config: OutboxConfig) -> Redis:
     """A redis-py client with bounded timeouts and no retries (a miss is cheaper than a wait)."""
     try:
-        return redis.Redis.from_url(
+        return Redis.from_url(
             url,
             socket_timeout=config.cache_socket_timeout,
             socket_connect_timeout=config.cache_connect_timeout,
@@ -47,7 +52,7 @@ def make_client(url: str, config: OutboxConfig) -> redis.Redis:
 class OutcomeCache:
     """Reads and writes outcomes of ``(scope, key)`` in Redis, never raising to the caller."""
 
-    def __init__(self, client: redis.Redis, config: OutboxConfig) -> None:
+    def __init__(self, client: Redis, config: OutboxConfig) -> None:
         self._client = client
         self._prefix = config.cache_prefix
         self._ttl_ms = max(1, int(config.cache_ttl * 1000))
@@ -56,7 +61,7 @@ class OutcomeCache:
         self._lock = threading.Lock()
 
     @property
-    def client(self) -> redis.Redis:
+    def client(self) -> Redis:
         return self._client
 
     def redis_key(self, scope: str, key: str) -> str:
@@ -86,7 +91,7 @@ class OutcomeCache:
             return None
         try:
             raw = self._client.get(self.redis_key(scope, key))
-        except (redis.RedisError, OSError) as exc:
+        except (RedisError, OSError) as exc:
             self._failed("GET", exc)
             return None
         if raw is None:
@@ -101,7 +106,7 @@ class OutcomeCache:
         try:
             px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))
             self._client.set(self.redis_key(scope, key), encode_entry(outcome), px=px)
-        except (redis.RedisError, OSError) as exc:
+        except (RedisError, OSError) as exc:
             self._failed("SET", exc)
 
     def close(self) -> None:

@@ -1,0 +1,60 @@
+"""Engines for both flavours: which one a caller handed over, and the ones the toolkit builds.
+
+Not generated: the sync and asyncio units of work both call these to tell an ``Engine`` from an
+``AsyncEngine`` and to refuse the wrong one with a clear error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from outbox.config import normalize_database_url
+from outbox.errors import ConfigurationError
+
+# A unit of work holds one connection; room for this many at once before anyone waits.
+DEFAULT_POOL = {"pool_size": 20, "max_overflow": 20}
+
+
+def engine_for(database: object, want_async: bool, options: dict[str, Any] | None) -> Any:
+    """``(engine, owned)`` for ``database``: a URL (an engine is built) or an engine of the
+    wanted flavour; anything else raises :class:`ConfigurationError`."""
+    owner = "AsyncOutbox" if want_async else "Outbox"
+    wanted = AsyncEngine if want_async else sa.Engine
+    other = sa.Engine if want_async else AsyncEngine
+    if isinstance(database, wanted):
+        engine: Any = database
+        owned = False
+    elif isinstance(database, other):
+        raise ConfigurationError(
+            f"{owner} needs {'an AsyncEngine' if want_async else 'a sync Engine'}, got "
+            f"{'a sync Engine' if want_async else 'an AsyncEngine'}: use "
+            f"{'Outbox' if want_async else 'AsyncOutbox'} for it, or pass a URL"
+        )
+    elif isinstance(database, str):
+        merged = {**DEFAULT_POOL, **(options or {})}
+        url = normalize_database_url(database)
+        engine = (
+            create_async_engine(url, **merged) if want_async else sa.create_engine(url, **merged)
+        )
+        owned = True
+    else:
+        raise ConfigurationError(
+            f"database must be a URL or a SQLAlchemy {wanted.__name__}, "
+            f"got {type(database).__name__}"
+        )
+    if engine.dialect.name != "postgresql":
+        raise ConfigurationError(f"outbox-kit needs PostgreSQL, got a {engine.dialect.name} engine")
+    return engine, owned
+
+
+def notifier_engine(engine: sa.Engine | AsyncEngine) -> sa.Engine:
+    """A sync engine for the relays' wake-up thread: the engine itself, or for an
+    ``AsyncEngine`` a one-connection sync engine on the same database."""
+    if isinstance(engine, sa.Engine):
+        return engine
+    return sa.create_engine(
+        engine.url.render_as_string(hide_password=False), pool_size=1, max_overflow=0
+    )

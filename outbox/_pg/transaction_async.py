@@ -1,0 +1,358 @@
+"""The unit of work's transaction: one pooled connection, the toolkit's statements sent raw.
+
+This asyncio module is the source; ``transaction.py`` (the sync flavour) is generated from it by
+``tools/async_to_sync.py``.
+
+Round trips are most of a short transaction's cost, so the toolkit keeps its own to a minimum:
+
+* ``BEGIN`` and the key claim travel in ONE simple-protocol message (parameters are bound
+  client-side by psycopg, never by string formatting). To stop psycopg from sending its own
+  ``BEGIN`` first, the driver connection is switched to autocommit for the duration; the server
+  still runs everything inside the explicit transaction, and psycopg's ``commit()`` and
+  ``rollback()`` act on the server's transaction state. The previous autocommit setting is
+  restored before the connection goes back to the pool.
+* The final statement and ``COMMIT`` travel in one message too, the statement PREPAREd once
+  per connection so the server does not plan it every time.
+
+Driver errors are translated here, the one place, into SQLAlchemy's exception types, and a
+broken connection is invalidated so the pool never hands it out again.
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from psycopg import AsyncClientCursor, IsolationLevel, pq
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from outbox._pg.statements import Prepared
+from outbox.errors import TransactionEndedError
+
+# Names of the statements this module PREPAREd on each driver connection, and statements to
+# PREPARE at the connection's next begin_with().
+_prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[str]] = (
+    weakref.WeakKeyDictionary()
+)
+_escaping: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], Any] = (
+    weakref.WeakKeyDictionary()
+)
+_wanted: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[Prepared]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+_GUARDED = "outbox.unit_of_work_open"
+_ENDED = "outbox.unit_of_work_rolled_back"
+
+
+def _refuse_commit(conn: sa.Connection) -> None:
+    if conn.info.get(_GUARDED):
+        raise TransactionEndedError(
+            "commit() is not allowed inside a unit of work: it commits when the with-block "
+            "ends, together with its idempotency key and outbox rows (use begin_nested() for "
+            "a savepoint)"
+        )
+
+
+def _note_rollback(conn: sa.Connection) -> None:
+    # A rollback (an ORM session does one after a failed flush) throws the whole unit of work
+    # away, which is safe; what must not follow is more work outside the transaction.
+    if conn.invalidated:
+        # The connection was lost (SQLAlchemy rolls back while handling the error): touching
+        # conn.info now would raise PendingRollbackError in place of the real error.
+        return
+    if conn.info.get(_GUARDED):
+        conn.info[_ENDED] = True
+
+
+def _refuse_begin(conn: sa.Connection) -> None:
+    if conn.info.get(_GUARDED) and conn.info.get(_ENDED):
+        raise TransactionEndedError(
+            "the unit of work's transaction was rolled back inside its body; nothing more can "
+            "be done in it: let the exception propagate and retry the unit of work"
+        )
+
+
+def install_guard(engine: AsyncEngine) -> None:
+    """Keep a unit of work's transaction whole against its own body.
+
+    ``commit()`` from the body would commit business rows without the key and the outbox rows:
+    refused before anything is sent. After a rollback from the body, any further statement is
+    refused instead of running outside the transaction. Connections outside a unit of work are
+    unaffected.
+    """
+    for name, fn in (
+        ("commit", _refuse_commit),
+        ("rollback", _note_rollback),
+        ("begin", _refuse_begin),
+    ):
+        if not sa.event.contains(engine.sync_engine, name, fn):
+            sa.event.listen(engine.sync_engine, name, fn)
+
+
+def _execute_text(
+    driver: psycopg.AsyncConnection[Any], p: Prepared, params: dict[str, Any]
+) -> bytes:
+    """``EXECUTE name (...)`` with the parameters as literals escaped by libpq.
+
+    Sent with the simple query protocol, several statements travel in one message; libpq's
+    escaping (PQescapeLiteral / PQescapeByteaConn, which know the connection's settings) makes
+    each value a literal, exactly as a client-side-binding cursor would, with less overhead.
+    """
+    escaping = _escaping.get(driver)
+    if escaping is None:
+        escaping = _escaping[driver] = pq.Escaping(driver.pgconn)
+    if driver.info.encoding != "utf-8":
+        return AsyncClientCursor(driver).mogrify(p.execute, params).encode(driver.info.encoding)
+    literals = []
+    for name in p.args:
+        value = params[name]
+        if value is None:
+            literals.append(b"NULL")
+        elif isinstance(value, bool):
+            literals.append(b"true" if value else b"false")
+        elif isinstance(value, int):
+            literals.append(str(value).encode())
+        elif isinstance(value, str):
+            literals.append(escaping.escape_literal(value.encode()))
+        elif isinstance(value, bytes):
+            literals.append(b"'" + escaping.escape_bytea(value) + b"'")
+        elif isinstance(value, uuid.UUID):
+            literals.append(b"'" + str(value).encode() + b"'")
+        else:
+            raise TypeError(f"cannot bind {type(value).__name__} as a literal")
+    return b"EXECUTE " + p.name.encode() + b" (" + b", ".join(literals) + b")"
+
+
+def _begin_command(driver: psycopg.AsyncConnection[Any]) -> str:
+    # The same transaction characteristics psycopg itself would request.
+    parts = ["BEGIN"]
+    level = driver.isolation_level
+    if level is not None:
+        parts.append("ISOLATION LEVEL " + IsolationLevel(level).name.replace("_", " "))
+    if driver.read_only is not None:
+        parts.append("READ ONLY" if driver.read_only else "READ WRITE")
+    if driver.deferrable is not None:
+        parts.append("DEFERRABLE" if driver.deferrable else "NOT DEFERRABLE")
+    return " ".join(parts)
+
+
+class AsyncTransaction:
+    """A transaction on a connection checked out of ``engine``."""
+
+    __slots__ = ("_driver", "_saved_autocommit", "connection")
+
+    def __init__(self, connection: AsyncConnection, driver: psycopg.AsyncConnection[Any]) -> None:
+        self.connection = connection
+        self._driver = driver
+        self._saved_autocommit: bool | None = None
+
+    @classmethod
+    async def open(cls, engine: AsyncEngine) -> AsyncTransaction:
+        """Check a connection out of ``engine`` (the psycopg 3 driver is required)."""
+        connection = await engine.connect()
+        raw = await connection.get_raw_connection()
+        driver = raw.driver_connection
+        if not isinstance(driver, psycopg.AsyncConnection):
+            await connection.close()
+            raise TypeError("outbox-kit needs the psycopg 3 driver (postgresql+psycopg://)")
+        return cls(connection, driver)
+
+    async def begin(self) -> None:
+        """Start an ordinary transaction (psycopg sends BEGIN with the first statement)."""
+        await self.connection.begin()
+
+    async def begin_with(self, claim: Prepared, params: dict[str, Any]) -> tuple[Any, ...]:
+        """Start the transaction and run ``claim`` in the same round trip; return its row.
+
+        Statements this connection has not PREPAREd yet (the claim, and final statements that
+        :meth:`commit_with` could not send prepared) are PREPAREd in the same message, before
+        ``BEGIN``, where a failure cannot harm a transaction.
+        """
+        driver = self._driver
+        known = _prepared.setdefault(driver, set())
+        self._saved_autocommit = driver.autocommit
+        try:
+            await driver.set_autocommit(True)
+            begin = _begin_command(driver)
+            wanted = _wanted.setdefault(driver, set())
+            for _attempt in range(2):
+                missing = [p for p in (claim, *wanted) if p.name not in known]
+                prefix = "".join(f"{p.prepare}; " for p in missing)
+                cursor = driver.cursor()
+                try:
+                    await cursor.execute(
+                        f"{prefix}{begin}; ".encode() + _execute_text(driver, claim, params)
+                    )
+                except (
+                    psycopg.errors.InvalidSqlStatementName,
+                    psycopg.errors.DuplicatePreparedStatement,
+                ):
+                    # Our record of what the server holds went stale (a DEALLOCATE ALL, or a
+                    # statement left from an earlier life of the connection): learn the truth
+                    # once, outside any transaction, and try again.
+                    await self._rollback()
+                    known.clear()
+                    names = await driver.execute(
+                        "SELECT name FROM pg_prepared_statements WHERE name LIKE 'outbox_%'"
+                    )
+                    known.update(row[0] for row in await names.fetchall())
+                    continue
+                known.update(p.name for p in missing)
+                wanted.clear()
+                for _ in range(len(missing) + 1):
+                    cursor.nextset()
+                row = await cursor.fetchone()
+                break
+            else:  # pragma: no cover - two stale records in a row means a concurrent DEALLOCATE
+                raise psycopg.errors.InvalidSqlStatementName(
+                    "prepared statements of this connection keep disappearing"
+                )
+        except psycopg.Error as exc:
+            raise await self._translate(claim.execute, params, exc) from exc
+        # SQLAlchemy's own transaction object over the server transaction: ORM sessions and
+        # Core statements on this connection join it, and never commit it themselves.
+        await self.connection.begin()
+        self.connection.info[_ENDED] = False
+        self.connection.info[_GUARDED] = True
+        assert row is not None
+        return tuple(row)
+
+    async def execute(self, sql: str, params: dict[str, Any]) -> Any:
+        try:
+            return await self._driver.execute(sql, params)
+        except psycopg.Error as exc:
+            raise await self._translate(sql, params, exc) from exc
+
+    async def commit(self) -> None:
+        self.connection.info[_GUARDED] = False
+        await self.connection.commit()
+
+    async def commit_with(self, final: Prepared, params: dict[str, Any]) -> None:
+        """Run ``final`` and COMMIT in the same round trip (after :meth:`begin_with`).
+
+        A statement that this connection has not PREPAREd yet goes the ordinary way this time
+        (PREPARE inside the transaction could fail it) and is PREPAREd at the next
+        :meth:`begin_with`. If the statement fails, the server skips the COMMIT of the same
+        message and the transaction is rolled back by :meth:`close`.
+        """
+        driver = self._driver
+        if driver.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
+            raise TransactionEndedError(
+                "the unit of work's transaction is no longer open (it was ended inside the "
+                "body); nothing was committed by the unit of work"
+            )
+        self.connection.info[_GUARDED] = False
+        if final.name not in _prepared.get(driver, ()):
+            _wanted.setdefault(driver, set()).add(final)
+            await self.execute(final.direct, params)
+            await self.connection.commit()
+            return
+        try:
+            await driver.cursor().execute(_execute_text(driver, final, params) + b"; COMMIT")
+        except psycopg.Error as exc:
+            if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
+                _prepared.pop(driver, None)
+            raise await self._translate(final.execute, params, exc) from exc
+        # The server transaction is over; close SQLAlchemy's view of it (psycopg sends nothing).
+        await self.connection.commit()
+
+    async def hold(self, lock_id: int) -> bool:
+        """Take a session-scoped advisory lock on ``lock_id`` while the transaction is healthy.
+
+        The transaction already holds the transaction-scoped lock of the same id, so this never
+        waits; unlike that lock, it outlives the ROLLBACK that :meth:`roll_back_and_record`
+        does next, so no other attempt can claim the key in between.
+        """
+        driver = self._driver
+        if driver.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
+            return False
+        try:
+            cursor = await driver.execute("SELECT pg_try_advisory_lock(%s)", (lock_id,))
+            row = await cursor.fetchone()
+        except psycopg.Error as exc:
+            raise await self._translate("pg_try_advisory_lock", {}, exc) from exc
+        return bool(row and row[0])
+
+    async def roll_back_and_record(
+        self, held: bool, lock_id: int, sql: str, params: dict[str, Any]
+    ) -> tuple[bool, bool]:
+        """Roll back the unit of work, then run ``sql`` (its failure record) on its own.
+
+        Returns ``(locked, recorded)``: whether the key could be held for the record (if the
+        session lock was not taken before, it is tried after the rollback) and whether ``sql``
+        wrote a row. The session lock is always released before returning.
+        """
+        driver = self._driver
+        self.connection.info[_GUARDED] = False
+        try:
+            await self._rollback()
+            if not held:
+                cursor = await driver.execute("SELECT pg_try_advisory_lock(%s)", (lock_id,))
+                row = await cursor.fetchone()
+                held = bool(row and row[0])
+            if not held:
+                return False, False
+            # The connection is in autocommit mode: the statement is a transaction of its own.
+            return True, (await driver.execute(sql, params)).rowcount == 1
+        except psycopg.Error as exc:
+            raise await self._translate(sql, params, exc) from exc
+        finally:
+            if held:
+                try:
+                    await driver.execute("SELECT pg_advisory_unlock(%s)", (lock_id,))
+                except psycopg.Error as exc:
+                    # A broken connection released the lock with its session.
+                    await self.connection.invalidate(exc)
+
+    async def finish(self) -> None:
+        """End a transaction that wrote nothing and return the connection to the pool."""
+        self.connection.info[_GUARDED] = False
+        try:
+            await self.connection.commit()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Roll back whatever is uncommitted and return the connection to the pool."""
+        connection = self.connection
+        try:
+            if not connection.invalidated:
+                connection.info[_GUARDED] = False
+                if connection.info.pop(_ENDED, False):
+                    # psycopg's rollback() may have sent DEALLOCATE ALL: learn anew next time.
+                    _prepared.pop(self._driver, None)
+                await self._rollback()
+                if self._saved_autocommit is not None:
+                    await self._driver.set_autocommit(self._saved_autocommit)
+        except (sa.exc.DBAPIError, psycopg.Error) as exc:
+            await connection.invalidate(exc)
+        finally:
+            await connection.close()
+
+    async def _rollback(self) -> None:
+        driver = self._driver
+        if driver.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+            return
+        if driver.autocommit:
+            # A plain ROLLBACK statement: psycopg's rollback() would add DEALLOCATE ALL and
+            # throw away every prepared statement of the connection.
+            await driver.execute("ROLLBACK")
+        else:
+            await driver.rollback()
+            _prepared.pop(driver, None)
+        if self.connection.in_transaction():
+            # SQLAlchemy's view; the server is idle, nothing is sent.
+            await self.connection.rollback()
+
+    async def _translate(self, sql: str, params: dict[str, Any], exc: psycopg.Error) -> Exception:
+        broken = self._driver.broken or self._driver.closed
+        if broken:
+            await self.connection.invalidate(exc)
+        return sa.exc.DBAPIError.instance(
+            sql, params, exc, psycopg.Error, connection_invalidated=broken
+        )

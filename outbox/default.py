@@ -1,0 +1,101 @@
+"""The default :class:`~outbox.Outbox` behind the module-level functions.
+
+``outbox.unit_of_work(key)`` and ``@outbox.idempotent(...)`` use an ``Outbox`` built from
+``OUTBOX_DATABASE_URL`` (and ``OUTBOX_REDIS_URL``) on first use, or the one set with
+:func:`configure`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox.config import DEFAULT_SCOPE, ENV_DATABASE_URL, ENV_REDIS_URL, env
+from outbox.decorators import make_idempotent
+from outbox.errors import ConfigurationError
+from outbox.uow import Outbox, _Attempt
+
+_default: Outbox | None = None
+_default_lock = threading.Lock()
+
+
+def configure(database: str | sa.Engine | None = None, **options: Any) -> Outbox:
+    """Set the default :class:`Outbox` used by :func:`unit_of_work` and :func:`idempotent`.
+
+    Without ``database`` it reads ``OUTBOX_DATABASE_URL`` (and ``OUTBOX_REDIS_URL`` unless
+    ``redis_url``/``redis`` is passed). Replaces and closes a previous default.
+    """
+    global _default
+    if database is None:
+        database = env(ENV_DATABASE_URL)
+        if database is None:
+            raise ConfigurationError(
+                f"no database configured: call outbox.configure(url) or set {ENV_DATABASE_URL}"
+            )
+        if "redis_url" not in options and "redis" not in options:
+            options["redis_url"] = env(ENV_REDIS_URL)
+    new = Outbox(database, **options)
+    with _default_lock:
+        old, _default = _default, new
+    if old is not None:
+        old.close()
+    return new
+
+
+def default_outbox() -> Outbox:
+    """The default :class:`Outbox`, built from the environment on first use."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                url = env(ENV_DATABASE_URL)
+                if url is None:
+                    raise ConfigurationError(
+                        "no default Outbox: call outbox.configure(url) or set "
+                        f"{ENV_DATABASE_URL} (and optionally {ENV_REDIS_URL})"
+                    )
+                _default = Outbox(url, redis_url=env(ENV_REDIS_URL))
+    return _default
+
+
+def unit_of_work(key: str, scope: str = DEFAULT_SCOPE, fingerprint: str | None = None) -> _Attempt:
+    """:meth:`Outbox.unit_of_work` on the default :class:`Outbox`."""
+    return default_outbox().unit_of_work(key, scope=scope, fingerprint=fingerprint)
+
+
+def idempotent(
+    key: str | Callable[..., str],
+    *,
+    scope: str = DEFAULT_SCOPE,
+    fingerprint: Callable[..., str | None] | None = None,
+    outbox: Outbox | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run the decorated function at most once per idempotency key.
+
+    The function takes the :class:`~outbox.uow.UnitOfWork` as its first parameter, followed by
+    its own arguments; callers pass only their own arguments::
+
+        @outbox.idempotent(key="request_id", scope="payments")
+        def charge(uow, request_id: str, amount: int) -> dict:
+            uow.connection.execute(...)
+            uow.publish("payments.charged", {"amount": amount}, key=request_id)
+            return {"charged": amount}
+
+        charge("req-1", 500)   # runs, stores {"charged": 500}
+        charge("req-1", 500)   # returns {"charged": 500} without calling the function
+
+    ``key`` names the parameter that holds the idempotency key, or is a callable that receives
+    the caller's arguments and returns the key. ``fingerprint`` is an optional callable of the
+    same arguments returning a request fingerprint (reusing a key with another one raises
+    :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
+    stored and a duplicate gets its JSON form back (tuples come back as lists). ``outbox``
+    defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
+    """
+
+    def resolve() -> Outbox:
+        return outbox if outbox is not None else default_outbox()
+
+    return make_idempotent(resolve, key, scope, fingerprint, is_async=False)

@@ -1,0 +1,396 @@
+"""The unit of work: business rows, the idempotency key and outbox rows in one transaction.
+
+::
+
+    async with aob.unit_of_work("order-42", scope="payments") as uow:
+        if uow.replayed:
+            return uow.result
+        uow.session.add(Order(...))
+        uow.publish("orders.created", {"id": 42}, key="42")
+        uow.result = {"order_id": 42}
+
+How a key is claimed: the first statement tries a transaction-scoped advisory lock derived from
+``(scope, key)`` (``pg_try_advisory_xact_lock``, which never waits) and reads any committed outcome
+in the same round trip. Holding that lock is the claim: a concurrent attempt fails at once with
+:class:`~outbox.errors.KeyInProgress`, also when both attempts see the key for the first time,
+and a crashed attempt's lock vanishes with its connection. The key row itself is inserted in
+its final state at the end, in the same statement as the outbox rows, so PostgreSQL never
+holds a row in a "started" state that another writer would have to wait for.
+
+This asyncio module is the source of both flavours: ``uow.py`` (``Outbox``, ``UnitOfWork``) is
+generated from it by ``tools/async_to_sync.py``, so each I/O sequence is written once. The
+decisions (the claim's verdict, permanence, event encoding) live in :mod:`outbox._core`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, ClassVar, Literal
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+from outbox._core import claim
+from outbox._core import validate as _validate
+from outbox._core.claim import StoredOutcome
+from outbox._core.events import Event, encode_event, event_params
+from outbox._pg.engines import engine_for, notifier_engine
+from outbox._pg.errors import unique_violation_of
+from outbox._pg.statements import Statements, idempotency_key_complete, statements
+from outbox._pg.transaction_async import AsyncTransaction, install_guard
+from outbox._pg.wakeup import make_notifier, noop
+from outbox._redis.cache_async import AsyncOutcomeCache, make_async_client
+from outbox._redis.clients import check_flavour
+from outbox.config import DEFAULT_SCOPE, OutboxConfig
+from outbox.decorators import make_idempotent
+from outbox.errors import ConfigurationError, KeyInProgress, PermanentError, ReplayedWriteError
+
+log = logging.getLogger("outbox.uow")
+
+_ASYNC = True
+
+# Up to this many bytes of event values, the final statement and COMMIT share one round trip.
+_INLINE_LIMIT = 64 * 1024
+_INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
+
+
+class AsyncUnitOfWork:
+    """One attempt at the work for an idempotency key.
+
+    ``replayed`` is true for a duplicate of a completed key: ``result`` holds the stored result
+    and every write (``session``, ``connection``, ``publish``, assigning ``result``) raises
+    :class:`~outbox.errors.ReplayedWriteError`.
+    """
+
+    def __init__(
+        self,
+        outbox: AsyncOutbox,
+        scope: str,
+        key: str,
+        fingerprint: str | None,
+        tx: AsyncTransaction | None,
+        replayed: bool,
+        result: Any = None,
+    ) -> None:
+        self._outbox = outbox
+        self.scope = scope
+        self.key = key
+        self.fingerprint = fingerprint
+        self.replayed = replayed
+        self._tx = tx
+        self._session: AsyncSession | None = None
+        self._result: Any = result
+        self._events: list[Event] = []
+
+    def _refuse(self, what: str) -> ReplayedWriteError:
+        return ReplayedWriteError(
+            f"{what} inside a replayed unit of work (key {self.key!r}, scope {self.scope!r}): "
+            "the key already completed; return uow.result instead of writing"
+        )
+
+    @property
+    def connection(self) -> AsyncConnection:
+        """SQLAlchemy Core connection inside the unit of work's transaction."""
+        if self.replayed or self._tx is None:
+            raise self._refuse("database access")
+        return self._tx.connection
+
+    @property
+    def session(self) -> AsyncSession:
+        """SQLAlchemy ORM session bound to the same transaction (created on first use)."""
+        if self.replayed or self._tx is None:
+            raise self._refuse("database access")
+        if self._session is None:
+            self._session = AsyncSession(bind=self._tx.connection, autoflush=True)
+        return self._session
+
+    @property
+    def result(self) -> Any:
+        """The result stored with the key and replayed to every duplicate (JSON-serializable)."""
+        return self._result
+
+    @result.setter
+    def result(self, value: Any) -> None:
+        if self.replayed:
+            raise self._refuse("setting the result")
+        _validate.dumps_json(value, "uow.result")  # refuse early, before any I/O
+        self._result = value
+
+    @property
+    def event_ids(self) -> list[uuid.UUID]:
+        """Ids of the events published so far in this unit of work."""
+        return [event.event_id for event in self._events]
+
+    def publish(
+        self,
+        topic: str,
+        value: Any,
+        key: str | bytes | None = None,
+        headers: dict[str, str | bytes] | None = None,
+    ) -> uuid.UUID:
+        """Append an event to the outbox; it is written when the unit of work commits.
+
+        Synchronous in both flavours: it only buffers. ``value`` may be ``bytes``, ``str``
+        (UTF-8) or anything JSON-serializable (encoded as JSON with a
+        ``content-type: application/json`` header). ``key`` is the Kafka message key (``str``,
+        ``bytes`` or ``None``); events with the same key reach Kafka in commit order. Returns
+        the event's UUID, also sent as the ``X-Idempotency-Key`` header unless ``headers`` sets
+        one. Invalid input raises before anything is written.
+        """
+        if self.replayed:
+            raise self._refuse("publish()")
+        event = encode_event(topic, value, key, headers, self._outbox.config.max_payload_bytes)
+        self._events.append(event)
+        return event.event_id
+
+
+class _AsyncAttempt:
+    """Context manager returned by :meth:`AsyncOutbox.unit_of_work`."""
+
+    __slots__ = ("_fingerprint", "_key", "_outbox", "_scope", "_uow")
+
+    def __init__(self, outbox: AsyncOutbox, key: str, scope: str, fingerprint: str | None) -> None:
+        self._outbox = outbox
+        self._key = key
+        self._scope = scope
+        self._fingerprint = fingerprint
+        self._uow: AsyncUnitOfWork | None = None
+
+    async def __aenter__(self) -> AsyncUnitOfWork:
+        self._uow = await self._outbox._begin(self._key, self._scope, self._fingerprint)
+        return self._uow
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        uow = self._uow
+        if uow is None or uow.replayed:
+            return False
+        if exc is None:
+            await self._outbox._commit(uow)
+        else:
+            await self._outbox._abort(uow, exc)
+        return False
+
+
+class AsyncOutbox:
+    """Entry point: owns the engine, the optional Redis fast path and the configuration.
+
+    ``AsyncOutbox("postgresql+psycopg://...", redis_url="redis://...")`` builds its own engine and
+    Redis client; ``AsyncOutbox(engine, redis=client)`` uses yours (and leaves closing them to
+    you).
+    """
+
+    is_async: ClassVar[bool] = _ASYNC
+
+    def __init__(
+        self,
+        database: str | AsyncEngine,
+        *,
+        redis_url: str | None = None,
+        redis: Any = None,
+        schema: str | None = None,
+        config: OutboxConfig | None = None,
+        engine_options: dict[str, Any] | None = None,
+    ) -> None:
+        if config is None:
+            config = OutboxConfig(schema=schema)
+        elif schema is not None and schema != config.schema:
+            raise ConfigurationError(
+                f"schema={schema!r} disagrees with config.schema={config.schema!r}; pass one"
+            )
+        self.config = config.validate()
+        if redis_url is not None and redis is not None:
+            raise ConfigurationError("pass either redis_url or redis, not both")
+        if redis is not None:
+            check_flavour(redis, want_async=_ASYNC)
+        engine, self._owns_engine = engine_for(database, _ASYNC, engine_options)
+        self.engine: AsyncEngine = engine
+        self._owns_redis = redis_url is not None
+        client = make_async_client(redis_url, self.config) if redis_url is not None else redis
+        self.cache: AsyncOutcomeCache | None = (
+            AsyncOutcomeCache(client, self.config) if client is not None else None
+        )
+        self._sql: Statements = statements(self.config.schema)
+        install_guard(self.engine)
+        self._notify = (
+            make_notifier(notifier_engine(self.engine), client, self.config.schema)
+            if self.config.wake_relays
+            else noop
+        )
+
+    # -- public API -------------------------------------------------------------------------
+
+    def unit_of_work(
+        self, key: str, scope: str = DEFAULT_SCOPE, fingerprint: str | None = None
+    ) -> _AsyncAttempt:
+        """Run a block of work at most once for ``(scope, key)``; see :class:`AsyncUnitOfWork`.
+
+        Raises :class:`KeyInProgress` when another attempt holds the key right now,
+        :class:`PreviouslyFailed` when the key failed permanently, :class:`KeyReuseError` when
+        ``fingerprint`` differs from the one stored with the key. Invalid arguments raise a
+        :class:`~outbox.errors.ValidationError` before any I/O.
+        """
+        _validate.check_key(key)
+        _validate.check_scope(scope)
+        _validate.check_fingerprint(fingerprint)
+        return _AsyncAttempt(self, key, scope, fingerprint)
+
+    def idempotent(
+        self,
+        key: str | Callable[..., str],
+        *,
+        scope: str = DEFAULT_SCOPE,
+        fingerprint: Callable[..., str | None] | None = None,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator form of :meth:`unit_of_work`; see :func:`outbox.idempotent`."""
+        return make_idempotent(lambda: self, key, scope, fingerprint, is_async=_ASYNC)
+
+    async def close(self) -> None:
+        """Dispose of the engine and Redis client if this object created them."""
+        if self._owns_engine:
+            await self.engine.dispose()
+        if self._owns_redis and self.cache is not None:
+            await self.cache.close()
+
+    async def __aenter__(self) -> AsyncOutbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _replay(
+        self, scope: str, key: str, fingerprint: str | None, stored: StoredOutcome
+    ) -> AsyncUnitOfWork:
+        claim.verdict(scope, key, fingerprint, stored, acquired=False)  # raises unless REPLAY
+        result = json.loads(stored.result_json) if stored.result_json is not None else None
+        return AsyncUnitOfWork(self, scope, key, fingerprint, None, replayed=True, result=result)
+
+    async def _begin(self, key: str, scope: str, fingerprint: str | None) -> AsyncUnitOfWork:
+        cache = self.cache
+        if cache is not None:
+            cached = await cache.get(scope, key)
+            if cached is not None:
+                return self._replay(scope, key, fingerprint, cached)
+        tx = await AsyncTransaction.open(self.engine)
+        try:
+            acquired, status, stored_fp, result_json, error, age = await tx.begin_with(
+                self._sql.idempotency_key_claim_prepared,
+                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+            )
+            if status is None and acquired:
+                return AsyncUnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
+        except BaseException:
+            await tx.close()
+            raise
+        await tx.finish()  # nothing was written
+        stored = None if status is None else StoredOutcome(status, stored_fp, result_json, error)
+        claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
+        assert stored is not None
+        if cache is not None:
+            # Warm the cache: this outcome was committed by an earlier transaction.
+            ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
+            if ttl is not None:
+                await cache.put(scope, key, stored, ttl)
+        return self._replay(scope, key, fingerprint, stored)
+
+    async def _commit(self, uow: AsyncUnitOfWork) -> None:
+        tx = uow._tx
+        assert tx is not None
+        events = uow._events
+        try:
+            result_json = _validate.dumps_json(uow._result, "uow.result")
+            if uow._session is not None:
+                await uow._session.flush()
+            params: dict[str, Any] = {
+                "scope": uow.scope,
+                "key": uow.key,
+                "fingerprint": uow.fingerprint,
+                "result": result_json,
+            }
+            size = event_params(events, params)
+            statement = idempotency_key_complete(self.config.schema, len(events))
+            if size <= _INLINE_LIMIT and len(events) <= _INLINE_EVENTS:
+                await tx.commit_with(statement, params)
+            else:
+                # Large values go as binary parameters rather than quoted literals.
+                await tx.execute(statement.direct, params)
+                await tx.commit()
+        except BaseException as exc:
+            await _close(uow)
+            if unique_violation_of(exc, "idempotency_keys_pkey"):
+                # Another attempt committed the key between our read and our lock: a race
+                # of microseconds. Its effects stand; ours were rolled back.
+                raise KeyInProgress(uow.scope, uow.key) from exc
+            raise
+        await _close(uow)
+        if self.cache is not None:
+            await self.cache.put(
+                uow.scope,
+                uow.key,
+                StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None),
+            )
+        if events:
+            self._notify()
+
+    async def _abort(self, uow: AsyncUnitOfWork, exc: BaseException) -> None:
+        permanent = isinstance(exc, PermanentError) or bool(
+            self.config.permanent_errors and isinstance(exc, self.config.permanent_errors)
+        )
+        tx = uow._tx
+        if not permanent or tx is None:
+            await _close(uow)  # rolls back the business writes and the outbox rows
+            return
+        error = claim.failure_text(exc)
+        key_lock = claim.lock_id(uow.scope, uow.key)
+        try:
+            # Keep the key held from the body's failure to its record: a concurrent attempt
+            # must see either the running attempt (KeyInProgress) or the failure, never a gap
+            # in which it would run the body again.
+            held = await tx.hold(key_lock)
+            if uow._session is not None:
+                await uow._session.close()
+                uow._session = None
+            locked, recorded = await tx.roll_back_and_record(
+                held,
+                key_lock,
+                self._sql.idempotency_key_fail,
+                {
+                    "scope": uow.scope,
+                    "key": uow.key,
+                    "fingerprint": uow.fingerprint,
+                    "error": error,
+                },
+            )
+        finally:
+            await _close(uow)
+        if not locked:
+            log.warning(
+                "key %r in scope %r failed permanently but another attempt holds it now; "
+                "that attempt decides its outcome",
+                uow.key,
+                uow.scope,
+            )
+        if recorded and self.cache is not None:
+            await self.cache.put(
+                uow.scope,
+                uow.key,
+                StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error),
+            )
+
+
+async def _close(uow: AsyncUnitOfWork) -> None:
+    if uow._session is not None:
+        await uow._session.close()
+        uow._session = None
+    if uow._tx is not None:
+        await uow._tx.close()
+        uow._tx = None
