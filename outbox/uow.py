@@ -29,6 +29,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Literal
 
@@ -39,9 +40,17 @@ from outbox._core import claim
 from outbox._core import validate as _validate
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import Event, encode_event, event_params
+from outbox._pg.after_commit import defer
 from outbox._pg.engines import engine_for, notifier_engine
 from outbox._pg.errors import unique_violation_of
-from outbox._pg.statements import Statements, idempotency_key_complete, statements
+from outbox._pg.statements import (
+    JoinedStatements,
+    Statements,
+    idempotency_key_complete,
+    idempotency_key_complete_joined,
+    joined_statements,
+    statements,
+)
 from outbox._pg.transaction import Transaction, install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache import OutcomeCache, make_client
@@ -57,6 +66,16 @@ _ASYNC = False
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
+
+
+@dataclass(slots=True)
+class _Joined:
+    """A unit of work inside the caller's transaction: its connection, the savepoint the unit
+    of work runs in, and the caller's session (if it handed one over)."""
+
+    connection: Connection
+    savepoint: Any
+    session: Session | None
 
 
 class UnitOfWork:
@@ -76,8 +95,10 @@ class UnitOfWork:
         tx: Transaction | None,
         replayed: bool,
         result: Any = None,
+        joined: _Joined | None = None,
     ) -> None:
         self._outbox = outbox
+        self._joined = joined
         self.scope = scope
         self.key = key
         self.fingerprint = fingerprint
@@ -96,17 +117,31 @@ class UnitOfWork:
     @property
     def connection(self) -> Connection:
         """SQLAlchemy Core connection inside the unit of work's transaction."""
-        if self.replayed or self._tx is None:
+        if self.replayed:
+            raise self._refuse("database access")
+        if self._joined is not None:
+            return self._joined.connection
+        if self._tx is None:
             raise self._refuse("database access")
         return self._tx.connection
 
     @property
     def session(self) -> Session:
-        """SQLAlchemy ORM session bound to the same transaction (created on first use)."""
-        if self.replayed or self._tx is None:
+        """SQLAlchemy ORM session in the same transaction: the caller's own when it handed one
+        over (``session=``), else one bound to the unit of work's connection (created on first
+        use)."""
+        if self.replayed:
             raise self._refuse("database access")
+        joined = self._joined
+        if joined is not None and joined.session is not None:
+            return joined.session
         if self._session is None:
-            self._session = Session(bind=self._tx.connection, autoflush=True)
+            if joined is not None:
+                self._session = Session(bind=joined.connection, autoflush=True)
+            elif self._tx is not None:
+                self._session = Session(bind=self._tx.connection, autoflush=True)
+            else:
+                raise self._refuse("database access")
         return self._session
 
     @property
@@ -152,17 +187,32 @@ class UnitOfWork:
 class _Attempt:
     """Context manager returned by :meth:`Outbox.unit_of_work`."""
 
-    __slots__ = ("_fingerprint", "_key", "_outbox", "_scope", "_uow")
+    __slots__ = ("_connection", "_fingerprint", "_key", "_outbox", "_scope", "_session", "_uow")
 
-    def __init__(self, outbox: Outbox, key: str, scope: str, fingerprint: str | None) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        key: str,
+        scope: str,
+        fingerprint: str | None,
+        session: Session | None = None,
+        connection: Connection | None = None,
+    ) -> None:
         self._outbox = outbox
         self._key = key
         self._scope = scope
         self._fingerprint = fingerprint
+        self._session = session
+        self._connection = connection
         self._uow: UnitOfWork | None = None
 
     def __enter__(self) -> UnitOfWork:
-        self._uow = self._outbox._begin(self._key, self._scope, self._fingerprint)
+        if self._session is not None or self._connection is not None:
+            self._uow = self._outbox._begin_joined(
+                self._key, self._scope, self._fingerprint, self._session, self._connection
+            )
+        else:
+            self._uow = self._outbox._begin(self._key, self._scope, self._fingerprint)
         return self._uow
 
     def __exit__(
@@ -174,7 +224,12 @@ class _Attempt:
         uow = self._uow
         if uow is None or uow.replayed:
             return False
-        if exc is None:
+        if uow._joined is not None:
+            if exc is None:
+                self._outbox._commit_joined(uow, uow._joined)
+            else:
+                self._outbox._abort_joined(uow, uow._joined, exc)
+        elif exc is None:
             self._outbox._commit(uow)
         else:
             self._outbox._abort(uow, exc)
@@ -220,6 +275,7 @@ class Outbox:
             OutcomeCache(client, self.config) if client is not None else None
         )
         self._sql: Statements = statements(self.config.schema)
+        self._joined_sql: JoinedStatements = joined_statements(self.config.schema)
         install_guard(self.engine)
         self._notify = (
             make_notifier(notifier_engine(self.engine), client, self.config.schema)
@@ -230,7 +286,13 @@ class Outbox:
     # -- public API -------------------------------------------------------------------------
 
     def unit_of_work(
-        self, key: str, scope: str = DEFAULT_SCOPE, fingerprint: str | None = None
+        self,
+        key: str,
+        scope: str = DEFAULT_SCOPE,
+        fingerprint: str | None = None,
+        *,
+        session: Session | None = None,
+        connection: Connection | None = None,
     ) -> _Attempt:
         """Run a block of work at most once for ``(scope, key)``; see :class:`UnitOfWork`.
 
@@ -238,11 +300,54 @@ class Outbox:
         :class:`PreviouslyFailed` when the key failed permanently, :class:`KeyReuseError` when
         ``fingerprint`` differs from the one stored with the key. Invalid arguments raise a
         :class:`~outbox.errors.ValidationError` before any I/O.
+
+        With ``session=`` or ``connection=`` the unit of work joins the caller's open
+        transaction: it runs in a savepoint and never commits or rolls back the caller's
+        transaction. The key, the outbox rows and the business rows become visible when -- and
+        only if -- the caller commits; Redis is written and relays are woken only after that
+        commit. An exception in the body rolls back to the savepoint and is re-raised;
+        :class:`~outbox.errors.PermanentError` records the failure, to commit with the caller.
         """
         _validate.check_key(key)
         _validate.check_scope(scope)
         _validate.check_fingerprint(fingerprint)
-        return _Attempt(self, key, scope, fingerprint)
+        _check_joinable(session, connection)
+        return _Attempt(self, key, scope, fingerprint, session, connection)
+
+    def publish(
+        self,
+        transaction: Session | Connection,
+        topic: str,
+        value: Any,
+        key: str | bytes | None = None,
+        headers: dict[str, str | bytes] | None = None,
+    ) -> uuid.UUID:
+        """Write one event to the outbox in the caller's transaction, without an idempotency key.
+
+        ``transaction`` is the caller's session or connection; the row becomes visible when --
+        and only if -- the caller commits, and ``outbox-relay`` then carries it to Kafka with
+        ``X-Idempotency-Key`` set to the returned event id. Same value, key and header rules as
+        :meth:`UnitOfWork.publish`; invalid input raises before anything is written.
+        """
+        event = encode_event(topic, value, key, headers, self.config.max_payload_bytes)
+        if isinstance(transaction, Session):
+            session, connection = transaction, None
+        else:
+            session, connection = None, transaction
+        _check_joinable(session, connection, required=True)
+        params: dict[str, Any] = {}
+        event_params([event], params)
+        if session is not None:
+            session.execute(self._joined_sql.outbox_insert, params)
+            target: Any = session
+        else:
+            assert connection is not None
+            connection.execute(self._joined_sql.outbox_insert, params)
+            target = connection
+            assert target is not None
+        if self.config.wake_relays:
+            defer(target, self._notify)
+        return event.event_id
 
     def idempotent(
         self,
@@ -387,6 +492,164 @@ class Outbox:
                 uow.key,
                 StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error),
             )
+
+    # -- joined units of work: inside the caller's transaction ------------------------------
+
+    def _begin_joined(
+        self,
+        key: str,
+        scope: str,
+        fingerprint: str | None,
+        session: Session | None,
+        connection: Connection | None,
+    ) -> UnitOfWork:
+        cache = self.cache
+        if cache is not None:
+            cached = cache.get(scope, key)
+            if cached is not None:
+                return self._replay(scope, key, fingerprint, cached)
+        # The claim runs in the savepoint: its advisory lock is released if the savepoint is
+        # rolled back (the body failed) and passes to the caller's transaction when it is
+        # released (the body succeeded), to be held until the caller commits or rolls back.
+        if session is not None:
+            savepoint: Any = session.begin_nested()
+            conn = session.connection()
+        else:
+            assert connection is not None
+            savepoint = connection.begin_nested()
+            conn = connection
+        try:
+            result = conn.execute(
+                self._joined_sql.idempotency_key_claim,
+                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+            )
+            acquired, status, stored_fp, result_json, error, age = result.one()
+        except BaseException:
+            savepoint.rollback()
+            raise
+        if status is None and acquired:
+            joined = _Joined(conn, savepoint, session)
+            return UnitOfWork(self, scope, key, fingerprint, None, replayed=False, joined=joined)
+        savepoint.rollback()  # nothing was written
+        stored = None if status is None else StoredOutcome(status, stored_fp, result_json, error)
+        claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
+        assert stored is not None
+        if cache is not None:
+            ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
+            if ttl is not None:
+                cache.put(scope, key, stored, ttl)
+        return self._replay(scope, key, fingerprint, stored)
+
+    def _after_commit(
+        self, scope: str, key: str, outcome: StoredOutcome, wake: bool
+    ) -> Callable[[], None]:
+        cache = self.cache
+
+        def run() -> None:
+            if cache is not None:
+                cache.put(scope, key, outcome)
+            if wake:
+                self._notify()
+
+        return run
+
+    def _defer(self, joined: _Joined, callback: Callable[[], None]) -> None:
+        if joined.session is not None:
+            defer(joined.session, callback)
+        else:
+            sync_connection = joined.connection
+            assert sync_connection is not None
+            defer(sync_connection, callback)
+
+    def _commit_joined(self, uow: UnitOfWork, joined: _Joined) -> None:
+        events = uow._events
+        try:
+            result_json = _validate.dumps_json(uow._result, "uow.result")
+            if joined.session is not None:
+                joined.session.flush()
+            if uow._session is not None:
+                uow._session.flush()
+            params: dict[str, Any] = {
+                "scope": uow.scope,
+                "key": uow.key,
+                "fingerprint": uow.fingerprint,
+                "result": result_json,
+            }
+            event_params(events, params)
+            statement = idempotency_key_complete_joined(self.config.schema, len(events))
+            joined.connection.execute(statement, params)
+            joined.savepoint.commit()
+        except BaseException as exc:
+            _end_joined(uow, joined, rollback=True)
+            if unique_violation_of(exc, "idempotency_keys_pkey"):
+                raise KeyInProgress(uow.scope, uow.key) from exc
+            raise
+        _end_joined(uow, joined, rollback=False)
+        outcome = StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None)
+        self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, bool(events)))
+
+    def _abort_joined(self, uow: UnitOfWork, joined: _Joined, exc: BaseException) -> None:
+        # Roll back to the savepoint: the body's writes go, the caller's other writes stay.
+        _end_joined(uow, joined, rollback=True)
+        permanent = isinstance(exc, PermanentError) or bool(
+            self.config.permanent_errors and isinstance(exc, self.config.permanent_errors)
+        )
+        if not permanent:
+            return
+        error = claim.failure_text(exc)
+        # The savepoint's rollback released the key's lock: take it again in the caller's
+        # transaction, never waiting. Another attempt that took it in between decides the
+        # outcome instead (as in an owned unit of work).
+        result = joined.connection.execute(
+            self._joined_sql.idempotency_key_relock,
+            {"lock_id": claim.lock_id(uow.scope, uow.key)},
+        )
+        if not result.scalar():
+            log.warning(
+                "key %r in scope %r failed permanently but another attempt holds it now; "
+                "that attempt decides its outcome",
+                uow.key,
+                uow.scope,
+            )
+            return
+        recorded = joined.connection.execute(
+            self._joined_sql.idempotency_key_fail,
+            {"scope": uow.scope, "key": uow.key, "fingerprint": uow.fingerprint, "error": error},
+        )
+        if recorded.rowcount == 1:
+            outcome = StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error)
+            self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, False))
+
+
+def _end_joined(uow: UnitOfWork, joined: _Joined, *, rollback: bool) -> None:
+    """Close the unit of work's own session (never the caller's) and, on ``rollback``, roll
+    back to the savepoint if it is still open."""
+    try:
+        if rollback and joined.savepoint.is_active:
+            joined.savepoint.rollback()
+    finally:
+        if uow._session is not None:
+            uow._session.close()
+            uow._session = None
+
+
+def _check_joinable(session: object, connection: object, *, required: bool = False) -> None:
+    if session is not None and connection is not None:
+        raise ConfigurationError("pass either session= or connection=, not both")
+    if session is not None and not isinstance(session, Session):
+        raise ConfigurationError(
+            f"session= must be a SQLAlchemy {Session.__name__} for this outbox's flavour, "
+            f"got {type(session).__name__}"
+        )
+    if connection is not None and not isinstance(connection, Connection):
+        raise ConfigurationError(
+            f"connection= must be a SQLAlchemy {Connection.__name__} for this outbox's "
+            f"flavour, got {type(connection).__name__}"
+        )
+    if required and session is None and connection is None:
+        raise ConfigurationError(
+            f"publish() needs the caller's {Session.__name__} or {Connection.__name__}"
+        )
 
 
 def _close(uow: UnitOfWork) -> None:

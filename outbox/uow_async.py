@@ -28,6 +28,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Literal
 
@@ -37,9 +38,17 @@ from outbox._core import claim
 from outbox._core import validate as _validate
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import Event, encode_event, event_params
+from outbox._pg.after_commit import defer, spawn
 from outbox._pg.engines import engine_for, notifier_engine
 from outbox._pg.errors import unique_violation_of
-from outbox._pg.statements import Statements, idempotency_key_complete, statements
+from outbox._pg.statements import (
+    JoinedStatements,
+    Statements,
+    idempotency_key_complete,
+    idempotency_key_complete_joined,
+    joined_statements,
+    statements,
+)
 from outbox._pg.transaction_async import AsyncTransaction, install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache_async import AsyncOutcomeCache, make_async_client
@@ -55,6 +64,16 @@ _ASYNC = True
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
+
+
+@dataclass(slots=True)
+class _Joined:
+    """A unit of work inside the caller's transaction: its connection, the savepoint the unit
+    of work runs in, and the caller's session (if it handed one over)."""
+
+    connection: AsyncConnection
+    savepoint: Any
+    session: AsyncSession | None
 
 
 class AsyncUnitOfWork:
@@ -74,8 +93,10 @@ class AsyncUnitOfWork:
         tx: AsyncTransaction | None,
         replayed: bool,
         result: Any = None,
+        joined: _Joined | None = None,
     ) -> None:
         self._outbox = outbox
+        self._joined = joined
         self.scope = scope
         self.key = key
         self.fingerprint = fingerprint
@@ -94,17 +115,31 @@ class AsyncUnitOfWork:
     @property
     def connection(self) -> AsyncConnection:
         """SQLAlchemy Core connection inside the unit of work's transaction."""
-        if self.replayed or self._tx is None:
+        if self.replayed:
+            raise self._refuse("database access")
+        if self._joined is not None:
+            return self._joined.connection
+        if self._tx is None:
             raise self._refuse("database access")
         return self._tx.connection
 
     @property
     def session(self) -> AsyncSession:
-        """SQLAlchemy ORM session bound to the same transaction (created on first use)."""
-        if self.replayed or self._tx is None:
+        """SQLAlchemy ORM session in the same transaction: the caller's own when it handed one
+        over (``session=``), else one bound to the unit of work's connection (created on first
+        use)."""
+        if self.replayed:
             raise self._refuse("database access")
+        joined = self._joined
+        if joined is not None and joined.session is not None:
+            return joined.session
         if self._session is None:
-            self._session = AsyncSession(bind=self._tx.connection, autoflush=True)
+            if joined is not None:
+                self._session = AsyncSession(bind=joined.connection, autoflush=True)
+            elif self._tx is not None:
+                self._session = AsyncSession(bind=self._tx.connection, autoflush=True)
+            else:
+                raise self._refuse("database access")
         return self._session
 
     @property
@@ -150,17 +185,32 @@ class AsyncUnitOfWork:
 class _AsyncAttempt:
     """Context manager returned by :meth:`AsyncOutbox.unit_of_work`."""
 
-    __slots__ = ("_fingerprint", "_key", "_outbox", "_scope", "_uow")
+    __slots__ = ("_connection", "_fingerprint", "_key", "_outbox", "_scope", "_session", "_uow")
 
-    def __init__(self, outbox: AsyncOutbox, key: str, scope: str, fingerprint: str | None) -> None:
+    def __init__(
+        self,
+        outbox: AsyncOutbox,
+        key: str,
+        scope: str,
+        fingerprint: str | None,
+        session: AsyncSession | None = None,
+        connection: AsyncConnection | None = None,
+    ) -> None:
         self._outbox = outbox
         self._key = key
         self._scope = scope
         self._fingerprint = fingerprint
+        self._session = session
+        self._connection = connection
         self._uow: AsyncUnitOfWork | None = None
 
     async def __aenter__(self) -> AsyncUnitOfWork:
-        self._uow = await self._outbox._begin(self._key, self._scope, self._fingerprint)
+        if self._session is not None or self._connection is not None:
+            self._uow = await self._outbox._begin_joined(
+                self._key, self._scope, self._fingerprint, self._session, self._connection
+            )
+        else:
+            self._uow = await self._outbox._begin(self._key, self._scope, self._fingerprint)
         return self._uow
 
     async def __aexit__(
@@ -172,7 +222,12 @@ class _AsyncAttempt:
         uow = self._uow
         if uow is None or uow.replayed:
             return False
-        if exc is None:
+        if uow._joined is not None:
+            if exc is None:
+                await self._outbox._commit_joined(uow, uow._joined)
+            else:
+                await self._outbox._abort_joined(uow, uow._joined, exc)
+        elif exc is None:
             await self._outbox._commit(uow)
         else:
             await self._outbox._abort(uow, exc)
@@ -218,6 +273,7 @@ class AsyncOutbox:
             AsyncOutcomeCache(client, self.config) if client is not None else None
         )
         self._sql: Statements = statements(self.config.schema)
+        self._joined_sql: JoinedStatements = joined_statements(self.config.schema)
         install_guard(self.engine)
         self._notify = (
             make_notifier(notifier_engine(self.engine), client, self.config.schema)
@@ -228,7 +284,13 @@ class AsyncOutbox:
     # -- public API -------------------------------------------------------------------------
 
     def unit_of_work(
-        self, key: str, scope: str = DEFAULT_SCOPE, fingerprint: str | None = None
+        self,
+        key: str,
+        scope: str = DEFAULT_SCOPE,
+        fingerprint: str | None = None,
+        *,
+        session: AsyncSession | None = None,
+        connection: AsyncConnection | None = None,
     ) -> _AsyncAttempt:
         """Run a block of work at most once for ``(scope, key)``; see :class:`AsyncUnitOfWork`.
 
@@ -236,11 +298,54 @@ class AsyncOutbox:
         :class:`PreviouslyFailed` when the key failed permanently, :class:`KeyReuseError` when
         ``fingerprint`` differs from the one stored with the key. Invalid arguments raise a
         :class:`~outbox.errors.ValidationError` before any I/O.
+
+        With ``session=`` or ``connection=`` the unit of work joins the caller's open
+        transaction: it runs in a savepoint and never commits or rolls back the caller's
+        transaction. The key, the outbox rows and the business rows become visible when -- and
+        only if -- the caller commits; Redis is written and relays are woken only after that
+        commit. An exception in the body rolls back to the savepoint and is re-raised;
+        :class:`~outbox.errors.PermanentError` records the failure, to commit with the caller.
         """
         _validate.check_key(key)
         _validate.check_scope(scope)
         _validate.check_fingerprint(fingerprint)
-        return _AsyncAttempt(self, key, scope, fingerprint)
+        _check_joinable(session, connection)
+        return _AsyncAttempt(self, key, scope, fingerprint, session, connection)
+
+    async def publish(
+        self,
+        transaction: AsyncSession | AsyncConnection,
+        topic: str,
+        value: Any,
+        key: str | bytes | None = None,
+        headers: dict[str, str | bytes] | None = None,
+    ) -> uuid.UUID:
+        """Write one event to the outbox in the caller's transaction, without an idempotency key.
+
+        ``transaction`` is the caller's session or connection; the row becomes visible when --
+        and only if -- the caller commits, and ``outbox-relay`` then carries it to Kafka with
+        ``X-Idempotency-Key`` set to the returned event id. Same value, key and header rules as
+        :meth:`AsyncUnitOfWork.publish`; invalid input raises before anything is written.
+        """
+        event = encode_event(topic, value, key, headers, self.config.max_payload_bytes)
+        if isinstance(transaction, AsyncSession):
+            session, connection = transaction, None
+        else:
+            session, connection = None, transaction
+        _check_joinable(session, connection, required=True)
+        params: dict[str, Any] = {}
+        event_params([event], params)
+        if session is not None:
+            await session.execute(self._joined_sql.outbox_insert, params)
+            target: Any = session.sync_session
+        else:
+            assert connection is not None
+            await connection.execute(self._joined_sql.outbox_insert, params)
+            target = connection.sync_connection
+            assert target is not None
+        if self.config.wake_relays:
+            defer(target, self._notify)
+        return event.event_id
 
     def idempotent(
         self,
@@ -385,6 +490,168 @@ class AsyncOutbox:
                 uow.key,
                 StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error),
             )
+
+    # -- joined units of work: inside the caller's transaction ------------------------------
+
+    async def _begin_joined(
+        self,
+        key: str,
+        scope: str,
+        fingerprint: str | None,
+        session: AsyncSession | None,
+        connection: AsyncConnection | None,
+    ) -> AsyncUnitOfWork:
+        cache = self.cache
+        if cache is not None:
+            cached = await cache.get(scope, key)
+            if cached is not None:
+                return self._replay(scope, key, fingerprint, cached)
+        # The claim runs in the savepoint: its advisory lock is released if the savepoint is
+        # rolled back (the body failed) and passes to the caller's transaction when it is
+        # released (the body succeeded), to be held until the caller commits or rolls back.
+        if session is not None:
+            savepoint: Any = await session.begin_nested()
+            conn = await session.connection()
+        else:
+            assert connection is not None
+            savepoint = await connection.begin_nested()
+            conn = connection
+        try:
+            result = await conn.execute(
+                self._joined_sql.idempotency_key_claim,
+                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+            )
+            acquired, status, stored_fp, result_json, error, age = result.one()
+        except BaseException:
+            await savepoint.rollback()
+            raise
+        if status is None and acquired:
+            joined = _Joined(conn, savepoint, session)
+            return AsyncUnitOfWork(
+                self, scope, key, fingerprint, None, replayed=False, joined=joined
+            )
+        await savepoint.rollback()  # nothing was written
+        stored = None if status is None else StoredOutcome(status, stored_fp, result_json, error)
+        claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
+        assert stored is not None
+        if cache is not None:
+            ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
+            if ttl is not None:
+                await cache.put(scope, key, stored, ttl)
+        return self._replay(scope, key, fingerprint, stored)
+
+    def _after_commit(
+        self, scope: str, key: str, outcome: StoredOutcome, wake: bool
+    ) -> Callable[[], None]:
+        cache = self.cache
+
+        def run() -> None:
+            if cache is not None:
+                spawn(cache.put(scope, key, outcome))
+            if wake:
+                self._notify()
+
+        return run
+
+    def _defer(self, joined: _Joined, callback: Callable[[], None]) -> None:
+        if joined.session is not None:
+            defer(joined.session.sync_session, callback)
+        else:
+            sync_connection = joined.connection.sync_connection
+            assert sync_connection is not None
+            defer(sync_connection, callback)
+
+    async def _commit_joined(self, uow: AsyncUnitOfWork, joined: _Joined) -> None:
+        events = uow._events
+        try:
+            result_json = _validate.dumps_json(uow._result, "uow.result")
+            if joined.session is not None:
+                await joined.session.flush()
+            if uow._session is not None:
+                await uow._session.flush()
+            params: dict[str, Any] = {
+                "scope": uow.scope,
+                "key": uow.key,
+                "fingerprint": uow.fingerprint,
+                "result": result_json,
+            }
+            event_params(events, params)
+            statement = idempotency_key_complete_joined(self.config.schema, len(events))
+            await joined.connection.execute(statement, params)
+            await joined.savepoint.commit()
+        except BaseException as exc:
+            await _end_joined(uow, joined, rollback=True)
+            if unique_violation_of(exc, "idempotency_keys_pkey"):
+                raise KeyInProgress(uow.scope, uow.key) from exc
+            raise
+        await _end_joined(uow, joined, rollback=False)
+        outcome = StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None)
+        self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, bool(events)))
+
+    async def _abort_joined(
+        self, uow: AsyncUnitOfWork, joined: _Joined, exc: BaseException
+    ) -> None:
+        # Roll back to the savepoint: the body's writes go, the caller's other writes stay.
+        await _end_joined(uow, joined, rollback=True)
+        permanent = isinstance(exc, PermanentError) or bool(
+            self.config.permanent_errors and isinstance(exc, self.config.permanent_errors)
+        )
+        if not permanent:
+            return
+        error = claim.failure_text(exc)
+        # The savepoint's rollback released the key's lock: take it again in the caller's
+        # transaction, never waiting. Another attempt that took it in between decides the
+        # outcome instead (as in an owned unit of work).
+        result = await joined.connection.execute(
+            self._joined_sql.idempotency_key_relock,
+            {"lock_id": claim.lock_id(uow.scope, uow.key)},
+        )
+        if not result.scalar():
+            log.warning(
+                "key %r in scope %r failed permanently but another attempt holds it now; "
+                "that attempt decides its outcome",
+                uow.key,
+                uow.scope,
+            )
+            return
+        recorded = await joined.connection.execute(
+            self._joined_sql.idempotency_key_fail,
+            {"scope": uow.scope, "key": uow.key, "fingerprint": uow.fingerprint, "error": error},
+        )
+        if recorded.rowcount == 1:
+            outcome = StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error)
+            self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, False))
+
+
+async def _end_joined(uow: AsyncUnitOfWork, joined: _Joined, *, rollback: bool) -> None:
+    """Close the unit of work's own session (never the caller's) and, on ``rollback``, roll
+    back to the savepoint if it is still open."""
+    try:
+        if rollback and joined.savepoint.is_active:
+            await joined.savepoint.rollback()
+    finally:
+        if uow._session is not None:
+            await uow._session.close()
+            uow._session = None
+
+
+def _check_joinable(session: object, connection: object, *, required: bool = False) -> None:
+    if session is not None and connection is not None:
+        raise ConfigurationError("pass either session= or connection=, not both")
+    if session is not None and not isinstance(session, AsyncSession):
+        raise ConfigurationError(
+            f"session= must be a SQLAlchemy {AsyncSession.__name__} for this outbox's flavour, "
+            f"got {type(session).__name__}"
+        )
+    if connection is not None and not isinstance(connection, AsyncConnection):
+        raise ConfigurationError(
+            f"connection= must be a SQLAlchemy {AsyncConnection.__name__} for this outbox's "
+            f"flavour, got {type(connection).__name__}"
+        )
+    if required and session is None and connection is None:
+        raise ConfigurationError(
+            f"publish() needs the caller's {AsyncSession.__name__} or {AsyncConnection.__name__}"
+        )
 
 
 async def _close(uow: AsyncUnitOfWork) -> None:

@@ -75,8 +75,10 @@ RULES: list[Rule] = [
     Rule(r"(?<![.\w])AsyncConnection\b", "Connection"),
     Rule(r"(?<![.\w])AsyncEngine\b", "Engine"),
     Rule(r"(?<![.\w])AsyncSession\b", "Session"),
-    Rule(r"\b(\w+)\.sync_engine\b", r"\1"),
+    Rule(r"\b(\w+)\.sync_(engine|session|connection)\b", r"\1"),
     Rule(r"(\w+) = (\w+)\.get_raw_connection\(\)", r"\1 = \2.connection"),
+    # Work after the caller's commit: a task in asyncio, a plain call in the sync flavour.
+    Rule(r"^(\s*)spawn\((.+)\)$", r"\1\2"),
     # psycopg.
     Rule(r"\bpsycopg\.AsyncConnection\b", "psycopg.Connection"),
     Rule(r"\bAsyncClientCursor\b", "ClientCursor"),

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from dataclasses import dataclass
 
+import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from outbox.schema import IDEMPOTENCY_KEYS, OUTBOX, validate_schema_name
@@ -127,3 +129,52 @@ def idempotency_key_complete(schema: str | None, events: int) -> Prepared:
         direct,
         tuple(a[2:-2] for a in args),
     )
+
+
+# -- joined units of work and the keyless publish: statements on the caller's connection -----
+#
+# A caller's session or connection may come from any engine (and any PostgreSQL driver), so
+# these are SQLAlchemy text() clauses with :named parameters, bound by its driver. They run in a
+# savepoint of the caller's transaction, never with a COMMIT of their own.
+
+
+@dataclass(frozen=True)
+class JoinedStatements:
+    idempotency_key_claim: sa.TextClause
+    idempotency_key_fail: sa.TextClause
+    idempotency_key_relock: sa.TextClause
+    outbox_insert: sa.TextClause
+
+
+def _named(sql: str) -> str:
+    return re.sub(r"%\((\w+)\)s", r":\1", sql)
+
+
+@functools.cache
+def joined_statements(schema: str | None) -> JoinedStatements:
+    schema = validate_schema_name(schema)
+    keys = qualified(schema, IDEMPOTENCY_KEYS)
+    return JoinedStatements(
+        idempotency_key_claim=sa.text(
+            "WITH lock AS (SELECT pg_try_advisory_xact_lock(:lock_id) AS acquired) "
+            "SELECT lock.acquired, k.status, k.fingerprint, k.result::text AS result, k.error, "
+            "EXTRACT(EPOCH FROM now() - k.updated_at)::float8 AS age "
+            f"FROM lock LEFT JOIN {keys} AS k ON k.scope = :scope AND k.key = :key"
+        ),
+        idempotency_key_fail=sa.text(_named(statements(schema).idempotency_key_fail)),
+        idempotency_key_relock=sa.text("SELECT pg_try_advisory_xact_lock(:lock_id)"),
+        outbox_insert=sa.text(_outbox_insert(schema)),
+    )
+
+
+def _outbox_insert(schema: str | None) -> str:
+    return (
+        f"INSERT INTO {qualified(schema, OUTBOX)} (event_id, topic, key, value, headers, key_hash) "
+        "VALUES (:e0, :t0, :k0, :v0, CAST(:h0 AS jsonb), :x0)"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def idempotency_key_complete_joined(schema: str | None, events: int) -> sa.TextClause:
+    """:func:`idempotency_key_complete` as a text() clause for the caller's connection."""
+    return sa.text(_named(idempotency_key_complete(schema, events).direct))

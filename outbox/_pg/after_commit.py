@@ -1,0 +1,126 @@
+"""Work that must wait for the caller's COMMIT: the cache write and the relays' wake-up.
+
+A unit of work joined to the caller's transaction (or a keyless publish) does not commit; the
+caller does, later or never. What must follow the commit -- writing the outcome to Redis
+(DESIGN.md I5: only after the commit) and waking idle relays -- is deferred here and runs only
+after the caller's transaction committed. On a rollback it is dropped.
+
+* A ``Session`` (or the sync side of an ``AsyncSession``): its ``after_commit`` and
+  ``after_rollback`` events, which fire after the real COMMIT or ROLLBACK.
+* A ``Connection``: SQLAlchemy has no after-commit event for connections, only one before it.
+  Deferred work moves from "pending" to "committing" when the COMMIT is issued, is dropped if
+  the COMMIT fails (``handle_error``) or the transaction rolls back, and runs once the COMMIT
+  has returned: when the connection starts its next transaction or goes back to the pool,
+  whichever comes first (``with engine.begin() as conn:`` returns it right after the COMMIT).
+
+Callbacks must not raise; one that does is logged and the others still run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+log = logging.getLogger("outbox.uow")
+
+_PENDING = "outbox.after_commit.pending"
+_COMMITTING = "outbox.after_commit.committing"
+_SESSION_HOOKED = "outbox.after_commit.hooked"
+
+Callback = Callable[[], None]
+
+# Tasks started by spawn(), kept referenced until they finish.
+_tasks: set[asyncio.Task[Any]] = set()
+
+
+def spawn(coroutine: Coroutine[Any, Any, Any]) -> None:
+    """Run ``coroutine`` on the running event loop without waiting for it (asyncio only)."""
+    task = asyncio.get_running_loop().create_task(coroutine)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+def defer(target: Session | sa.Connection, callback: Callback) -> None:
+    """Run ``callback`` after ``target``'s current transaction commits; drop it on rollback."""
+    if isinstance(target, Session):
+        if not target.info.get(_SESSION_HOOKED):
+            sa.event.listen(target, "after_commit", _session_committed)
+            sa.event.listen(target, "after_rollback", _session_rolled_back)
+            target.info[_SESSION_HOOKED] = True
+        target.info.setdefault(_PENDING, []).append(callback)
+        return
+    _hook_engine(target.engine)
+    target.info.setdefault(_PENDING, []).append(callback)
+
+
+def _run(callbacks: list[Callback]) -> None:
+    for callback in callbacks:
+        try:
+            callback()
+        except Exception:  # a cache write or a wake-up must never break the caller
+            log.exception("event=after_commit_failed")
+
+
+def _session_committed(session: Session) -> None:
+    _run(session.info.pop(_PENDING, []))
+
+
+def _session_rolled_back(session: Session) -> None:
+    session.info.pop(_PENDING, None)
+
+
+# -- connections -------------------------------------------------------------------------------
+
+
+def _hook_engine(engine: sa.Engine) -> None:
+    if sa.event.contains(engine, "commit", _committing):
+        return
+    sa.event.listen(engine, "commit", _committing)
+    sa.event.listen(engine, "rollback", _rolled_back)
+    sa.event.listen(engine, "handle_error", _failed)
+    sa.event.listen(engine, "begin", _next_transaction)
+    sa.event.listen(engine.pool, "checkin", _checked_in)
+
+
+def _committing(conn: sa.Connection) -> None:
+    info = conn.info
+    pending = info.pop(_PENDING, None)
+    if pending:
+        info.setdefault(_COMMITTING, []).extend(pending)
+
+
+def _rolled_back(conn: sa.Connection) -> None:
+    if conn.invalidated:
+        return
+    conn.info.pop(_PENDING, None)
+    conn.info.pop(_COMMITTING, None)
+
+
+def _failed(context: sa.engine.ExceptionContext) -> None:
+    conn = context.connection
+    if conn is not None and not conn.invalidated:
+        # A COMMIT that raised did not commit; a failed statement is followed by a rollback.
+        conn.info.pop(_COMMITTING, None)
+
+
+def _next_transaction(conn: sa.Connection) -> None:
+    if conn.invalidated:
+        return
+    committed = conn.info.pop(_COMMITTING, None)
+    if committed:
+        _run(committed)
+
+
+def _checked_in(_dbapi_connection: Any, record: Any) -> None:
+    info = getattr(record, "info", None)
+    if info is None:
+        return
+    info.pop(_PENDING, None)  # returned without a commit: the pool rolls it back
+    committed = info.pop(_COMMITTING, None)
+    if committed:
+        _run(committed)
