@@ -1,6 +1,7 @@
 """Benchmark: the cost of the idempotency layer against a bare transaction.
 
     python benchmarks/uow.py [--database-url URL] [--redis-url URL] [--seconds 5]
+    python benchmarks/uow.py --async [--tasks 1,16,64]
 
 For 1, 4 and 16 concurrent worker processes it measures units of work per second and p50/p99
 latency, next to a *bare* transaction doing the same business insert + outbox insert without the
@@ -16,6 +17,7 @@ The database named by ``--database-url`` is created (and dropped afterwards) by 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing as mp
 import os
 import sys
@@ -26,6 +28,7 @@ from typing import Any
 
 import redis as redis_lib
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 import outbox
 from outbox import migrate
@@ -53,7 +56,7 @@ def percentile(samples: list[float], q: float) -> float:
 
 def _worker(mode: str, url: str, seconds: float, start: Any, out: Any, wid: int) -> None:
     engine = sa.create_engine(url, pool_size=1, max_overflow=0)
-    config = outbox.OutboxConfig(wake_relays=mode == "uow")
+    config = outbox.OutboxConfig(wake_relays=mode in ("uow", "joined"))
     ob = outbox.Outbox(engine, config=config) if mode != "bare" else None
     latencies: list[float] = []
     start.wait()
@@ -80,6 +83,14 @@ def _worker(mode: str, url: str, seconds: float, start: Any, out: Any, wid: int)
                         "key_hash": _codec.key_hash(prefix.encode(), event_id.bytes),
                     },
                 )
+        elif mode == "joined":
+            with (
+                engine.begin() as conn,
+                ob.unit_of_work(f"{prefix}-{n}", scope="bench", connection=conn) as uow,
+            ):
+                conn.execute(BUSINESS_INSERT, {"customer": prefix, "amount": n})
+                uow.publish("orders.created", VALUE, key=prefix)
+                uow.result = {"order": n}
         else:
             with ob.unit_of_work(f"{prefix}-{n}", scope="bench") as uow:
                 uow.connection.execute(BUSINESS_INSERT, {"customer": prefix, "amount": n})
@@ -181,6 +192,88 @@ def duplicates(url: str, redis_url: str | None, n: int, prefix: str) -> tuple[fl
     return n / elapsed, percentile(samples, 0.5), statements
 
 
+async def _async_phase(
+    mode: str, engine: Any, aob: outbox.AsyncOutbox, tasks: int, seconds: float
+) -> tuple[float, float, float]:
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def one(tid: int) -> None:
+        prefix = f"a{tid}-{uuid.uuid4().hex[:8]}"
+        n = 0
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= deadline:
+                return
+            n += 1
+            params = {"customer": prefix, "amount": n}
+            if mode == "bare":
+                event_id = uuid.uuid4()
+                async with engine.begin() as conn:
+                    await conn.execute(BUSINESS_INSERT, params)
+                    await conn.execute(
+                        BARE_OUTBOX_INSERT,
+                        {
+                            "event_id": event_id,
+                            "topic": "orders.created",
+                            "key": prefix.encode(),
+                            "value": VALUE,
+                            "headers": '{"content-type": "application/json"}',
+                            "key_hash": _codec.key_hash(prefix.encode(), event_id.bytes),
+                        },
+                    )
+            elif mode == "joined":
+                async with (
+                    engine.begin() as conn,
+                    aob.unit_of_work(f"{prefix}-{n}", scope="bench", connection=conn) as uow,
+                ):
+                    await conn.execute(BUSINESS_INSERT, params)
+                    uow.publish("orders.created", VALUE, key=prefix)
+                    uow.result = {"order": n}
+            else:
+                async with aob.unit_of_work(f"{prefix}-{n}", scope="bench") as uow:
+                    await uow.connection.execute(BUSINESS_INSERT, params)
+                    uow.publish("orders.created", VALUE, key=prefix)
+                    uow.result = {"order": n}
+            latencies.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(one(i) for i in range(tasks)))
+    return len(latencies) / seconds, percentile(latencies, 0.5), percentile(latencies, 0.99)
+
+
+async def async_benchmark(url: str, sync_engine: sa.Engine, args: argparse.Namespace) -> None:
+    """The asyncio flavour in one process: bare async transactions, units of work, joined."""
+    counts = [int(c) for c in args.tasks.split(",")]
+    engine = create_async_engine(url, pool_size=max(counts), max_overflow=0)
+    aob = outbox.AsyncOutbox(engine)
+    print(f"asyncio: {args.seconds:g}s per phase, best of {args.rounds} alternating rounds")
+    header = (
+        f"{'tasks':>7} | {'bare tx/s':>10} {'p50 ms':>7} {'p99 ms':>7} | "
+        f"{'uow/s':>10} {'p50 ms':>7} {'p99 ms':>7} | {'uow/bare':>8} | "
+        f"{'joined/s':>9} {'/owned':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for tasks in counts:
+        best: dict[str, tuple[float, float, float]] = {}
+        for _ in range(args.rounds):
+            for mode in ("bare", "uow", "joined"):
+                truncate(sync_engine)
+                res = await _async_phase(mode, engine, aob, tasks, args.seconds)
+                if mode not in best or res[0] > best[mode][0]:
+                    best[mode] = res
+        b, u, j = best["bare"], best["uow"], best["joined"]
+        print(
+            f"{tasks:>7} | {b[0]:>10.0f} {b[1] * 1e3:>7.2f} {b[2] * 1e3:>7.2f} | "
+            f"{u[0]:>10.0f} {u[1] * 1e3:>7.2f} {u[2] * 1e3:>7.2f} | {u[0] / b[0]:>8.2f} | "
+            f"{j[0]:>9.0f} {j[0] / u[0]:>6.2f}",
+            flush=True,
+        )
+    truncate(sync_engine)
+    await aob.close()
+    await engine.dispose()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -195,6 +288,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--workers", default="1,4,16")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per mode")
+    parser.add_argument(
+        "--async",
+        dest="use_async",
+        action="store_true",
+        help="measure the asyncio flavour (one process, --tasks concurrent tasks) instead",
+    )
+    parser.add_argument("--tasks", default="1,16,64")
     args = parser.parse_args()
 
     url = sa.make_url(args.database_url)
@@ -208,6 +308,13 @@ def main() -> int:
     with engine.begin() as conn:
         conn.execute(sa.text(BUSINESS_DDL))
 
+    if args.use_async:
+        asyncio.run(async_benchmark(url_s, engine, args))
+        engine.dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
+        return 0
+
     print(
         f"outbox-kit unit-of-work benchmark ({args.seconds:g}s per phase, "
         f"best of {args.rounds} alternating rounds)",
@@ -217,23 +324,23 @@ def main() -> int:
     header = (
         f"{'workers':>7} | {'bare tx/s':>10} {'p50 ms':>7} {'p99 ms':>7} | "
         f"{'uow/s':>10} {'p50 ms':>7} {'p99 ms':>7} | {'uow/bare':>8} | "
-        f"{'no wake-up/s':>12} {'/bare':>6}"
+        f"{'no wake-up/s':>12} {'/bare':>6} | {'joined/s':>9} {'/owned':>6}"
     )
     print(header)
     print("-" * len(header))
     for workers in [int(w) for w in args.workers.split(",")]:
         best: dict[str, tuple[float, float, float]] = {}
         for _ in range(args.rounds):
-            for mode in ("bare", "uow", "uow-no-wakeup"):
+            for mode in ("bare", "uow", "uow-no-wakeup", "joined"):
                 truncate(engine)
                 res = run_phase(mode, url_s, workers, args.seconds)
                 if mode not in best or res[0] > best[mode][0]:
                     best[mode] = res
-        b, u, q = best["bare"], best["uow"], best["uow-no-wakeup"]
+        b, u, q, j = best["bare"], best["uow"], best["uow-no-wakeup"], best["joined"]
         print(
             f"{workers:>7} | {b[0]:>10.0f} {b[1] * 1e3:>7.2f} {b[2] * 1e3:>7.2f} | "
             f"{u[0]:>10.0f} {u[1] * 1e3:>7.2f} {u[2] * 1e3:>7.2f} | {u[0] / b[0]:>8.2f} | "
-            f"{q[0]:>12.0f} {q[0] / b[0]:>6.2f}",
+            f"{q[0]:>12.0f} {q[0] / b[0]:>6.2f} | {j[0]:>9.0f} {j[0] / u[0]:>6.2f}",
             flush=True,
         )
     truncate(engine)
