@@ -20,7 +20,8 @@ from outbox.schema import IDEMPOTENCY_KEYS, OUTBOX, validate_schema_name
 _preparer = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
 
 
-def _qualified(schema: str | None, table: str) -> str:
+def qualified(schema: str | None, table: str) -> str:
+    """``"schema"."table"`` quoted for PostgreSQL (``schema`` has passed the allow-list)."""
     name = _preparer.quote(table)
     return name if schema is None else f"{_preparer.quote_schema(schema)}.{name}"
 
@@ -45,7 +46,7 @@ class Statements:
 @functools.cache
 def statements(schema: str | None) -> Statements:
     schema = validate_schema_name(schema)
-    keys = _qualified(schema, IDEMPOTENCY_KEYS)
+    keys = qualified(schema, IDEMPOTENCY_KEYS)
     # Prepared-statement names live per connection, across schemas: tell schemas apart by a
     # short digest (a long schema name would be truncated to 63 bytes and could collide).
     claim_body = (
@@ -95,7 +96,7 @@ def idempotency_key_complete(schema: str | None, events: int) -> Prepared:
     schema = validate_schema_name(schema)
     if events < 0:
         raise ValueError("events must not be negative")
-    keys = _qualified(schema, IDEMPOTENCY_KEYS)
+    keys = qualified(schema, IDEMPOTENCY_KEYS)
     types = ["text", "text", "text", "text"]
     args = ["%(scope)s", "%(key)s", "%(fingerprint)s", "%(result)s"]
     key_insert = (
@@ -113,7 +114,7 @@ def idempotency_key_complete(schema: str | None, events: int) -> Prepared:
             args += [f"%(e{i})s", f"%(t{i})s", f"%(k{i})s", f"%(v{i})s", f"%(h{i})s", f"%(x{i})s"]
         body = (
             f"WITH completed AS ({key_insert}) "
-            f"INSERT INTO {_qualified(schema, OUTBOX)} "
+            f"INSERT INTO {qualified(schema, OUTBOX)} "
             f"(event_id, topic, key, value, headers, key_hash) VALUES {', '.join(rows)}"
         )
     name = f"outbox_key_complete_{events}_{_digest(schema, body)}"  # see the claim's name
