@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from outbox import lanes
+from outbox._core import lanes
 
 
 def test_lane_of_is_key_hash_modulo_lanes() -> None:
