@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -134,9 +133,8 @@ class Relay:
         self._conn: sa.Connection | None = None
         self._next_rebalance = 0.0
         self._next_stats = 0.0
-        rand = random.Random().random
-        self._kafka_backoff = Backoff(config.backoff_initial, config.backoff_max, rand)
-        self._db_backoff = Backoff(config.backoff_initial, config.backoff_max, rand)
+        self._kafka_backoff = Backoff(config.backoff_initial, config.backoff_max)
+        self._db_backoff = Backoff(config.backoff_initial, config.backoff_max)
 
     # ------------------------------------------------------------------------------ control
 
