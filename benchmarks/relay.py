@@ -219,7 +219,7 @@ def relay_procs(url: str, bootstrap: str, count: int) -> list[subprocess.Popen[b
             [
                 sys.executable,
                 "-m",
-                "outbox.relay",
+                "outbox.cli.relay",
                 "--database-url",
                 url,
                 "--bootstrap-servers",

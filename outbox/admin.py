@@ -25,8 +25,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outbox import lanes as lanes_mod
 from outbox import migrate
+from outbox._core import lanes as lanes_core
 from outbox._core.durations import (
     check_retention,
     format_duration,
@@ -34,7 +34,7 @@ from outbox._core.durations import (
     parse_duration,
 )
 from outbox._core.environment import ENV_RELAY_LANES
-from outbox._pg import operations as ops
+from outbox._pg import lanes as lanes_pg, operations as ops
 from outbox.config import DEFAULT_CACHE_TTL_SECONDS, redact_url
 from outbox.errors import ConfigurationError, OutboxError, RetentionError
 from outbox.schema import (
@@ -108,7 +108,7 @@ class Status:
     oldest_pending_age: float | None
     keys: tuple[ScopeKeys, ...]
     oldest_key_age: float | None
-    relays: tuple[lanes_mod.RelayInfo, ...]
+    relays: tuple[lanes_core.RelayInfo, ...]
     taken_at: datetime
     warnings: tuple[str, ...] = field(default=())
 
@@ -152,10 +152,10 @@ def choose_lanes(
         counts = sorted(set(announced))
         if len(counts) == 1:
             return counts[0], "relays"
-        return lanes_mod.DEFAULT_LANES, "default"
-    if not 1 <= lanes <= lanes_mod.MAX_LANES:
+        return lanes_core.DEFAULT_LANES, "default"
+    if not 1 <= lanes <= lanes_core.MAX_LANES:
         raise ConfigurationError(
-            f"--lanes must be between 1 and {lanes_mod.MAX_LANES}, got {lanes}"
+            f"--lanes must be between 1 and {lanes_core.MAX_LANES}, got {lanes}"
         )
     return lanes, source
 
@@ -212,12 +212,12 @@ def read_status(
             f"no outbox tables in schema {schema or 'public'}: run `outbox migrate` first"
         )
     taken_at = ops.database_now(connection)
-    locks = lanes_mod.read_locks(connection, schema)
-    announced = tuple(sorted(lanes_mod.configured_lane_counts(locks, schema)))
+    locks = lanes_pg.read_locks(connection, schema)
+    announced = tuple(sorted(lanes_core.configured_lane_counts(locks, schema)))
     lanes, source = choose_lanes(lanes_flag, lanes_env, announced)
     relays = tuple(
         replace(r, client_addr=_host(r.client_addr))
-        for r in lanes_mod.relay_ownership(connection, schema)
+        for r in lanes_pg.relay_ownership(connection, schema)
     )
     status = Status(
         schema=schema,

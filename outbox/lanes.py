@@ -1,234 +1,51 @@
-"""Lanes: how relays split the outbox between them without a coordinator of their own.
+"""Lanes, as a public module: who relays the outbox in ``schema``, and with which lanes.
 
-Every outbox row belongs to lane ``key_hash % lanes``; all rows of one message key therefore
-share a lane. Each lane is served by at most one relay at a time: a relay owns a lane while its
-database session holds the PostgreSQL advisory lock ``(LANE namespace, lane)``. A relay that
-dies loses its session, PostgreSQL frees its locks, and the survivors pick the lanes up at their
-next rebalance.
-
-Three advisory-lock namespaces exist per outbox schema (two-key form ``pg_try_advisory_lock(int,
-int)``, which ``pg_locks`` shows as ``classid = namespace, objid = second key, objsubid = 2``):
-
-* ``member`` -- every running relay holds ``(member, its backend pid)``; counting these locks
-  counts the live relays;
-* ``lanes`` -- held in shared mode as ``(lanes, configured lane count)``; a relay refuses to start
-  when another one runs with a different count (both would serve the same key at once);
-* ``lane`` -- ``(lane, n)`` is ownership of lane ``n``.
-
-Lane ownership is an efficiency device, not the order guarantee: the claim query itself refuses
-to send a row while an earlier row of its key is still in the table (see ``outbox.relay``), so
-even two relays briefly serving one lane cannot reorder a key.
-
-The arithmetic (fair share, which lanes to take or give back) is pure and tested without a
-database; the SQL helpers take a SQLAlchemy ``Connection``.
+:func:`relay_ownership` lists the live relays with the lanes each holds;
+:func:`ownership_from_locks` is its pure half, for tools that read ``pg_locks`` themselves.
+The lock layout and the arithmetic live in :mod:`outbox._core.lanes`, the SQL in
+:mod:`outbox._pg.lanes`; this module names them for callers outside the package.
 """
 
-from __future__ import annotations
-
-import math
-import zlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-
-import sqlalchemy as sa
-
-DEFAULT_LANES = 32
-MAX_LANES = 4096
-APPLICATION_NAME = "outbox-relay"
-
-KIND_MEMBER = "member"
-KIND_LANES = "lanes"
-KIND_LANE = "lane"
-
-
-def lane_of(key_hash: int, lanes: int) -> int:
-    """The lane of a row: ``key_hash % lanes`` (the same expression the claim query uses)."""
-    return key_hash % lanes
-
-
-def namespace(schema: str | None, kind: str) -> int:
-    """First advisory-lock key for ``kind`` locks of the outbox in ``schema``.
-
-    A 31-bit CRC of ``outbox-relay:<schema>:<kind>``, so relays of different schemas in one
-    database never contend, and the value reads the same in ``pg_locks.classid`` (an unsigned
-    ``oid``) as in Python.
-    """
-    label = f"outbox-relay:{schema or 'public'}:{kind}"
-    return zlib.crc32(label.encode("utf-8")) & 0x7FFFFFFF
-
-
-def fair_share(lanes: int, relays: int) -> int:
-    """How many lanes one relay should own: ``ceil(lanes / relays)`` (every lane gets an owner
-    because ``relays * fair_share >= lanes``)."""
-    return math.ceil(lanes / max(1, relays))
-
-
-def preferred_order(lanes: int, seed: int) -> list[int]:
-    """All lanes, rotated by ``seed``: relays starting together try different lanes first, which
-    keeps ``pg_try_advisory_lock`` contention low while they converge."""
-    start = seed % lanes
-    return [(start + i) % lanes for i in range(lanes)]
-
-
-@dataclass(frozen=True)
-class Rebalance:
-    """What one relay should do at a rebalance: lanes to try to take and lanes to give back."""
-
-    acquire: tuple[int, ...]
-    release: tuple[int, ...]
-    target: int
-
-
-def plan_rebalance(
-    lanes: int,
-    relays: int,
-    mine: Iterable[int],
-    held_by_others: Iterable[int],
-    seed: int,
-) -> Rebalance:
-    """Decide how a relay moves towards its fair share.
-
-    ``mine`` are the lanes this relay holds, ``held_by_others`` the lanes other live relays
-    hold. A relay above its share gives back its surplus (the lanes latest in its preferred
-    order, so it keeps the same lanes across rebalances); a relay below its share tries the free
-    lanes in its preferred order.
-    """
-    owned = set(mine)
-    others = set(held_by_others) - owned
-    target = fair_share(lanes, relays)
-    order = preferred_order(lanes, seed)
-    if len(owned) > target:
-        surplus = len(owned) - target
-        keep_order = [lane for lane in order if lane in owned]
-        return Rebalance(acquire=(), release=tuple(sorted(keep_order[-surplus:])), target=target)
-    if len(owned) < target:
-        free = [lane for lane in order if lane not in owned and lane not in others]
-        return Rebalance(acquire=tuple(free[: target - len(owned)]), release=(), target=target)
-    return Rebalance(acquire=(), release=(), target=target)
-
-
-@dataclass(frozen=True)
-class LockRow:
-    """One advisory lock as ``pg_locks`` reports it (two-key form)."""
-
-    pid: int
-    classid: int
-    objid: int
-
-
-def ownership_from_locks(rows: Iterable[LockRow], schema: str | None) -> dict[int, tuple[int, ...]]:
-    """Lanes held per relay (backend pid) from ``pg_locks`` rows: the pure half of
-    :func:`relay_ownership`, for ``outbox status`` and tests.
-
-    Relays with no lane (registered members waiting for a share) appear with an empty tuple.
-    """
-    member_ns = namespace(schema, KIND_MEMBER)
-    lane_ns = namespace(schema, KIND_LANE)
-    held: dict[int, list[int]] = {}
-    for row in rows:
-        if row.classid == member_ns:
-            held.setdefault(row.pid, [])
-    for row in rows:
-        if row.classid == lane_ns:
-            held.setdefault(row.pid, []).append(row.objid)
-    return {pid: tuple(sorted(lanes)) for pid, lanes in sorted(held.items())}
-
-
-# --------------------------------------------------------------------------------------------
-# SQL (advisory locks live on the relay's own session connection)
-# --------------------------------------------------------------------------------------------
-
-_LOCKS_OF_NAMESPACES = sa.text(
-    """
-    SELECT l.pid, l.classid::bigint AS classid, l.objid::bigint AS objid
-    FROM pg_locks l
-    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND l.classid::bigint = ANY(:namespaces)
-    """
+from outbox._core.lanes import (
+    APPLICATION_NAME,
+    DEFAULT_LANES,
+    KIND_LANE,
+    KIND_LANES,
+    KIND_MEMBER,
+    MAX_LANES,
+    LockRow,
+    Rebalance,
+    RelayInfo,
+    configured_lane_counts,
+    fair_share,
+    lane_of,
+    namespace,
+    ownership_from_locks,
+    plan_rebalance,
+    preferred_order,
 )
+from outbox._pg.lanes import read_locks, register, relay_ownership, release, try_acquire
 
-
-def read_locks(connection: sa.Connection, schema: str | None) -> list[LockRow]:
-    """The granted relay advisory locks of ``schema`` in the current database."""
-    namespaces = [namespace(schema, k) for k in (KIND_MEMBER, KIND_LANES, KIND_LANE)]
-    result = connection.execute(_LOCKS_OF_NAMESPACES, {"namespaces": namespaces})
-    return [LockRow(int(r.pid), int(r.classid), int(r.objid)) for r in result]
-
-
-@dataclass(frozen=True)
-class RelayInfo:
-    """A live relay as seen from PostgreSQL."""
-
-    pid: int
-    application_name: str
-    client_addr: str | None
-    lanes: tuple[int, ...]
-
-
-def relay_ownership(connection: sa.Connection, schema: str | None) -> list[RelayInfo]:
-    """Live relays of ``schema`` and the lanes each holds (for ``outbox status``)."""
-    owners = ownership_from_locks(read_locks(connection, schema), schema)
-    if not owners:
-        return []
-    rows = connection.execute(
-        sa.text(
-            "SELECT pid, application_name, client_addr::text AS client_addr "
-            "FROM pg_stat_activity WHERE pid = ANY(:pids)"
-        ),
-        {"pids": list(owners)},
-    )
-    names = {int(r.pid): (r.application_name or "", r.client_addr) for r in rows}
-    return [
-        RelayInfo(pid, names.get(pid, ("", None))[0], names.get(pid, ("", None))[1], lanes)
-        for pid, lanes in owners.items()
-    ]
-
-
-def configured_lane_counts(rows: Sequence[LockRow], schema: str | None) -> set[int]:
-    """The ``--lanes`` values announced by live relays (normally exactly one)."""
-    lanes_ns = namespace(schema, KIND_LANES)
-    return {row.objid for row in rows if row.classid == lanes_ns}
-
-
-def register(connection: sa.Connection, schema: str | None, lanes: int) -> int:
-    """Announce this session as a live relay serving ``lanes`` lanes; returns its backend pid.
-
-    Session-level locks: they survive transaction ends and vanish with the session.
-    """
-    pid = int(connection.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
-    connection.execute(
-        sa.text("SELECT pg_advisory_lock(:ns, :pid)"),
-        {"ns": namespace(schema, KIND_MEMBER), "pid": pid},
-    )
-    connection.execute(
-        sa.text("SELECT pg_advisory_lock_shared(:ns, :lanes)"),
-        {"ns": namespace(schema, KIND_LANES), "lanes": lanes},
-    )
-    return pid
-
-
-def try_acquire(connection: sa.Connection, schema: str | None, lanes: Sequence[int]) -> list[int]:
-    """Try to take each lane in ``lanes`` without waiting; returns those now held."""
-    if not lanes:
-        return []
-    result = connection.execute(
-        sa.text(
-            "SELECT lane FROM unnest(CAST(:lanes AS integer[])) AS lane "
-            "WHERE pg_try_advisory_lock(:ns, lane)"
-        ),
-        {"lanes": list(lanes), "ns": namespace(schema, KIND_LANE)},
-    )
-    return sorted(int(r.lane) for r in result)
-
-
-def release(connection: sa.Connection, schema: str | None, lanes: Sequence[int]) -> None:
-    """Give lanes back (between batches, never while a claim is open)."""
-    if not lanes:
-        return
-    connection.execute(
-        sa.text(
-            "SELECT pg_advisory_unlock(:ns, lane) FROM unnest(CAST(:lanes AS integer[])) AS lane"
-        ),
-        {"lanes": list(lanes), "ns": namespace(schema, KIND_LANE)},
-    )
+__all__ = [
+    "APPLICATION_NAME",
+    "DEFAULT_LANES",
+    "KIND_LANE",
+    "KIND_LANES",
+    "KIND_MEMBER",
+    "MAX_LANES",
+    "LockRow",
+    "Rebalance",
+    "RelayInfo",
+    "configured_lane_counts",
+    "fair_share",
+    "lane_of",
+    "namespace",
+    "ownership_from_locks",
+    "plan_rebalance",
+    "preferred_order",
+    "read_locks",
+    "register",
+    "relay_ownership",
+    "release",
+    "try_acquire",
+]

@@ -34,8 +34,7 @@ from typing import Any, ClassVar, Literal
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
-from outbox._core import claim
-from outbox._core import validate as _validate
+from outbox._core import claim, validate as _validate
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import Event, encode_event, event_params
 from outbox._pg.after_commit import defer, spawn

@@ -259,7 +259,7 @@ class Pipeline:
         count = sum(p.name.startswith("relay") for p in self.processes)
         self.relay_process = self.spawn(
             f"relay-{count + 1}",
-            [sys.executable, "-m", "outbox.relay", *self._kafka_flags(), *self.relay_args],
+            [sys.executable, "-m", "outbox.cli.relay", *self._kafka_flags(), *self.relay_args],
         )
         return self.relay_process
 

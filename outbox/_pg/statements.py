@@ -23,6 +23,7 @@ _preparer = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-
 
 
 def qualified(schema: str | None, table: str) -> str:
+    """``"schema"."table"`` quoted for PostgreSQL (``schema`` has passed the allow-list)."""
     name = _preparer.quote(table)
     return name if schema is None else f"{_preparer.quote_schema(schema)}.{name}"
 

@@ -29,7 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
+from psycopg import sql
 
+from outbox._core.retry import Backoff
 from outbox.schema import validate_schema_name
 
 log = logging.getLogger("outbox.wakeup")
@@ -190,16 +192,14 @@ class Listener:
         return self
 
     def _run(self) -> None:
-        from psycopg import sql
-
-        backoff = 0.1
+        backoff = Backoff(0.1, 5.0)
         while not self._stop.is_set():
             connection: Any = None
             try:
                 connection = self._connect()
                 connection.autocommit = True
                 connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
-                backoff = 0.1
+                backoff.succeeded()
                 # Something may have committed while we were not listening: look once. This
                 # kick comes before `listening` is announced, so whoever waits for `listening`
                 # and then for a wake-up sees a notification, not this kick.
@@ -210,11 +210,11 @@ class Listener:
                         self._event.set()
             except Exception as exc:
                 self.listening.clear()
+                delay = backoff.failed()
                 log.warning(
-                    "event=listen_failed error=%r retry_in=%.1fs", type(exc).__name__, backoff
+                    "event=listen_failed error=%r retry_in=%.1fs", type(exc).__name__, delay
                 )
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                self._stop.wait(delay)
             finally:
                 if connection is not None:
                     with contextlib.suppress(Exception):

@@ -1,10 +1,120 @@
-"""``outbox-relay``: carry committed outbox rows to Kafka."""
+"""``outbox-relay`` (also ``python -m outbox.cli.relay``): carry committed outbox rows to Kafka.
 
+Exit codes: 0 when stopped by SIGTERM/SIGINT, drained (``--once``) or the check passed; 1 on a
+runtime error or a failed ``--check``; 2 on bad flags or settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
 import sys
+from collections.abc import Mapping, Sequence
 
-from outbox.relay import main
+from outbox._core.stopping import stop_on_signals
+from outbox.cli._common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    add_flags,
+    add_kafka_config,
+    require,
+    resolve_flags,
+    run,
+)
+from outbox.config import RelayConfig
+from outbox.metrics import MetricsServer
+from outbox.relay import Relay, RunResult
 
-__all__ = ["main"]
+log = logging.getLogger("outbox.relay")
+
+PROG = "outbox-relay"
+EXIT_CODES: Mapping[RunResult, int] = {RunResult.FINISHED: EXIT_OK}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``outbox-relay`` parser: every setting also reads its ``OUTBOX_*`` variable."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Relay committed outbox rows to Kafka: no loss, per-key order, many relays.",
+    )
+    d = RelayConfig("", "")
+    add_flags(parser, "database_url", "schema", "bootstrap_servers")
+    add_kafka_config(parser)
+    add_flags(
+        parser,
+        "log_level",
+        "batch_size",
+        "poll_interval",
+        "lanes",
+        "max_attempts",
+        "rebalance_interval",
+        "metrics_port",
+        batch_size={"default": d.batch_size},
+        poll_interval={"default": d.poll_interval, "default_text": f"{d.poll_interval:g}"},
+        lanes={"default": d.lanes},
+        max_attempts={"default": d.max_attempts},
+        rebalance_interval={
+            "default": d.rebalance_interval,
+            "default_text": f"{d.rebalance_interval:g}",
+        },
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="drain what is pending, then exit 0")
+    mode.add_argument(
+        "--check",
+        action="store_true",
+        help="verify the schema is migrated and the broker answers, then exit",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RelayConfig:
+    """Flags first, then ``OUTBOX_*`` environment variables, then defaults."""
+    resolve_flags(args)
+    return RelayConfig(
+        database_url=require(args, "database_url"),
+        bootstrap_servers=require(args, "bootstrap_servers"),
+        schema=args.schema,
+        kafka_config=args.kafka_config,
+        batch_size=args.batch_size,
+        poll_interval=args.poll_interval,
+        lanes=args.lanes,
+        max_attempts=args.max_attempts,
+        rebalance_interval=args.rebalance_interval,
+        metrics_port=args.metrics_port,
+    ).validate()
+
+
+def command(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    relay = Relay(config)
+    if args.check:
+        problems = relay.check()
+        relay.engine.dispose()
+        for problem in problems:
+            print(f"{PROG}: check failed: {problem}", file=sys.stderr)
+        if problems:
+            return EXIT_FAILURE
+        print(f"{PROG}: check passed: schema migrated, brokers answer")
+        return EXIT_OK
+    with stop_on_signals(relay.stop):
+        server = None
+        if config.metrics_port is not None:
+            server = MetricsServer(
+                relay.metrics, config.metrics_port, max_silence=max(30.0, 3 * config.poll_interval)
+            ).start()
+            log.info("event=metrics_listening port=%d", server.port)
+        try:
+            return EXIT_CODES[relay.run(once=args.once)]
+        finally:
+            if server is not None:
+                server.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``outbox-relay`` console script."""
+    return run(PROG, command, build_parser().parse_args(argv))
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,10 +8,10 @@ from typing import Any
 
 from outbox import admin
 from outbox._core.environment import ENV_RELAY_LANES
+from outbox._core.lanes import DEFAULT_LANES
 from outbox.cli._common import EXIT_OK, add_flags
 from outbox.cli._database import command_engine
 from outbox.config import env
-from outbox.lanes import DEFAULT_LANES
 
 
 def register(subparsers: Any) -> None:

@@ -54,7 +54,7 @@ def test_check_fails_clearly_on_unmigrated_schema_and_dead_broker(database_url: 
 
 
 def test_missing_flags_name_the_environment_variable() -> None:
-    done = _run([sys.executable, "-m", "outbox.relay"])
+    done = _run([sys.executable, "-m", "outbox.cli.relay"])
     assert done.returncode == 2
     assert "OUTBOX_DATABASE_URL" in done.stderr
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
-from outbox import Outbox
-from outbox import lanes as lanes_mod
+from outbox import Outbox, lanes as lanes_mod
 from outbox.parked import discard_parked, list_parked, retry_parked
 from outbox.relay import Relay, RelayConfig
 from tests._services import wait_for
@@ -224,4 +225,43 @@ def test_idle_relay_wakes_on_commit_without_waiting_for_the_poll(
         wait_for_records(kafka_bootstrap, topic, [event], timeout=20)
     finally:
         ob.close()
+        relay.stop()
+
+
+def test_a_failing_statement_keeps_the_session_and_its_lanes(
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A statement error on a live session (here: the table is gone for a while) is not a
+    database outage: the relay rolls back, backs off and retries on the same session, keeping
+    its lanes; only a lost connection makes it reconnect."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    relay = RelayThread(
+        RelayConfig(
+            database_url,
+            kafka_bootstrap,
+            lanes=4,
+            poll_interval=0.05,
+            backoff_initial=0.05,
+            backoff_max=0.2,
+        )
+    ).start()
+    try:
+        wait_for(lambda: len(relay.relay.owned) == 4, 20, "relay took no lanes")
+        pid = relay.relay.pid
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE outbox RENAME TO outbox_away"))
+        try:
+            wait_for(lambda: "event=batch_failed" in caplog.text, 20, "no failed batch logged")
+        finally:
+            with engine.begin() as conn:
+                conn.execute(sa.text("ALTER TABLE outbox_away RENAME TO outbox"))
+        topic = _topic("relay-statement-error")
+        ids = insert_rows(engine, topic, [("s", b"1"), ("s", b"2")])
+        wait_for_records(kafka_bootstrap, topic, ids)
+        assert relay.relay.pid == pid and len(relay.relay.owned) == 4
+        assert "event=database_lost" not in caplog.text
+    finally:
         relay.stop()

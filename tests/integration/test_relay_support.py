@@ -187,7 +187,7 @@ class RelayThread:
 
 def relay_command(database_url: str, bootstrap: str, *args: str) -> list[str]:
     return [
-        sys.executable, "-m", "outbox.relay",
+        sys.executable, "-m", "outbox.cli.relay",
         "--database-url", database_url, "--bootstrap-servers", bootstrap, *args,
     ]  # fmt: skip
 
@@ -195,7 +195,7 @@ def relay_command(database_url: str, bootstrap: str, *args: str) -> list[str]:
 def start_relay(
     database_url: str, bootstrap: str, *args: str, log_path: Path | None = None
 ) -> subprocess.Popen[bytes]:
-    """``python -m outbox.relay`` as a subprocess, output to ``log_path`` (or a pipe)."""
+    """``python -m outbox.cli.relay`` as a subprocess, output to ``log_path`` (or a pipe)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     out: Any = log_path.open("ab") if log_path is not None else subprocess.PIPE
     return subprocess.Popen(

@@ -6,12 +6,10 @@ import io
 from datetime import UTC, datetime
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from outbox import admin, cli, relay
-from outbox._core import durations as durations_mod
-from outbox._core import environment
+from outbox._core import durations as durations_mod, environment
 from outbox.cli import gc as gc_cli
 from outbox.config import DEFAULT_CACHE_TTL_SECONDS, OutboxConfig
 from outbox.errors import ConfigurationError

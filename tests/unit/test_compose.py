@@ -17,9 +17,23 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from outbox import cli, relay
+from outbox import cli
+from outbox.cli import relay
 from outbox.cli._common import resolve_flags
-from outbox.config import ENV_DATABASE_URL, ENV_KAFKA_BOOTSTRAP, ENV_REDIS_URL, ENV_SCHEMA
+from outbox.config import (
+    ENV_DATABASE_URL,
+    ENV_KAFKA_BOOTSTRAP,
+    ENV_KAFKA_CONFIG,
+    ENV_LOG_LEVEL,
+    ENV_REDIS_URL,
+    ENV_RELAY_BATCH_SIZE,
+    ENV_RELAY_LANES,
+    ENV_RELAY_MAX_ATTEMPTS,
+    ENV_RELAY_METRICS_PORT,
+    ENV_RELAY_POLL_INTERVAL,
+    ENV_RELAY_REBALANCE_INTERVAL,
+    ENV_SCHEMA,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,10 +165,9 @@ def test_relay_environment_is_what_outbox_relay_reads(
     relay_service = services["relay"]
     env = _env(relay_service)
     known = {
-        ENV_DATABASE_URL, ENV_KAFKA_BOOTSTRAP, ENV_SCHEMA, relay.ENV_BATCH_SIZE,
-        relay.ENV_POLL_INTERVAL, relay.ENV_LANES, relay.ENV_MAX_ATTEMPTS,
-        relay.ENV_REBALANCE_INTERVAL, relay.ENV_METRICS_PORT, relay.ENV_KAFKA_CONFIG,
-        "OUTBOX_LOG_LEVEL",
+        ENV_DATABASE_URL, ENV_KAFKA_BOOTSTRAP, ENV_SCHEMA, ENV_RELAY_BATCH_SIZE,
+        ENV_RELAY_POLL_INTERVAL, ENV_RELAY_LANES, ENV_RELAY_MAX_ATTEMPTS,
+        ENV_RELAY_REBALANCE_INTERVAL, ENV_RELAY_METRICS_PORT, ENV_KAFKA_CONFIG, ENV_LOG_LEVEL,
     }  # fmt: skip
     assert set(env) <= known, f"unknown variables: {set(env) - known}"
     assert relay_service["command"] == ["outbox-relay"]
@@ -164,8 +177,8 @@ def test_relay_environment_is_what_outbox_relay_reads(
     config = relay.config_from_args(args)
     assert config.database_url == env[ENV_DATABASE_URL]
     assert config.bootstrap_servers == env[ENV_KAFKA_BOOTSTRAP]
-    assert config.lanes == int(env[relay.ENV_LANES])
-    assert config.metrics_port == int(env[relay.ENV_METRICS_PORT])
+    assert config.lanes == int(env[ENV_RELAY_LANES])
+    assert config.metrics_port == int(env[ENV_RELAY_METRICS_PORT])
 
     # The URL names the postgres service with its credentials and database.
     pg = _env(services["postgres"])

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from outbox import lanes
+from outbox._core import lanes
+from outbox._core.durations import format_ranges
 
 
 def test_lane_of_is_key_hash_modulo_lanes() -> None:
@@ -85,3 +86,10 @@ def test_ownership_from_locks_groups_lanes_per_relay() -> None:
     ]
     assert lanes.ownership_from_locks(rows, "s") == {10: (1, 3), 11: ()}
     assert lanes.configured_lane_counts(rows, "s") == {32}
+
+
+def test_lane_lists_read_as_ranges() -> None:
+    assert format_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
+    assert format_ranges((10, 9, 3, 3)) == "3,9-10"
+    assert format_ranges([5]) == "5"
+    assert format_ranges([]) == "-"

@@ -1,4 +1,5 @@
-"""The relay's pure decisions: delivery rounds, settling a batch, backoff, records, config."""
+"""The relay's other pure parts: Kafka records of claimed rows, producer settings, backoff,
+config (the per-batch decisions are in test_delivery.py)."""
 
 from __future__ import annotations
 
@@ -6,60 +7,18 @@ import random
 
 import pytest
 
-from outbox._kafka.producer import CONFIRMED, NOT_SENT, Outcome, is_permanent, producer_config
+from outbox._core.delivery import ClaimedRow
+from outbox._core.retry import backoff_delay
+from outbox._kafka.producer import NOT_SENT, is_permanent, producer_config
+from outbox._kafka.records import build_record, build_records, build_records_checked
 from outbox.errors import ConfigurationError
-from outbox.relay import (
-    ClaimedRow,
-    RelayConfig,
-    backoff_delay,
-    build_record,
-    build_records,
-    delivery_rounds,
-    drop_blocked,
-    settle,
-)
-
-TIMEOUT = Outcome(error="_MSG_TIMED_OUT: Local: Message timed out", code=-192)
-TOO_LARGE = Outcome(error="MSG_SIZE_TOO_LARGE", code=10, permanent=True)
-
-
-def test_rounds_carry_one_row_per_key_in_id_order() -> None:
-    keys = [b"a", b"b", b"a", None, b"a", b"b", None]
-    rounds = delivery_rounds(keys)
-    assert rounds == [[0, 1, 3, 6], [2, 5], [4]]
-    for r in rounds:
-        ks = [keys[i] for i in r if keys[i] is not None]
-        assert len(ks) == len(set(ks))
-    assert delivery_rounds([]) == []
-
-
-def test_confirmed_rows_are_deleted_and_failures_recorded() -> None:
-    s = settle([1, 2, 3, 4], [0, 0, 9, 0], [CONFIRMED, TIMEOUT, TIMEOUT, None], max_attempts=10)
-    assert s.delete == [1]
-    assert s.fail_ids == [2, 3] and s.fail_park == [False, True]  # row 3 reached 10 attempts
-    assert not s.outage
-
-
-def test_permanent_error_parks_at_once() -> None:
-    s = settle([1, 2], [0, 0], [TOO_LARGE, CONFIRMED], max_attempts=10)
-    assert s.fail_ids == [1] and s.fail_park == [True] and s.delete == [2]
-
-
-def test_outage_counts_no_attempts() -> None:
-    """Nothing confirmed at all: the broker is down; rows must not creep towards parking."""
-    s = settle([1, 2], [9, 9], [TIMEOUT, TIMEOUT], max_attempts=10)
-    assert s.outage and s.fail_ids == [] and s.delete == []
-
-
-def test_rows_not_sent_at_shutdown_are_left_alone() -> None:
-    s = settle([1, 2], [0, 0], [CONFIRMED, NOT_SENT], max_attempts=3)
-    assert s.delete == [1] and s.fail_ids == [] and not s.outage
+from outbox.relay import RelayConfig
 
 
 def test_backoff_is_capped_exponential_with_jitter() -> None:
     rng = random.Random(1)
     for failures, upper in [(1, 0.2), (2, 0.4), (5, 3.2), (20, 30.0)]:
-        d = backoff_delay(failures, 0.2, 30.0, rng)
+        d = backoff_delay(failures, 0.2, 30.0, rng.random)
         assert upper / 2 <= d <= upper
 
 
@@ -112,16 +71,6 @@ def _row(row_id: int, key: bytes | None, headers: str = "{}") -> ClaimedRow:
     return (row_id, 0, "t", key, b"v", headers, f"e-{row_id}".encode(), False)
 
 
-def test_claimed_rows_behind_a_skipped_row_of_their_key_wait() -> None:
-    """Claim rule: a row locked elsewhere (skipped) holds back every later row of its key,
-    not the earlier ones, not other keys, never key-less rows."""
-    claimed = [_row(1, b"a"), _row(2, b"b"), _row(4, b"a"), _row(5, None), _row(6, b"b")]
-    kept = drop_blocked(claimed, [(3, b"a"), (7, b"b")])
-    assert [r[0] for r in kept] == [1, 2, 5, 6]
-    assert drop_blocked(claimed, []) is claimed
-    assert [r[0] for r in drop_blocked(claimed, [(0, b"b"), (3, b"b")])] == [1, 4, 5]
-
-
 def test_records_of_claimed_rows_share_cached_headers_safely() -> None:
     rows = [_row(1, b"k", '{"a": "1"}'), _row(2, None, '{"a": "1"}')]
     first, second = build_records(rows)
@@ -133,8 +82,6 @@ def test_records_of_claimed_rows_share_cached_headers_safely() -> None:
 
 
 def test_rows_that_cannot_become_records_are_told_apart_by_index() -> None:
-    from outbox.relay import build_records_checked
-
     good, bad = _row(1, b"a", '{"a": "1"}'), _row(2, b"a", '{"h": {}}')
     records, broken = build_records_checked([good, bad, _row(3, None, "not json")])
     assert records[0] == build_records([good])[0]

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
-from outbox._core import codec as _codec
-from outbox._core import validate as _validate
+from outbox._core import codec as _codec, validate as _validate
 from outbox.errors import (
     InvalidKeyError,
     InvalidTopicError,

@@ -1,0 +1,91 @@
+"""The advisory locks behind lanes: register a relay, take and give back lanes, read who holds
+what (the lock layout and the arithmetic are in :mod:`outbox._core.lanes`).
+
+Every lock here is session-level and lives on the relay's own session connection: it survives
+transaction ends and vanishes with the session, so a relay that dies frees its lanes at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from outbox._core.lanes import (
+    KIND_LANE,
+    KIND_LANES,
+    KIND_MEMBER,
+    LockRow,
+    RelayInfo,
+    namespace,
+    ownership_from_locks,
+)
+
+RELAY_LOCKS_READ = sa.text(
+    """
+    SELECT l.pid, l.classid::bigint AS classid, l.objid::bigint AS objid
+    FROM pg_locks l
+    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid::bigint = ANY(:namespaces)
+    """
+)
+RELAY_SESSIONS_READ = sa.text(
+    "SELECT pid, application_name, client_addr::text AS client_addr "
+    "FROM pg_stat_activity WHERE pid = ANY(:pids)"
+)
+RELAY_BACKEND_PID = sa.text("SELECT pg_backend_pid()")
+RELAY_MEMBER_LOCK = sa.text("SELECT pg_advisory_lock(:ns, :pid)")
+RELAY_LANE_COUNT_LOCK = sa.text("SELECT pg_advisory_lock_shared(:ns, :lanes)")
+LANE_TRY_LOCK = sa.text(
+    "SELECT lane FROM unnest(CAST(:lanes AS integer[])) AS lane "
+    "WHERE pg_try_advisory_lock(:ns, lane)"
+)
+LANE_UNLOCK = sa.text(
+    "SELECT pg_advisory_unlock(:ns, lane) FROM unnest(CAST(:lanes AS integer[])) AS lane"
+)
+
+
+def read_locks(connection: sa.Connection, schema: str | None) -> list[LockRow]:
+    """The granted relay advisory locks of ``schema`` in the current database."""
+    namespaces = [namespace(schema, k) for k in (KIND_MEMBER, KIND_LANES, KIND_LANE)]
+    result = connection.execute(RELAY_LOCKS_READ, {"namespaces": namespaces})
+    return [LockRow(int(r.pid), int(r.classid), int(r.objid)) for r in result]
+
+
+def relay_ownership(connection: sa.Connection, schema: str | None) -> list[RelayInfo]:
+    """Live relays of ``schema`` and the lanes each holds (for ``outbox status``)."""
+    owners = ownership_from_locks(read_locks(connection, schema), schema)
+    if not owners:
+        return []
+    rows = connection.execute(RELAY_SESSIONS_READ, {"pids": list(owners)})
+    names = {int(r.pid): (r.application_name or "", r.client_addr) for r in rows}
+    return [
+        RelayInfo(pid, names.get(pid, ("", None))[0], names.get(pid, ("", None))[1], lanes)
+        for pid, lanes in owners.items()
+    ]
+
+
+def register(connection: sa.Connection, schema: str | None, lanes: int) -> int:
+    """Announce this session as a live relay serving ``lanes`` lanes; returns its backend pid."""
+    pid = int(connection.execute(RELAY_BACKEND_PID).scalar_one())
+    connection.execute(RELAY_MEMBER_LOCK, {"ns": namespace(schema, KIND_MEMBER), "pid": pid})
+    connection.execute(RELAY_LANE_COUNT_LOCK, {"ns": namespace(schema, KIND_LANES), "lanes": lanes})
+    return pid
+
+
+def try_acquire(connection: sa.Connection, schema: str | None, lanes: Sequence[int]) -> list[int]:
+    """Try to take each lane in ``lanes`` without waiting; returns those now held."""
+    if not lanes:
+        return []
+    result = connection.execute(
+        LANE_TRY_LOCK, {"lanes": list(lanes), "ns": namespace(schema, KIND_LANE)}
+    )
+    return sorted(int(r.lane) for r in result)
+
+
+def release(connection: sa.Connection, schema: str | None, lanes: Sequence[int]) -> None:
+    """Give lanes back (between batches, never while a claim is open)."""
+    if not lanes:
+        return
+    connection.execute(LANE_UNLOCK, {"lanes": list(lanes), "ns": namespace(schema, KIND_LANE)})

@@ -1,0 +1,228 @@
+"""The relay's PostgreSQL side: its SQL, written once, and the session it runs on.
+
+The claim and the delete run on the driver's cursor (psycopg placeholders; the hot path skips
+SQLAlchemy's result machinery, thousands of rows per batch), the rest through SQLAlchemy. The
+table name is an allow-listed schema, quoted by :func:`outbox._pg.statements.qualified`; values
+always travel as bound parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+
+from outbox._core.delivery import ClaimedRow
+from outbox._core.lanes import APPLICATION_NAME
+from outbox._pg.statements import qualified
+from outbox.schema import OUTBOX, validate_schema_name
+
+# Settings of every relay session (the batch session and the wake-up listener).
+SESSION_SETTINGS: dict[str, Any] = {
+    "application_name": APPLICATION_NAME,
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    # Plan the claim as the short primary-key range walk it is, with hash joins over the
+    # claimed rows. The planner cannot know how many rows a claim takes or where the `skipped`
+    # range ends, so it would otherwise guess a handful of rows (nested loops, quadratic in
+    # --batch-size) or a third of the table (a full scan per claim); those cost estimates also
+    # trigger JIT compilation, hundreds of milliseconds per claim. Server-side keepalives:
+    # PostgreSQL notices a vanished relay host (and frees its lanes) within about 25 s instead
+    # of the kernel's two hours. Only these sessions.
+    "options": "-c jit=off -c enable_seqscan=off -c enable_bitmapscan=off "
+    "-c enable_nestloop=off "
+    "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3",
+}
+
+
+def relay_engine(url: str) -> sa.Engine:
+    """An engine of relay sessions: one connection at a time, no pool to hold it."""
+    return sa.create_engine(
+        url,
+        poolclass=sa.pool.NullPool,
+        # No server-side prepared statements: a generic plan of the claim ignores how few rows
+        # a batch takes and degrades to scans costing seconds; planning costs ~0.5 ms.
+        connect_args={**SESSION_SETTINGS, "prepare_threshold": None},
+    )
+
+
+def listen_connector(engine: sa.Engine) -> Callable[[], Any]:
+    """Opens a plain driver connection with the relay's session settings (the wake-up
+    listener's: it lives outside SQLAlchemy, in autocommit)."""
+
+    def connect() -> Any:
+        cargs, cparams = engine.dialect.create_connect_args(engine.url)
+        return psycopg.connect(*cargs, **{**cparams, **SESSION_SETTINGS})
+
+    return connect
+
+
+def _not_behind_parked(row: str) -> str:
+    """SQL: ``row`` has no parked row of its key before it (``{outbox}`` is formatted later)."""
+    return f"""((SELECT NOT EXISTS (SELECT 1 FROM {{outbox}} WHERE parked_at IS NOT NULL))
+       OR NOT EXISTS (
+          SELECT 1 FROM {{outbox}} p
+          WHERE p.parked_at IS NOT NULL
+            AND p.key_hash = {row}.key_hash AND p.key = {row}.key AND p.id < {row}.id
+          OFFSET 0
+       ))"""
+
+
+# Claim rule (see outbox.relay). Rows of keys blocked by a parked row are never even locked,
+# so a poison key cannot fill every batch. The per-row probe of the small partial index
+# ix_outbox_parked (`OFFSET 0` keeps it a probe instead of a join over the whole table) only
+# runs when some row is parked at all: the uncorrelated `NOT EXISTS` is an InitPlan evaluated
+# once, and PostgreSQL evaluates the arms of an OR in the order written.
+#
+# The second arm returns the *skipped* rows: rows of the owned lanes, inside the id range the
+# claim covered, that the claim did not get. Such a row is locked by another transaction (a
+# relay that still holds it) or waits behind a parked row; either way every later claimed row
+# of its key must wait. The relay drops those rows itself (outbox._core.delivery.drop_blocked):
+# done in SQL, the join on `key` between claim and skipped rows cost more than the claim (a sort
+# or hash of the whole batch on bytea keys), while in Python it is one dict look-up per row and
+# nothing at all in the usual case where no row was skipped. Rows waiting behind a parked row
+# are left out of the skipped rows: their key is never claimed anyway, and a long queue behind a
+# parked row would otherwise travel to the relay with every claim. Both scans walk the primary
+# key over the same short range, so a claim costs the same with 100 or 10 million rows pending.
+#
+# Columns come back in binary (no hex decoding of bytea), the event id already as the bytes of
+# its text form (the value of the X-Idempotency-Key header). `%%` is psycopg's escaped `%`.
+OUTBOX_CLAIM_BATCH = (
+    """
+WITH claim AS (
+    SELECT o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.attempts
+    FROM {outbox} o
+    WHERE o.parked_at IS NULL
+      AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
+      AND """
+    + _not_behind_parked("o")
+    + """
+    ORDER BY o.id
+    LIMIT %(batch_size)s
+    FOR UPDATE OF o SKIP LOCKED
+)
+SELECT c.id, c.attempts, c.topic, c.key, c.value, c.headers::text,
+       convert_to(c.event_id::text, 'UTF8'), false
+FROM claim c
+UNION ALL
+SELECT s.id, 0, NULL, s.key, NULL, NULL, NULL, true
+FROM {outbox} s
+WHERE s.id < (SELECT max(id) FROM claim)
+  AND s.key IS NOT NULL
+  AND s.parked_at IS NULL
+  AND (s.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
+  AND NOT EXISTS (SELECT 1 FROM claim c WHERE c.id = s.id)
+  AND """
+    + _not_behind_parked("s")
+    + """
+"""
+)
+
+# The ids go as one text parameter, an array literal the relay formats itself ("{1,2,3}"): a
+# ",".join of ints is ~20 times cheaper than the driver's per-element array dumper.
+OUTBOX_DELETE_CONFIRMED = "DELETE FROM {outbox} WHERE id = ANY(%s::bigint[])"
+
+OUTBOX_RECORD_FAILURES = """
+UPDATE {outbox} o
+SET attempts = o.attempts + 1,
+    last_error = f.error,
+    parked_at = CASE WHEN f.park THEN now() ELSE NULL END
+FROM unnest(CAST(:ids AS bigint[]), CAST(:errors AS text[]), CAST(:park AS boolean[]))
+     AS f(id, error, park)
+WHERE o.id = f.id
+"""
+
+OUTBOX_STATS = """
+SELECT count(*) FILTER (WHERE parked_at IS NULL) AS backlog,
+       count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,
+       EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE parked_at IS NULL)) AS oldest
+FROM {outbox}
+"""
+
+OUTBOX_STATS_SEQSCAN = sa.text("SET LOCAL enable_seqscan = on")
+
+
+@dataclass(frozen=True)
+class OutboxStatements:
+    """The relay's SQL for one schema: ``claim`` and ``delete`` for the driver's cursor, the
+    rest for SQLAlchemy."""
+
+    claim: str
+    delete: str
+    fail: sa.TextClause
+    stats: sa.TextClause
+
+    @classmethod
+    def for_schema(cls, schema: str | None) -> OutboxStatements:
+        table = qualified(validate_schema_name(schema), OUTBOX)
+        return cls(
+            claim=OUTBOX_CLAIM_BATCH.format(outbox=table),
+            delete=OUTBOX_DELETE_CONFIRMED.format(outbox=table),
+            fail=sa.text(OUTBOX_RECORD_FAILURES.format(outbox=table)),
+            stats=sa.text(OUTBOX_STATS.format(outbox=table)),
+        )
+
+
+def outbox_claim_batch(
+    conn: sa.Connection,
+    sql: OutboxStatements,
+    *,
+    lanes: int,
+    owned: Sequence[int],
+    batch_size: int,
+) -> list[ClaimedRow]:
+    """Claim up to ``batch_size`` rows of the ``owned`` lanes (and report the skipped ones) in a
+    transaction that stays open: the caller deletes or updates the rows and commits."""
+    # Beginning the transaction through SQLAlchemy first keeps its commit() and rollback() in
+    # charge of the work done on the driver's cursor.
+    if not conn.in_transaction():
+        conn.begin()
+    with _driver(conn).cursor(binary=True) as cur:
+        cur.execute(sql.claim, {"lanes": lanes, "owned": list(owned), "batch_size": batch_size})
+        rows: list[ClaimedRow] = cur.fetchall()
+    return rows
+
+
+def outbox_delete_confirmed(conn: sa.Connection, sql: OutboxStatements, ids: Sequence[int]) -> None:
+    """Delete the rows Kafka confirmed (inside the claim's transaction)."""
+    with _driver(conn).cursor() as cur:
+        cur.execute(sql.delete, ("{" + ",".join(map(str, ids)) + "}",))
+
+
+def outbox_record_failures(
+    conn: sa.Connection,
+    sql: OutboxStatements,
+    ids: Sequence[int],
+    errors: Sequence[str],
+    park: Sequence[bool],
+) -> None:
+    """Count one more attempt for each failed row, with its error; park those marked ``park``."""
+    conn.execute(sql.fail, {"ids": list(ids), "errors": list(errors), "park": list(park)})
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """Rows waiting (not parked), parked rows, and the age of the oldest waiting row."""
+
+    backlog: int
+    parked: int
+    oldest_age: float
+
+
+def outbox_stats(conn: sa.Connection, sql: OutboxStatements) -> OutboxStats:
+    """Count the whole outbox (in a transaction the caller commits)."""
+    # A whole-table count: here a sequential scan is the right plan (see SESSION_SETTINGS).
+    conn.execute(OUTBOX_STATS_SEQSCAN)
+    row = conn.execute(sql.stats).one()
+    return OutboxStats(int(row.backlog), int(row.parked), float(row.oldest or 0.0))
+
+
+def _driver(conn: sa.Connection) -> psycopg.Connection[Any]:
+    driver: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
+    return driver
