@@ -70,13 +70,11 @@ from outbox._pg.relay import (
     relay_engine,
 )
 from outbox._pg.wakeup import Listener
-from outbox.config import ENV_RELAY_LANES, RelayConfig as RelayConfig, normalize_database_url
+from outbox.config import RelayConfig as RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError, FatalProducerError, PublishError
 from outbox.metrics import RelayMetrics
 
 log = logging.getLogger("outbox.relay")
-
-ENV_LANES = ENV_RELAY_LANES  # read here by ``outbox status`` (outbox.admin)
 
 
 class RunResult(enum.IntEnum):

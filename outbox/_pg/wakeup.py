@@ -31,6 +31,7 @@ from typing import Any
 import sqlalchemy as sa
 from psycopg import sql
 
+from outbox._core.environment import ENV_WAKEUP_INTERVAL
 from outbox._core.retry import Backoff
 from outbox.schema import validate_schema_name
 
@@ -38,7 +39,7 @@ log = logging.getLogger("outbox.wakeup")
 
 CHANNEL = "outbox_wakeup"
 _RETRY_AFTER = 1.0
-ENV_INTERVAL = "OUTBOX_WAKEUP_INTERVAL"
+ENV_INTERVAL = ENV_WAKEUP_INTERVAL
 DEFAULT_INTERVAL = 0.01
 
 

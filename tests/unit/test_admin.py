@@ -8,9 +8,10 @@ from datetime import UTC, datetime
 import pytest
 from hypothesis import given, strategies as st
 
-from outbox import admin, cli, relay
+from outbox import admin, cli
 from outbox._core import durations as durations_mod, environment
 from outbox.cli import gc as gc_cli
+from outbox.cli._common import FLAGS
 from outbox.config import DEFAULT_CACHE_TTL_SECONDS, OutboxConfig
 from outbox.errors import ConfigurationError
 from outbox.lanes import DEFAULT_LANES, RelayInfo
@@ -126,7 +127,7 @@ def test_defaults_accept_the_default_retention_and_match_outbox_config() -> None
 
 
 def test_status_reads_the_relays_lane_variable() -> None:
-    assert environment.ENV_RELAY_LANES == relay.ENV_LANES
+    assert FLAGS["lanes"].env == environment.ENV_RELAY_LANES
 
 
 def test_choose_lanes_prefers_flag_then_env_then_live_relays_then_default() -> None:
