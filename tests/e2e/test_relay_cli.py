@@ -12,8 +12,8 @@ import uuid
 import sqlalchemy as sa
 
 from outbox import migrate
-from tests._services import free_port, wait_for
-from tests.integration.test_relay_support import (
+from tests.fixtures.common import free_port, wait_for
+from tests.fixtures.relay import (
     REPO,
     insert_rows,
     outbox_count,

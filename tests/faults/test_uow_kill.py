@@ -12,7 +12,7 @@ import time
 import sqlalchemy as sa
 
 import outbox
-from tests._uow import INSERT_ORDER, count, create_orders
+from tests.fixtures.uow import INSERT_ORDER, count, create_orders
 
 CHILD = textwrap.dedent(
     """

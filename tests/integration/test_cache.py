@@ -12,8 +12,10 @@ import sqlalchemy as sa
 import outbox
 from outbox import OutboxConfig
 from outbox.errors import ConfigurationError, PermanentError, PreviouslyFailed
-from tests._services import PrivateRedis, TcpProxy, free_port
-from tests._uow import INSERT_ORDER, count, create_orders, watch
+from tests.fixtures.common import free_port
+from tests.fixtures.proxy import TcpProxy
+from tests.fixtures.redis import PrivateRedis
+from tests.fixtures.uow import INSERT_ORDER, count, create_orders, watch
 
 
 def place(ob: outbox.Outbox, key: str) -> tuple[bool, object]:
@@ -191,7 +193,7 @@ def test_redis_stopped_gives_the_same_outcomes(
         assert ob.cache is not None
         return bool(redis.Redis.from_url(server.url).exists(ob.cache.redis_key("shop", "after")))
 
-    from tests._services import wait_for
+    from tests.fixtures.common import wait_for
 
     wait_for(cached, timeout=10, message="cache resumed after Redis came back")
 

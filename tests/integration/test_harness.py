@@ -11,16 +11,13 @@ import sqlalchemy as sa
 from confluent_kafka import KafkaError, Producer
 
 from outbox import migrate
-from tests._services import (
-    Broker,
-    DatabaseFactory,
-    PrivateRedis,
-    TcpProxy,
-    consume_all,
-    create_topic,
-    delete_keys_matching,
-    free_port,
-)
+from outbox.relay import Relay, RelayConfig
+from tests.fixtures.common import free_port
+from tests.fixtures.kafka import Broker, consume_all, create_topic
+from tests.fixtures.postgres import DatabaseFactory
+from tests.fixtures.proxy import TcpProxy
+from tests.fixtures.redis import PrivateRedis, delete_keys_matching
+from tests.fixtures.relay import check_key_order, insert_rows, outbox_count, wait_for_records
 
 
 def _database_exists(admin_url: str, name: str) -> bool:
@@ -81,7 +78,7 @@ def test_leftovers_of_dead_sessions_are_dropped_and_live_ones_kept(
     import subprocess
     import sys
 
-    from tests._services import DB_PREFIX, HOST_TAG
+    from tests.fixtures.postgres import DB_PREFIX, HOST_TAG
 
     # A pid that certainly belonged to a process that has exited.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -122,6 +119,19 @@ def test_redis_prefix_clean_up_deletes_only_its_keys(redis_url: str, redis_prefi
     finally:
         client.delete(other)
         client.close()
+
+
+def test_relay_helpers_round_trip(engine: sa.Engine, kafka_bootstrap: str) -> None:
+    """The relay helpers: rows inserted here are what the relay and reader agree on."""
+    topic = f"relay-support-{uuid.uuid4().hex[:8]}"
+    ids = insert_rows(engine, topic, [("k", b"v1"), ("k", b"v2"), (None, b"v3")])
+    assert outbox_count(engine) == 3
+    config = RelayConfig(engine.url.render_as_string(hide_password=False), kafka_bootstrap)
+    assert Relay(config).run(once=True) == 0
+    assert outbox_count(engine) == 0
+    records = wait_for_records(kafka_bootstrap, topic, ids)
+    assert sorted(r.value for r in records) == [b"v1", b"v2", b"v3"]
+    check_key_order(records, {b"k": [str(ids[0]), str(ids[1])]})
 
 
 @pytest.mark.slow
@@ -210,7 +220,7 @@ def test_private_broker_behind_proxy_is_cut_off_and_restored(
 def test_tansu_fences_an_idempotent_producer_after_a_delivery_timeout(
     tansu: Callable[..., Broker], tcp_proxy: Callable[..., TcpProxy]
 ) -> None:
-    """Pins the broker behaviour documented in tests/_services.py for the relay's sake."""
+    """Pins the broker behaviour documented in tests/fixtures/kafka.py for the relay's sake."""
     advertised = free_port()
     broker = tansu(advertised_port=advertised)
     proxy = tcp_proxy("127.0.0.1", broker.port, listen_port=advertised)

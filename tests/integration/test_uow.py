@@ -28,7 +28,7 @@ from outbox.errors import (
     SerializationError,
     ValidationError,
 )
-from tests._uow import INSERT_ORDER, count, create_orders, rows, watch
+from tests.fixtures.uow import INSERT_ORDER, count, create_orders, rows, watch
 
 
 class Base(DeclarativeBase):

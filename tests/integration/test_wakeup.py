@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from outbox import Outbox, OutboxConfig, migrate
 from outbox.wakeup import Listener, channel, make_notifier
-from tests._services import free_port, wait_for
+from tests.fixtures.common import free_port, wait_for
 
 
 def _listen(
