@@ -117,6 +117,8 @@ def test_sigterm_stops_a_running_relay_with_exit_0_and_metrics_are_served(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_parked_list_retry_discard(

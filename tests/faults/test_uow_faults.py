@@ -80,6 +80,8 @@ def test_sigkill_mid_body_leaves_nothing_and_frees_the_key(
         if child.poll() is None:
             child.kill()
             child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
     assert count(engine, "orders") == 1
     assert count(engine, "orders", "amount = 2") == 1
     assert count(engine, "outbox") == 0
