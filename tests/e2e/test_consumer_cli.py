@@ -13,7 +13,9 @@ from typing import Any
 import sqlalchemy as sa
 from confluent_kafka import Producer
 
-from tests._services import _die_with_parent, create_topic, free_port, wait_for
+from tests.fixtures.common import free_port, wait_for
+from tests.fixtures.kafka import create_topic
+from tests.fixtures.processes import die_with_parent
 
 OUTBOX_BIN = str(Path(sys.executable).with_name("outbox"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +59,7 @@ def test_consume_serves_metrics_and_exits_0_on_sigterm(
          "--bootstrap-servers", kafka_bootstrap, "--kafka-config", "session.timeout.ms=2000",
          "--kafka-config", "heartbeat.interval.ms=200",
          "--metrics-port", str(port)],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent(),
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(),
     )  # fmt: skip
     log.close()
 

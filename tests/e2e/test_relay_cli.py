@@ -12,8 +12,8 @@ import uuid
 import sqlalchemy as sa
 
 from outbox import migrate
-from tests._services import free_port, wait_for
-from tests.integration.test_relay_support import (
+from tests.fixtures.common import free_port, wait_for
+from tests.fixtures.relay import (
     REPO,
     insert_rows,
     outbox_count,
@@ -117,6 +117,8 @@ def test_sigterm_stops_a_running_relay_with_exit_0_and_metrics_are_served(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_parked_list_retry_discard(

@@ -16,16 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from outbox import Outbox
 from outbox.consumer import ConsumerRunner
-from tests._services import create_topic, wait_for
-from tests.integration.test_consumer import (
-    KAFKA,
-    Running,
-    committed,
-    keyed,
-    metric,
-    produce,
-    read_topic,
-)
+from tests.fixtures.common import wait_for
+from tests.fixtures.consumer import KAFKA, Running, committed, keyed, metric, produce, read_topic
+from tests.fixtures.kafka import create_topic
 
 COUNT = 40
 

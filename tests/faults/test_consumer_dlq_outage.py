@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, PermanentError
 from outbox.consumer import ConsumerRunner
-from tests._services import create_topic, free_port, wait_for
-from tests.integration.test_consumer import KAFKA, Running, committed, read_topic
+from tests.fixtures.common import free_port, wait_for
+from tests.fixtures.consumer import KAFKA, Running, committed, read_topic
+from tests.fixtures.kafka import create_topic
 
 
 def test_dead_letter_waits_for_the_broker_and_is_written_once(

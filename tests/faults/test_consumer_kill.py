@@ -25,8 +25,10 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from outbox import PermanentError
 from outbox.dlq import DeadLetterInfo
-from tests._services import _die_with_parent, create_topic, wait_for
-from tests.integration.test_consumer import KAFKA, read_topic
+from tests.fixtures.common import wait_for
+from tests.fixtures.consumer import KAFKA, read_topic
+from tests.fixtures.kafka import create_topic
+from tests.fixtures.processes import die_with_parent
 
 PARTITIONS = 6
 TOTAL = 5000
@@ -115,7 +117,7 @@ class Fleet:
         log = (self.workdir / f"consumer-{slot}-{self.started}.log").open("wb")
         self.procs[slot] = subprocess.Popen(
             self.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(),
+            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(),
         )  # fmt: skip
         log.close()
 

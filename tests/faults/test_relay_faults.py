@@ -16,8 +16,10 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import lanes
-from tests._services import Broker, TcpProxy, free_port, wait_for
-from tests.integration.test_relay_support import (
+from tests.fixtures.common import free_port, wait_for
+from tests.fixtures.kafka import Broker
+from tests.fixtures.proxy import TcpProxy
+from tests.fixtures.relay import (
     check_key_order,
     insert_rows,
     outbox_count,

@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from outbox import Outbox, PermanentError, admin, cli, lanes, migrate
 from outbox._core import environment
 from outbox.relay import RelayConfig
-from tests._services import wait_for
-from tests.integration.test_relay_support import RelayThread, insert_rows, outbox_count
+from tests.fixtures.common import wait_for
+from tests.fixtures.relay import RelayThread, insert_rows, outbox_count
 
 DAY = 86400.0
 

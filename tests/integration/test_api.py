@@ -9,7 +9,7 @@ import sqlalchemy as sa
 
 import outbox
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError
-from tests._uow import INSERT_ORDER, count, create_orders
+from tests.fixtures.uow import INSERT_ORDER, count, create_orders
 
 
 @pytest.fixture

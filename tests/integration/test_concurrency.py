@@ -13,7 +13,7 @@ import sqlalchemy as sa
 import outbox
 from outbox import OutboxConfig
 from outbox.errors import KeyInProgress
-from tests._uow import INSERT_ORDER, create_orders, rows
+from tests.fixtures.uow import INSERT_ORDER, create_orders, rows
 
 THREADS = 16
 SHARED_KEYS = 40

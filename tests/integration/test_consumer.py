@@ -6,7 +6,6 @@ import datetime
 import hashlib
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -15,25 +14,23 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    Message,
-    Producer,
-    TopicPartition,
-)
 from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, OutboxConfig, PermanentError
 from outbox.consumer import ConsumerRunner, serve_metrics
 from outbox.dlq import HEADER_REASON, DeadLetterInfo
-from tests._services import create_topic, wait_for
-
-# Tansu forms a group in about session.timeout.ms / 2 and rebalances in about session.timeout.ms
-# (tests/_services.py): a short session keeps every group change in these tests near a second.
-# Heartbeats come from librdkafka's own thread, so a busy handler does not lose the session.
-KAFKA = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 200}
+from tests.fixtures.common import wait_for
+from tests.fixtures.consumer import (
+    KAFKA,
+    Running,
+    committed,
+    keyed,
+    metric,
+    produce,
+    read_topic,
+    rows,
+)
+from tests.fixtures.kafka import create_topic
 
 
 class Boom(Exception):
@@ -65,55 +62,6 @@ def outbox(database_url: str, redis_url: str, redis_prefix: str) -> Iterator[Out
         ob.close()
 
 
-def produce(bootstrap: str, topic: str, records: list[dict[str, Any]]) -> None:
-    """Produce ``records`` (key, value, headers, partition) and wait for every confirmation."""
-    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
-    errors: list[Any] = []
-    for rec in records:
-        kwargs: dict[str, Any] = {}
-        if rec.get("partition") is not None:
-            kwargs["partition"] = rec["partition"]
-        producer.produce(
-            topic,
-            value=rec["value"],
-            key=rec.get("key"),
-            headers=rec.get("headers"),
-            on_delivery=lambda err, _msg: errors.append(err) if err else None,
-            **kwargs,
-        )
-    assert producer.flush(30) == 0
-    assert errors == []
-
-
-def keyed(key: str | None, value: str, partition: int | None = None) -> dict[str, Any]:
-    headers = [("X-Idempotency-Key", key.encode())] if key is not None else []
-    return {"value": value.encode(), "headers": headers, "partition": partition}
-
-
-class Running:
-    """A runner on a thread; errors raised by run() are re-raised by stop()."""
-
-    def __init__(self, runner: ConsumerRunner, registry: CollectorRegistry) -> None:
-        self.runner = runner
-        self.registry = registry
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.runner.run()
-        except BaseException as exc:
-            self.error = exc
-
-    def stop(self) -> None:
-        self.runner.stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "runner did not stop within 30s"
-        if self.error is not None:
-            raise self.error
-
-
 @pytest.fixture
 def start(kafka_bootstrap: str) -> Iterator[Callable[..., Running]]:
     running: list[Running] = []
@@ -138,71 +86,12 @@ def start(kafka_bootstrap: str) -> Iterator[Callable[..., Running]]:
             r.thread.join(30)
 
 
-def rows(engine: sa.Engine) -> list[tuple[str, str]]:
-    with engine.connect() as conn:
-        return [(r[0], r[1]) for r in conn.execute(sa.text("SELECT key, value FROM effects"))]
-
-
-def read_topic(bootstrap: str, topic: str, at_least: int, timeout: float = 30) -> list[Message]:
-    """Every record of ``topic``, read by assigning its partitions (no group to wait for).
-
-    Returns once ``at_least`` records came and every partition reported its end, after one more
-    poll that would still catch a late copy (a duplicated dead letter, say).
-    """
-    consumer = Consumer({
-        "bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",
-        "enable.auto.commit": False, "enable.partition.eof": True,
-    })  # fmt: skip
-    records: list[Message] = []
-
-    def drain(wait: float, at_end: set[int]) -> int:
-        batch = consumer.consume(1000, wait)
-        for msg in batch:
-            err = msg.error()
-            if err is None:
-                records.append(msg)
-                at_end.discard(msg.partition() or 0)
-            elif err.code() == KafkaError._PARTITION_EOF:
-                at_end.add(msg.partition() or 0)
-            else:
-                raise RuntimeError(f"reading {topic}: {err}")
-        return sum(1 for m in batch if m.error() is None)
-
-    try:
-        partitions = set(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-        at_end: set[int] = set()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            drain(0.2, at_end)
-            if len(records) >= at_least and at_end == partitions and drain(0.5, at_end) == 0:
-                return records
-    finally:
-        consumer.close()
-    raise TimeoutError(f"read {len(records)} of at least {at_least} records from {topic}")
-
-
-def committed(bootstrap: str, group: str, topic: str, partitions: int = 2) -> list[int]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
-    try:
-        tps = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
-        return [tp.offset for tp in tps]
-    finally:
-        consumer.close()
-
-
 def end_offsets(records: list[dict[str, Any]], partitions: int = 2) -> list[int]:
     """Offsets after the last of ``records`` (produced to explicit partitions of a new topic).
 
     Counted rather than asked of the broker: Tansu's high watermarks are not reliable.
     """
     return [sum(1 for r in records if r["partition"] == p) for p in range(partitions)]
-
-
-def metric(running: Running, name: str, **labels: str) -> float:
-    labels["group"] = running.runner.config.group
-    value = running.registry.get_sample_value(name, labels)
-    return float(value or 0.0)
 
 
 def test_duplicates_apply_once_and_offsets_follow(

@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from outbox import Outbox
 from outbox.consumer import ConsumerRunner
-from tests._services import create_topic, wait_for
-from tests.integration.test_consumer import KAFKA, Running, committed, rows
+from tests.fixtures.common import wait_for
+from tests.fixtures.consumer import KAFKA, Running, committed, rows
+from tests.fixtures.kafka import create_topic
 
 PARTITIONS = 4
 COUNT = 2000

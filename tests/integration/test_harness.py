@@ -1,9 +1,9 @@
-"""The test harness against the real services: database isolation, Redis clean-up, broker."""
+"""The test harness against the real services: database isolation, Redis clean-up, broker, and
+the relay helpers."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 
 import pytest
 import redis
@@ -11,16 +11,11 @@ import sqlalchemy as sa
 from confluent_kafka import KafkaError, Producer
 
 from outbox import migrate
-from tests._services import (
-    Broker,
-    DatabaseFactory,
-    PrivateRedis,
-    TcpProxy,
-    consume_all,
-    create_topic,
-    delete_keys_matching,
-    free_port,
-)
+from outbox.relay import Relay, RelayConfig
+from tests.fixtures.kafka import consume_all, create_topic
+from tests.fixtures.postgres import DatabaseFactory
+from tests.fixtures.redis import delete_keys_matching
+from tests.fixtures.relay import check_key_order, insert_rows, outbox_count, wait_for_records
 
 
 def _database_exists(admin_url: str, name: str) -> bool:
@@ -81,7 +76,7 @@ def test_leftovers_of_dead_sessions_are_dropped_and_live_ones_kept(
     import subprocess
     import sys
 
-    from tests._services import DB_PREFIX, HOST_TAG
+    from tests.fixtures.postgres import DB_PREFIX, HOST_TAG
 
     # A pid that certainly belonged to a process that has exited.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -124,6 +119,19 @@ def test_redis_prefix_clean_up_deletes_only_its_keys(redis_url: str, redis_prefi
         client.close()
 
 
+def test_relay_helpers_round_trip(engine: sa.Engine, kafka_bootstrap: str) -> None:
+    """The relay helpers: rows inserted here are what the relay and reader agree on."""
+    topic = f"relay-support-{uuid.uuid4().hex[:8]}"
+    ids = insert_rows(engine, topic, [("k", b"v1"), ("k", b"v2"), (None, b"v3")])
+    assert outbox_count(engine) == 3
+    config = RelayConfig(engine.url.render_as_string(hide_password=False), kafka_bootstrap)
+    assert Relay(config).run(once=True) == 0
+    assert outbox_count(engine) == 0
+    records = wait_for_records(kafka_bootstrap, topic, ids)
+    assert sorted(r.value for r in records) == [b"v1", b"v2", b"v3"]
+    check_key_order(records, {b"k": [str(ids[0]), str(ids[1])]})
+
+
 @pytest.mark.slow
 def test_create_topic_and_consume_all_round_trip_headers(kafka_bootstrap: str) -> None:
     topic = f"harness-{uuid.uuid4().hex[:8]}"
@@ -154,103 +162,3 @@ def test_create_topic_and_consume_all_round_trip_headers(kafka_bootstrap: str) -
     assert by_value[b"v7"].headers() == [("X-Idempotency-Key", b"e7"), ("bin", b"\x00\xff")]
     with pytest.raises(TimeoutError, match="consumed 30 of 31"):
         consume_all(kafka_bootstrap, topic, 31, timeout=8)
-
-
-def _send_one(producer: Producer, topic: str, value: bytes) -> KafkaError | None:
-    """Produce one record, wait for its delivery report and return its error (None: stored)."""
-    outcomes: list[KafkaError | None] = []
-    producer.produce(topic, value, on_delivery=lambda err, _msg: outcomes.append(err))
-    producer.flush(15)
-    assert len(outcomes) == 1, "no delivery report within 15 s"
-    return outcomes[0]
-
-
-def _idempotent_producer(bootstrap: str) -> Producer:
-    return Producer(
-        {
-            "bootstrap.servers": bootstrap,
-            "enable.idempotence": True,
-            "acks": "all",
-            "message.timeout.ms": 2000,
-            "reconnect.backoff.max.ms": 200,
-        }
-    )
-
-
-@pytest.mark.slow
-def test_private_broker_behind_proxy_is_cut_off_and_restored(
-    tansu: Callable[..., Broker], tcp_proxy: Callable[..., TcpProxy]
-) -> None:
-    advertised = free_port()
-    broker = tansu(advertised_port=advertised)
-    proxy = tcp_proxy("127.0.0.1", broker.port, listen_port=advertised)
-    assert broker.bootstrap == f"127.0.0.1:{advertised}"
-    topic = f"proxied-{uuid.uuid4().hex[:8]}"
-    create_topic(broker.bootstrap, topic)
-
-    producer = _idempotent_producer(broker.bootstrap)
-    assert _send_one(producer, topic, b"before") is None
-    assert proxy.accepted >= 1
-
-    proxy.cut()
-    err = _send_one(producer, topic, b"during")
-    assert err is not None and err.code() == KafkaError._MSG_TIMED_OUT
-
-    proxy.restore()
-    # A fresh producer: Tansu fences the old one after its timeout (next test).
-    assert _send_one(_idempotent_producer(broker.bootstrap), topic, b"after") is None
-    values = [m.value() for m in consume_all(broker.bootstrap, topic, 2, timeout=30)]
-    assert values == [b"before", b"after"]
-
-    broker.kill()
-    assert not broker.running
-
-
-@pytest.mark.slow
-def test_tansu_fences_an_idempotent_producer_after_a_delivery_timeout(
-    tansu: Callable[..., Broker], tcp_proxy: Callable[..., TcpProxy]
-) -> None:
-    """Pins the broker behaviour documented in tests/_services.py for the relay's sake."""
-    advertised = free_port()
-    broker = tansu(advertised_port=advertised)
-    proxy = tcp_proxy("127.0.0.1", broker.port, listen_port=advertised)
-    topic = f"fenced-{uuid.uuid4().hex[:8]}"
-    create_topic(broker.bootstrap, topic)
-    producer = _idempotent_producer(broker.bootstrap)
-
-    # A stall shorter than message.timeout.ms is survived without an error.
-    assert _send_one(producer, topic, b"one") is None
-    proxy.stall()
-    producer.produce(topic, b"two")
-    proxy.restore()
-    assert producer.flush(15) == 0
-
-    proxy.cut()
-    timed_out = _send_one(producer, topic, b"lost")
-    assert timed_out is not None and timed_out.code() == KafkaError._MSG_TIMED_OUT
-    proxy.restore()
-
-    fenced = _send_one(producer, topic, b"refused")
-    assert fenced is not None and fenced.code() == KafkaError.PRODUCER_FENCED
-    assert not fenced.fatal() and not fenced.retriable()
-    assert _send_one(_idempotent_producer(broker.bootstrap), topic, b"three") is None
-    values = [m.value() for m in consume_all(broker.bootstrap, topic, 3, timeout=30)]
-    assert values == [b"one", b"two", b"three"]
-
-
-def test_private_redis_really_stops_and_starts(
-    private_redis: Callable[..., PrivateRedis],
-) -> None:
-    server = private_redis()
-    client = redis.Redis.from_url(server.url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    try:
-        client.set("k", "v")
-        server.shutdown()
-        assert not server.running
-        with pytest.raises(redis.ConnectionError):
-            client.ping()
-        server.start()
-        assert client.ping() is True
-        assert client.get("k") is None  # nothing persisted across the restart
-    finally:
-        client.close()

@@ -12,8 +12,8 @@ import sqlalchemy as sa
 from outbox import Outbox, lanes as lanes_mod
 from outbox.parked import discard_parked, list_parked, retry_parked
 from outbox.relay import Relay, RelayConfig
-from tests._services import wait_for
-from tests.integration.test_relay_support import (
+from tests.fixtures.common import wait_for
+from tests.fixtures.relay import (
     RelayThread,
     check_key_order,
     insert_rows,

@@ -7,7 +7,6 @@ import json
 import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -28,7 +27,7 @@ from outbox.errors import (
     SerializationError,
     ValidationError,
 )
-from tests._uow import INSERT_ORDER, count, create_orders, rows, watch
+from tests.fixtures.uow import INSERT_ORDER, count, create_orders, rows, watch
 
 
 class Base(DeclarativeBase):
@@ -598,27 +597,3 @@ def test_permanent_error_after_a_failed_statement_is_still_recorded(ob_pg: outbo
     assert count(ob_pg.engine, "orders") == 0
     (row,) = rows(ob_pg.engine, "SELECT status, error FROM idempotency_keys")
     assert (row.status, row.error) == ("failed", "PermanentError: division failed")
-
-
-def test_connection_lost_in_the_body_surfaces_as_the_drivers_error(
-    database_url: str, tcp_proxy: Any
-) -> None:
-    """A connection that dies mid-body raises the driver's own error (marked as a lost
-    connection), not a follow-up error from the cleanup; the key stays free and the next
-    attempt, on a fresh connection, commits."""
-    url = sa.make_url(database_url)
-    proxy = tcp_proxy(url.host or "127.0.0.1", url.port or 5432)
-    ob = outbox.Outbox(url.set(port=proxy.port).render_as_string(hide_password=False))
-    try:
-        with pytest.raises(sa.exc.OperationalError) as info, ob.unit_of_work("lost-1") as uow:
-            proxy.cut()
-            uow.connection.execute(sa.text("SELECT 1"))
-        assert info.value.connection_invalidated
-        proxy.restore()
-        with ob.unit_of_work("lost-1") as uow:
-            assert not uow.replayed
-            uow.result = "done"
-        with ob.unit_of_work("lost-1") as uow:
-            assert uow.replayed and uow.result == "done"
-    finally:
-        ob.close()

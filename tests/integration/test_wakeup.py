@@ -1,9 +1,8 @@
-"""The after-commit wake-up signal: delivered to a listener, folded under load, harmless when
-the database is unreachable."""
+"""The after-commit wake-up signal: delivered to a listener, folded under load. (Harmless when
+the database hangs or is gone: tests/faults/test_wakeup_faults.py.)"""
 
 from __future__ import annotations
 
-import socket
 import threading
 from typing import Any
 
@@ -12,7 +11,7 @@ import sqlalchemy as sa
 
 from outbox import Outbox, OutboxConfig, migrate
 from outbox._pg.wakeup import Listener, channel, make_notifier
-from tests._services import free_port, wait_for
+from tests.fixtures.common import wait_for
 
 
 def _listen(
@@ -84,28 +83,3 @@ def test_a_burst_of_commits_is_folded_into_few_notifications(engine: sa.Engine) 
         stop.set()
         listener.join(5)
     assert channel("billing") == "outbox_wakeup__billing" and channel(None) == "outbox_wakeup"
-
-
-def test_notifier_never_blocks_or_raises_when_the_database_hangs_or_is_gone() -> None:
-    # A "database" that accepts connections and never answers: the background send hangs in
-    # its connect, and the callers must not notice.
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(16)
-    hanging = sa.create_engine(
-        f"postgresql+psycopg://postgres@127.0.0.1:{hole.getsockname()[1]}/none",
-        connect_args={"connect_timeout": 30},
-    )
-    gone = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/none")
-    try:
-        for engine in (hanging, gone):
-            notify = make_notifier(engine, None, None)
-            caller = threading.Thread(target=lambda n=notify: [n() for _ in range(1000)])
-            caller.start()
-            caller.join(10)
-            assert not caller.is_alive(), "notify() blocked its caller"
-            assert notify.sent == 0  # type: ignore[attr-defined]
-    finally:
-        hole.close()
-        hanging.dispose()
-        gone.dispose()

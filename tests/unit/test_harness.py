@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._services import TcpProxy, free_port, in_ci, wait_for
+from tests.fixtures.common import free_port, in_ci, wait_for
+from tests.fixtures.proxy import TcpProxy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

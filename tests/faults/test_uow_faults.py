@@ -1,4 +1,5 @@
-"""SIGKILL in the middle of a unit of work: nothing remains, the key is free at once."""
+"""The unit of work under faults: SIGKILLed mid-body, nothing remains and the key is free at once;
+its connection cut mid-body, the driver's own error surfaces and the key stays free."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 import outbox
-from tests._uow import INSERT_ORDER, count, create_orders
+from tests.fixtures.uow import INSERT_ORDER, count, create_orders
 
 CHILD = textwrap.dedent(
     """
@@ -77,7 +80,33 @@ def test_sigkill_mid_body_leaves_nothing_and_frees_the_key(
         if child.poll() is None:
             child.kill()
             child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
     assert count(engine, "orders") == 1
     assert count(engine, "orders", "amount = 2") == 1
     assert count(engine, "outbox") == 0
     assert count(engine, "idempotency_keys", "result = '{\"second\": true}'::jsonb") == 1
+
+
+def test_connection_lost_in_the_body_surfaces_as_the_drivers_error(
+    database_url: str, tcp_proxy: Any
+) -> None:
+    """A connection that dies mid-body raises the driver's own error (marked as a lost
+    connection), not a follow-up error from the cleanup; the key stays free and the next
+    attempt, on a fresh connection, commits."""
+    url = sa.make_url(database_url)
+    proxy = tcp_proxy(url.host or "127.0.0.1", url.port or 5432)
+    ob = outbox.Outbox(url.set(port=proxy.port).render_as_string(hide_password=False))
+    try:
+        with pytest.raises(sa.exc.OperationalError) as info, ob.unit_of_work("lost-1") as uow:
+            proxy.cut()
+            uow.connection.execute(sa.text("SELECT 1"))
+        assert info.value.connection_invalidated
+        proxy.restore()
+        with ob.unit_of_work("lost-1") as uow:
+            assert not uow.replayed
+            uow.result = "done"
+        with ob.unit_of_work("lost-1") as uow:
+            assert uow.replayed and uow.result == "done"
+    finally:
+        ob.close()
