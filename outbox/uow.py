@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 
 from outbox._core import codec as _codec
 from outbox._core import validate as _validate
+from outbox._core.failures import is_permanent
 from outbox._pg.errors import unique_violation_of
 from outbox._pg.statements import Statements, idempotency_key_complete, statements
 from outbox._pg.transaction import Transaction, install_guard
@@ -51,7 +52,6 @@ from outbox.errors import (
     ConfigurationError,
     KeyInProgress,
     KeyReuseError,
-    PermanentError,
     PreviouslyFailed,
     ReplayedWriteError,
 )
@@ -430,9 +430,7 @@ class Outbox:
             self._notify()
 
     def _abort(self, uow: UnitOfWork, exc: BaseException) -> None:
-        permanent = isinstance(exc, PermanentError) or bool(
-            self.config.permanent_errors and isinstance(exc, self.config.permanent_errors)
-        )
+        permanent = is_permanent(exc, self.config.permanent_errors)
         tx = uow._tx
         if not permanent or tx is None:
             _close(uow)  # rolls back the business writes and the outbox rows
