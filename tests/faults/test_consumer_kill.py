@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from outbox import PermanentError
-from outbox.dlq import DeadLetterInfo
+from outbox.consumer import DeadLetterInfo
 from tests._services import _die_with_parent, create_topic, wait_for
 from tests.integration.test_consumer import KAFKA, read_topic
 

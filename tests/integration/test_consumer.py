@@ -26,8 +26,8 @@ from confluent_kafka import (
 from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, OutboxConfig, PermanentError
+from outbox._core.deadletter import HEADER_REASON, DeadLetterInfo
 from outbox.consumer import ConsumerRunner, serve_metrics
-from outbox.dlq import HEADER_REASON, DeadLetterInfo
 from tests._services import create_topic, wait_for
 
 # Tansu forms a group in about session.timeout.ms / 2 and rebalances in about session.timeout.ms
