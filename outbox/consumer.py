@@ -56,7 +56,6 @@ from outbox.errors import (
     ConsumerError,
     DeadLetterError,
     SerializationError,
-    ValidationError,
 )
 
 if TYPE_CHECKING:
@@ -104,7 +103,8 @@ class ConsumerRunner:
     ``ConsumerRunner(outbox, handler, topics=[...], group="billing", bootstrap_servers=...,
     kafka_config={...}, key_header=..., max_attempts=5, dlq_topic_suffix=".dlq", ...)`` takes
     the fields of :class:`ConsumerConfig` as keywords (or a ready ``config=``). ``key_func``
-    replaces the header lookup; ``fingerprint_func`` adds a request fingerprint to each key.
+    replaces the header lookup; ``fingerprint_func`` adds a request fingerprint to each key;
+    ``metrics_registry`` receives the metrics (default: the global registry).
 
     :meth:`run` blocks until :meth:`stop` is called (from a signal handler or another thread),
     then finishes the message in hand, commits and returns. One runner is one Kafka consumer;
@@ -135,8 +135,8 @@ class ConsumerRunner:
         self._fingerprint_func = fingerprint_func
         self._scope = config.effective_scope
         self._permanent_errors = outbox.config.permanent_errors
-        self._metrics = ConsumerMetrics.for_registry(metrics_registry)
         self.metrics_registry = metrics_registry
+        self._metrics = ConsumerMetrics.for_registry(metrics_registry)
         self._stopping = threading.Event()
         self._partitions: Assignment[Message] = Assignment()
         self._consumer: KafkaConsumer | None = None
@@ -167,6 +167,8 @@ class ConsumerRunner:
             )
             self._dlq = DeadLetterProducer(
                 producer_config(bootstrap, self.config.kafka_config, purpose="dead-letter"),
+                group=self.config.group,
+                suffix=self.config.dlq_topic_suffix,
                 timeout=self.config.dlq_timeout,
             )
             self._consumer.subscribe(
@@ -247,13 +249,9 @@ class ConsumerRunner:
         log.warning("lost %s without a commit (session timed out?)", _describe(partitions))
 
     def _forget(self, partitions: list[TP]) -> None:
-        paused = self._partitions.forget(partitions)
-        if paused and self._consumer is not None:
-            # A pause outlives the assignment in some client versions; never carry it over.
-            try:
-                self._consumer.resume(paused)
-            except ConsumerError as exc:
-                log.debug("resume of revoked partitions failed: %s", exc)
+        self._partitions.forget(partitions)
+        if self._consumer is not None:
+            self._consumer.release(partitions)
 
     def _on_commit(self, error: str | None, committed: list[Committed]) -> None:
         if error is not None:
@@ -303,21 +301,11 @@ class ConsumerRunner:
         state.backlog.append(message)
         self._metrics.consumed.labels(self.config.group, topic).inc()
 
-    def _pause(self, key: TP, state: Partition[Message]) -> None:
-        if not state.paused and self._consumer is not None:
-            # Pausing stops fetching and drops prefetched records; resume() continues after the
-            # last message handed to us, which is the tail of the backlog: nothing is skipped.
-            self._consumer.pause([key])
-            state.paused = True
-
-    def _resume(self, key: TP, state: Partition[Message]) -> None:
-        if state.paused and self._consumer is not None:
-            self._consumer.resume([key])
-            state.paused = False
-
     # -- the work ------------------------------------------------------------------------------
 
     def _work(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
         for key, state in self._partitions.items():
             while state.backlog and not self._stopping.is_set():
                 if key not in self._partitions:
@@ -329,7 +317,8 @@ class ConsumerRunner:
                 self._heartbeat = now
                 outcome = self._attempt(message, state)
                 if outcome is Outcome.RETRY:
-                    self._pause(key, state)
+                    # Its partition waits; the backlog keeps what was received after it.
+                    consumer.pause(key)
                     break
                 state.finish(coordinates(message)[2])
                 if outcome is Outcome.DEAD_LETTERED:
@@ -338,24 +327,16 @@ class ConsumerRunner:
             if key not in self._partitions:
                 continue  # revoked while a dead-letter commit served a rebalance
             if not state.backlog:
-                self._resume(key, state)
+                consumer.resume(key)
 
     def _attempt(self, message: Message, state: Partition[Message]) -> Outcome:
-        topic = message.topic()
         started = time.perf_counter()
+        outcome = None
         try:
             outcome = self._apply(message, state)
         finally:
-            self._metrics.duration.labels(self.config.group, topic).observe(
-                time.perf_counter() - started
-            )
-        labels = (self.config.group, topic)
-        if outcome is Outcome.PROCESSED:
-            self._metrics.processed.labels(*labels).inc()
-        elif outcome is Outcome.REPLAYED:
-            self._metrics.replayed.labels(*labels, "completed").inc()
-        elif outcome is Outcome.PREVIOUSLY_FAILED:
-            self._metrics.replayed.labels(*labels, "failed").inc()
+            seconds = time.perf_counter() - started
+            self._metrics.attempted(self.config.group, coordinates(message)[0], outcome, seconds)
         return outcome
 
     def _apply(self, message: Message, state: Partition[Message]) -> Outcome:
@@ -389,7 +370,7 @@ class ConsumerRunner:
                         sent = True
                         raise
                     _store_result(uow, result)
-        except (_Unconfirmed, _Refused) as exc:
+        except _Carried as exc:
             return self._dispose(message, state, exc.error, key=key)
         except Exception as exc:
             return self._dispose(message, state, exc, key=key, dead_lettered=sent)
@@ -492,27 +473,23 @@ class ConsumerRunner:
     ) -> None:
         letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, exc, state.attempts + 1)
         self._metrics.failed.labels(self.config.group, message.topic(), Failure.PERMANENT).inc()
+        assert self._dlq is not None
         try:
-            self._produce_dead_letter(message, letter)
+            self._dlq.send_message(message, letter)
         except DeadLetterError as unconfirmed:
-            raise _Unconfirmed(unconfirmed) from unconfirmed
+            raise _Carried(unconfirmed) from unconfirmed
 
     def _send_dead_letter(
         self, message: Message, state: Partition[Message], letter: DeadLetter
     ) -> Outcome:
+        assert self._dlq is not None
         try:
-            self._produce_dead_letter(message, letter)
+            self._dlq.send_message(message, letter)
         except DeadLetterError as exc:
             return self._dispose(message, state, exc)
         self._count_dead_letter(message, letter.reason)
         log.warning("dead-lettered %s (%s): %s", _where(message), letter.reason, letter.error)
         return Outcome.DEAD_LETTERED
-
-    def _produce_dead_letter(self, message: Message, letter: DeadLetter) -> None:
-        assert self._dlq is not None
-        self._dlq.send_message(
-            message, letter, group=self.config.group, suffix=self.config.dlq_topic_suffix
-        )
 
     def _count_dead_letter(self, message: Message, reason: Reason) -> None:
         self._metrics.dead_lettered.labels(self.config.group, message.topic(), reason).inc()
@@ -539,38 +516,25 @@ class _MissingKey(Exception):
     """Stands for the error of a message that carries no idempotency key."""
 
 
-class _Refused(BaseException):
-    """Carries a refused handler result out of a unit of work (rolled back, not recorded).
+class _Carried(BaseException):
+    """Carries ``error`` out of a unit of work, which rolls back without recording the key as
+    failed: a handler result the key cannot store, or a dead letter the broker did not confirm.
 
-    A BaseException for the same reason as :class:`_Unconfirmed`: the message is dead-lettered
-    as ``invalid-input`` whatever ``OutboxConfig.permanent_errors`` holds.
+    A BaseException, so that no ``OutboxConfig.permanent_errors`` entry (even ``Exception``) can
+    make the unit of work record a failure for such a message.
     """
 
-    def __init__(self, error: ValidationError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-class _Unconfirmed(BaseException):
-    """Carries a failed dead letter out of a unit of work without recording the key as failed.
-
-    A BaseException, so that no ``OutboxConfig.permanent_errors`` entry (even ``Exception``)
-    can make the unit of work record a failure for a message whose dead letter is not durable.
-    """
-
-    def __init__(self, error: DeadLetterError) -> None:
+    def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
 
 
 def _store_result(uow: UnitOfWork, result: Any) -> None:
-    """Store the handler's ``result`` with the key, or raise :class:`_Refused` (rolled back)."""
+    """Store the handler's ``result`` with the key, or raise :class:`_Carried` (rolled back)."""
     try:
         uow.result = result
     except SerializationError as exc:
-        # Leaves the unit of work as a BaseException: rolled back, and never recorded as failed
-        # by an OutboxConfig.permanent_errors entry.
-        raise _Refused(
+        raise _Carried(
             SerializationError(
                 f"the handler's return value cannot be stored as the key's result ({exc}); "
                 "return JSON-compatible data (dict, list, str, number, bool or None)"

@@ -12,6 +12,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
+from outbox._core.disposition import Outcome
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -66,6 +68,16 @@ class ConsumerMetrics:
             labels, registry=registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
         )  # fmt: skip
+
+    def attempted(self, group: str, topic: str, outcome: Outcome | None, seconds: float) -> None:
+        """One attempt at a message took ``seconds`` and came to ``outcome`` (None: it raised)."""
+        self.duration.labels(group, topic).observe(seconds)
+        if outcome is Outcome.PROCESSED:
+            self.processed.labels(group, topic).inc()
+        elif outcome is Outcome.REPLAYED:
+            self.replayed.labels(group, topic, "completed").inc()
+        elif outcome is Outcome.PREVIOUSLY_FAILED:
+            self.replayed.labels(group, topic, "failed").inc()
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry | None) -> ConsumerMetrics:

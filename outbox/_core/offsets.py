@@ -38,7 +38,6 @@ class Partition(Generic[M]):
     attempts: int = 0
     waits: int = 0
     retry_at: float = 0.0
-    paused: bool = False
     dead_letter: DeadLetter | None = None
 
     def finish(self, offset: int) -> None:
@@ -71,14 +70,10 @@ class Assignment(Generic[M]):
         for tp in tps:
             self._partitions.setdefault(tp, Partition())
 
-    def forget(self, tps: Iterable[TP]) -> list[TP]:
-        """Drop ``tps`` with what they held; returns those that were paused (to resume)."""
-        paused = []
+    def forget(self, tps: Iterable[TP]) -> None:
+        """Drop ``tps`` with the messages they held (revoked or lost)."""
         for tp in tps:
-            state = self._partitions.pop(tp, None)
-            if state is not None and state.paused:
-                paused.append(tp)
-        return paused
+            self._partitions.pop(tp, None)
 
     def clear(self) -> None:
         self._partitions.clear()

@@ -117,6 +117,7 @@ class KafkaConsumer:
             self._consumer = Consumer({**config, "error_cb": error_cb, "on_commit": on_commit_cb})
         except KafkaException as exc:
             raise refused(exc, config) from exc
+        self._paused: set[TP] = set()
 
     def subscribe(
         self,
@@ -175,17 +176,40 @@ class KafkaConsumer:
             raise ConsumerError(str(exc)) from exc
         return []
 
-    def pause(self, partitions: Iterable[TP]) -> None:
-        """Stop fetching ``partitions``; prefetched records are dropped (resume refetches them)."""
-        try:
-            self._consumer.pause([TopicPartition(*tp) for tp in partitions])
-        except KafkaException as exc:
-            raise ConsumerError(str(exc)) from exc
+    def pause(self, tp: TP) -> None:
+        """Stop fetching ``tp`` (if not paused already).
 
-    def resume(self, partitions: Iterable[TP]) -> None:
-        """Fetch ``partitions`` again, after the last record handed out."""
+        Pausing drops prefetched records; :meth:`resume` continues after the last record handed
+        out, so a caller that keeps what it received skips nothing.
+        """
+        if tp not in self._paused:
+            self._call(self._consumer.pause, [tp])
+            self._paused.add(tp)
+
+    def resume(self, tp: TP) -> None:
+        """Fetch ``tp`` again (if it was paused)."""
+        if tp in self._paused:
+            self._call(self._consumer.resume, [tp])
+            self._paused.discard(tp)
+
+    def release(self, partitions: Iterable[TP]) -> None:
+        """Forget the pauses of ``partitions``, which left the assignment.
+
+        A pause outlives the assignment in some client versions; it must never carry over to a
+        later assignment of the same partition, so the paused ones are resumed (best effort).
+        """
+        paused = [tp for tp in partitions if tp in self._paused]
+        self._paused.difference_update(paused)
+        if paused:
+            try:
+                self._call(self._consumer.resume, paused)
+            except ConsumerError as exc:
+                log.debug("resume of revoked partitions failed: %s", exc)
+
+    @staticmethod
+    def _call(method: Callable[[list[TopicPartition]], None], partitions: list[TP]) -> None:
         try:
-            self._consumer.resume([TopicPartition(*tp) for tp in partitions])
+            method([TopicPartition(*tp) for tp in partitions])
         except KafkaException as exc:
             raise ConsumerError(str(exc)) from exc
 

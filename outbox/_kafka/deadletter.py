@@ -22,19 +22,24 @@ log = logging.getLogger("outbox.dlq")
 
 
 class DeadLetterProducer:
-    """Produces dead letters and waits for each to be confirmed.
+    """Produces the dead letters of consumer group ``group`` and waits for each to be confirmed.
 
     Dead letters are rare, so each one is flushed on its own: simple, and the caller knows the
     record is durable before it commits the original offset. ``config`` comes from
     :func:`outbox._kafka.config.producer_config` with ``purpose="dead-letter"``; a configuration
-    the client refuses raises :class:`~outbox.errors.ConfigurationError`.
+    the client refuses raises :class:`~outbox.errors.ConfigurationError`. The dead letter of a
+    record of ``topic`` goes to ``topic + suffix``.
     """
 
-    def __init__(self, config: Mapping[str, Any], timeout: float = 30.0) -> None:
+    def __init__(
+        self, config: Mapping[str, Any], *, group: str, suffix: str, timeout: float = 30.0
+    ) -> None:
         try:
             self._producer = Producer(dict(config))
         except KafkaException as exc:
             raise refused(exc, config) from exc
+        self._group = group
+        self._suffix = suffix
         self._timeout = timeout
         self._lock = threading.Lock()
         # Dead letters produced but not confirmed yet, by the original's coordinates: librdkafka
@@ -42,23 +47,21 @@ class DeadLetterProducer:
         # instead of producing a second copy.
         self._in_flight: dict[tuple[str, int, int], list[KafkaError | None]] = {}
 
-    def send_message(
-        self, message: Message, letter: DeadLetter, *, group: str, suffix: str
-    ) -> None:
-        """Dead-letter a consumed ``message`` to its topic + ``suffix``: :meth:`send` with the
-        original key, value and headers followed by the ``outbox.dlq.*`` ones."""
+    def send_message(self, message: Message, letter: DeadLetter) -> None:
+        """Dead-letter a consumed ``message``: :meth:`send` with the original key, value and
+        headers followed by the ``outbox.dlq.*`` ones."""
         topic, partition, offset = coordinates(message)
         headers = dead_letter_headers(
             message_headers(message),
             topic=topic,
             partition=partition,
             offset=offset,
-            group=group,
+            group=self._group,
             letter=letter,
         )
         self.send(
             (topic, partition, offset),
-            dead_letter_topic(topic, suffix),
+            dead_letter_topic(topic, self._suffix),
             message.key(),
             message.value(),
             headers,

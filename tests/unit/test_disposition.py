@@ -345,18 +345,20 @@ def test_finishing_a_message_resets_what_was_held_for_it() -> None:
     assert list(state.backlog) == ["b"] and state.next_offset == 8
 
 
-def test_forgetting_partitions_names_the_paused_ones_and_drops_their_messages() -> None:
+def test_forgetting_partitions_drops_their_messages_and_what_was_held_for_them() -> None:
     assignment: Assignment[str] = Assignment()
     assignment.assign([("t", 0), ("t", 1)])
     state = assignment.get(("t", 1))
     assert state is not None
-    state.paused = True
     state.backlog.append("x")
-    assert assignment.forget([("t", 0), ("t", 1), ("t", 2)]) == [("t", 1)]
-    assert ("t", 1) not in assignment
-    assignment.assign([("t", 1)])  # assigned again: starts empty
+    state.next_offset, state.attempts = 8, 2
+    assignment.forget([("t", 1), ("t", 2)])
+    assert ("t", 1) not in assignment and ("t", 0) in assignment
+    assert assignment.to_commit(only=[("t", 1)]) == []  # the new owner commits it now
+    assignment.assign([("t", 1)])  # assigned again: starts afresh
     again = assignment.get(("t", 1))
-    assert again is not None and not again.backlog and not again.paused
+    assert again is not None and not again.backlog
+    assert (again.next_offset, again.attempts) == (None, 0)
 
 
 def test_the_poll_waits_no_longer_than_the_next_retry() -> None:
