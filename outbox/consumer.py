@@ -158,8 +158,8 @@ class ConsumerRunner:
         """
         if not self._running.acquire(blocking=False):
             raise ConfigurationError("this ConsumerRunner is already running")
-        bootstrap = self.config.effective_bootstrap
         try:
+            bootstrap = self.config.effective_bootstrap
             self._consumer = KafkaConsumer(
                 consumer_config(bootstrap, self.config.group, self.config.kafka_config),
                 on_error=self._on_client_error,

@@ -57,7 +57,7 @@ class Action(StrEnum):
     """Finished: the offset behind it may be committed."""
     RETRY = "retry"
     """Try the same message again after a backoff; its partition waits meanwhile."""
-    DEAD_LETTER = "dead-letter"
+    DEAD_LETTER = "dead_letter"
     """Produce its dead letter; acknowledge it once the broker confirmed."""
 
 
@@ -116,7 +116,9 @@ class Disposition:
 PROCESSED = Disposition(Action.ACKNOWLEDGE, Outcome.PROCESSED)
 REPLAYED = Disposition(Action.ACKNOWLEDGE, Outcome.REPLAYED)
 PREVIOUSLY_FAILED = Disposition(Action.ACKNOWLEDGE, Outcome.PREVIOUSLY_FAILED)
-DEAD_LETTERED = Disposition(Action.ACKNOWLEDGE, Outcome.DEAD_LETTERED, Reason.PERMANENT_ERROR)
+CONFIRMED_DEAD_LETTER = Disposition(
+    Action.ACKNOWLEDGE, Outcome.DEAD_LETTERED, Reason.PERMANENT_ERROR
+)
 KEY_BUSY = Disposition(
     Action.RETRY, Outcome.RETRY, schedule=Schedule.IN_PROGRESS, failure=Failure.KEY_IN_PROGRESS
 )
@@ -158,7 +160,7 @@ def classify(
     if dead_lettered:
         # Whatever ended the unit of work after the dead letter was confirmed (the permanent
         # error itself, or a failure to record it), the message is in the dead-letter topic.
-        return DEAD_LETTERED
+        return CONFIRMED_DEAD_LETTER
     if key is Key.UNREADABLE:
         if isinstance(error, ValidationError):
             return dead_letter(Reason.INVALID_INPUT)
