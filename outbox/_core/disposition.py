@@ -149,7 +149,8 @@ def classify(
 
     ``error`` is what the attempt raised (``None``: the unit of work committed, or replayed the
     stored result when ``replayed``). ``attempts`` is the number of counted attempts before
-    this one. ``key`` tells how reading the key went. ``dead_lettered`` means the handler's
+    this one. ``key`` tells how reading the key went (without a key nothing runs, so the only
+    error it goes with is its dead letter's). ``dead_lettered`` means the handler's
     permanent error was dead-lettered and confirmed while the key was held.
     ``database_unavailable`` is the caller's verdict on ``error``
     (:func:`outbox._pg.errors.database_unavailable`). A :class:`~outbox.errors.DeadLetterError`
@@ -157,6 +158,8 @@ def classify(
     """
     if key is Key.UNREADABLE and error is None:
         raise ValueError("key=Key.UNREADABLE needs the error that reading the key raised")
+    if key is Key.MISSING and not (error is None or isinstance(error, DeadLetterError)):
+        raise ValueError("key=Key.MISSING: without a key nothing ran that could raise")
     if dead_lettered:
         # Whatever ended the unit of work after the dead letter was confirmed (the permanent
         # error itself, or a failure to record it), the message is in the dead-letter topic.

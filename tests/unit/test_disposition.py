@@ -88,8 +88,8 @@ def test_a_dead_letter_confirmed_inside_the_unit_of_work_acknowledges_the_messag
 ) -> None:
     # Whatever ended the unit of work afterwards (the permanent error itself, or a failure to
     # record it), the message is in the dead-letter topic: it must not be sent twice.
-    if key is Key.UNREADABLE and error is None:
-        error = RuntimeError("unreadable")
+    if not possible(error, key):
+        error = None if key is Key.MISSING else RuntimeError("unreadable")
     outcome = verdict(
         error, key=key, attempts=tried, dead_lettered=True, database_unavailable=db_down
     )
@@ -209,9 +209,19 @@ def test_reading_the_key_fails_as_invalid_input_or_as_a_counted_error(
         assert outcome.action is (Action.DEAD_LETTER if exhausted else Action.RETRY)
 
 
-def test_an_unreadable_key_needs_its_error() -> None:
+def test_facts_that_cannot_happen_together_are_refused() -> None:
     with pytest.raises(ValueError, match="needs the error"):
         verdict(None, key=Key.UNREADABLE)
+    with pytest.raises(ValueError, match="nothing ran"):
+        verdict(KeyInProgress("billing", "k"), key=Key.MISSING)
+
+
+def possible(error: BaseException | None, key: Key) -> bool:
+    if key is Key.UNREADABLE:
+        return error is not None
+    if key is Key.MISSING:
+        return error is None or isinstance(error, DeadLetterError)
+    return True
 
 
 # -- what holds for every verdict -----------------------------------------------------------------
@@ -235,7 +245,7 @@ def test_every_verdict_is_consistent(
     dead_lettered: bool,
     db_down: bool,
 ) -> None:
-    if key is Key.UNREADABLE and error is None:
+    if not possible(error, key):
         return
     outcome = classify(
         error,
