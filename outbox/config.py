@@ -1,5 +1,7 @@
 """Configuration: frozen dataclasses with ``validate()`` and environment helpers.
 
+:class:`OutboxConfig` configures the unit of work, :class:`ConsumerConfig` the consumer runner.
+
 Every setting has a default that is safe in production; ``validate()`` refuses inconsistent
 combinations with a message that says how to fix them.
 """
@@ -9,8 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from outbox._core import validate as _validate
+from outbox._core.codec import IDEMPOTENCY_HEADER
+from outbox._core.deadletter import dead_letter_topic
 from outbox._core.environment import (  # the table of OUTBOX_* variables
     ENV_CACHE_TTL as ENV_CACHE_TTL,
     ENV_CONSUMER_GROUP as ENV_CONSUMER_GROUP,
@@ -34,7 +39,7 @@ from outbox._core.environment import (  # the table of OUTBOX_* variables
 )
 from outbox._core.lanes import DEFAULT_LANES, MAX_LANES
 from outbox._core.redact import redact_url as redact_url
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, ValidationError
 from outbox.schema import validate_schema_name
 
 DEFAULT_SCOPE = "default"
@@ -149,6 +154,106 @@ class RelayConfig:
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigurationError(f"--metrics-port must be a TCP port, got {self.metrics_port}")
+        return self
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """Settings of a :class:`outbox.consumer.ConsumerRunner`.
+
+    ``kafka_config`` takes any librdkafka property (``session.timeout.ms``, security settings...);
+    the connection and security ones also configure the dead-letter producer. ``scope`` defaults
+    to ``group``: consumer groups see independent key spaces, so two services consuming the same
+    topic each apply every message once.
+    """
+
+    topics: tuple[str, ...]
+    group: str
+    bootstrap_servers: str | None = None
+    kafka_config: Mapping[str, Any] = field(default_factory=dict)
+    scope: str | None = None
+    key_header: str = IDEMPOTENCY_HEADER
+    max_attempts: int = 5
+    retry_backoff: float = 0.2
+    retry_backoff_max: float = 10.0
+    in_progress_backoff: float = 0.05
+    in_progress_backoff_max: float = 1.0
+    dlq_topic_suffix: str = ".dlq"
+    dlq_timeout: float = 30.0
+    batch_size: int = 500
+    poll_timeout: float = 0.5
+    commit_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.topics, str):
+            object.__setattr__(self, "topics", (self.topics,))
+        else:
+            object.__setattr__(self, "topics", tuple(self.topics))
+        object.__setattr__(self, "kafka_config", dict(self.kafka_config))
+
+    @property
+    def effective_scope(self) -> str:
+        """The idempotency scope the runner uses: ``scope`` or else the group name."""
+        return self.scope or self.group
+
+    @property
+    def effective_bootstrap(self) -> str:
+        """``bootstrap_servers``, or ``bootstrap.servers`` from ``kafka_config``."""
+        value = self.bootstrap_servers or self.kafka_config.get("bootstrap.servers")
+        if not value:
+            raise ConfigurationError(
+                "no Kafka bootstrap servers: pass bootstrap_servers='host:port' "
+                f"(CLI: --bootstrap-servers or {ENV_KAFKA_BOOTSTRAP})"
+            )
+        return str(value)
+
+    def validate(self) -> ConsumerConfig:
+        """Refuse inconsistent settings with a message that says how to fix them."""
+        if not self.topics:
+            raise ConfigurationError("no topics to consume: pass topics=['orders', ...]")
+        for topic in self.topics:
+            _validate.check_topic(topic)
+            if not self.dlq_topic_suffix:
+                raise ConfigurationError("dlq_topic_suffix must not be empty, e.g. '.dlq'")
+            _validate.check_topic(dead_letter_topic(topic, self.dlq_topic_suffix))
+        if not isinstance(self.group, str) or not self.group.strip():
+            raise ConfigurationError("group must be a non-empty consumer group name")
+        try:
+            _validate.check_scope(self.effective_scope)
+        except ValidationError as exc:
+            raise ConfigurationError(
+                f"{exc} -- the scope defaults to the group name; pass scope=... explicitly"
+            ) from exc
+        self.effective_bootstrap  # noqa: B018 -- raises when missing
+        if not self.key_header:
+            raise ConfigurationError("key_header must name a header, e.g. 'X-Idempotency-Key'")
+        if self.max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.batch_size < 1:
+            raise ConfigurationError(f"batch_size must be at least 1, got {self.batch_size}")
+        for name in (
+            "retry_backoff",
+            "retry_backoff_max",
+            "in_progress_backoff",
+            "in_progress_backoff_max",
+            "dlq_timeout",
+            "poll_timeout",
+            "commit_interval",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)!r}")
+        auto_commit = str(self.kafka_config.get("enable.auto.commit", "false")).lower()
+        if auto_commit in ("true", "1"):
+            raise ConfigurationError(
+                "enable.auto.commit must stay false: the runner commits an offset only after "
+                "the message's unit of work committed; remove it from kafka_config"
+            )
+        group_id = self.kafka_config.get("group.id")
+        if group_id is not None and group_id != self.group:
+            raise ConfigurationError(
+                f"kafka_config group.id={group_id!r} disagrees with group={self.group!r}; "
+                "pass the group once"
+            )
         return self
 
 

@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from outbox._core import claim, validate as _validate
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import Event, encode_event, event_params
+from outbox._core.failures import is_permanent
 from outbox._pg.after_commit import defer, spawn
 from outbox._pg.engines import engine_for, notifier_engine
 from outbox._pg.errors import unique_violation_of
@@ -54,7 +55,7 @@ from outbox._redis.cache_async import AsyncOutcomeCache, make_async_client
 from outbox._redis.clients import check_flavour
 from outbox.config import DEFAULT_SCOPE, OutboxConfig
 from outbox.decorators import make_idempotent
-from outbox.errors import ConfigurationError, KeyInProgress, PermanentError, ReplayedWriteError
+from outbox.errors import ConfigurationError, KeyInProgress, ReplayedWriteError
 
 log = logging.getLogger("outbox.uow")
 
@@ -446,9 +447,7 @@ class AsyncOutbox:
             self._notify()
 
     async def _abort(self, uow: AsyncUnitOfWork, exc: BaseException) -> None:
-        permanent = isinstance(exc, PermanentError) or bool(
-            self.config.permanent_errors and isinstance(exc, self.config.permanent_errors)
-        )
+        permanent = is_permanent(exc, self.config.permanent_errors)
         tx = uow._tx
         if not permanent or tx is None:
             await _close(uow)  # rolls back the business writes and the outbox rows
@@ -592,9 +591,7 @@ class AsyncOutbox:
     ) -> None:
         # Roll back to the savepoint: the body's writes go, the caller's other writes stay.
         await _end_joined(uow, joined, rollback=True)
-        permanent = isinstance(exc, PermanentError) or bool(
-            self.config.permanent_errors and isinstance(exc, self.config.permanent_errors)
-        )
+        permanent = is_permanent(exc, self.config.permanent_errors)
         if not permanent:
             return
         error = claim.failure_text(exc)

@@ -1,9 +1,10 @@
 """The Kafka side of the relay: a confluent-kafka producer and the meaning of its errors.
 
-This is the only module of the relay that imports ``confluent_kafka``. It knows how to build
-the producer (idempotent, ``acks=all``, Java-compatible partitioner, throughput-oriented
-batching), how to send a group of records and wait for every delivery report without one flush
-per record, and which librdkafka errors are permanent (the row is parked at once) or retriable.
+This is the only module of the relay that imports ``confluent_kafka``. It builds the producer
+from :func:`outbox._kafka.config.producer_config` (idempotent, ``acks=all``, Java-compatible
+partitioner, throughput-oriented batching), sends a group of records and waits for every
+delivery report without one flush per record, and knows which librdkafka errors are permanent
+(the row is parked at once) or retriable.
 """
 
 from __future__ import annotations
@@ -17,30 +18,14 @@ from typing import Any, NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from outbox.errors import ConfigurationError, FatalProducerError, PublishError
+from outbox._kafka.config import (
+    DEFAULT_CONFIG as DEFAULT_CONFIG,
+    REQUIRED_CONFIG as REQUIRED_CONFIG,
+    producer_config as producer_config,
+)
+from outbox.errors import FatalProducerError, PublishError
 
 log = logging.getLogger("outbox.relay")
-
-# Settings the relay's guarantees depend on; --kafka-config may not weaken them.
-REQUIRED_CONFIG: Mapping[str, str] = {
-    "enable.idempotence": "true",
-    "acks": "all",
-}
-
-# Defaults a user may override with --kafka-config.
-DEFAULT_CONFIG: Mapping[str, str] = {
-    "partitioner": "murmur2_random",  # the Java client's partitioner: same key, same partition
-    "linger.ms": "5",
-    "batch.num.messages": "10000",
-    "queue.buffering.max.messages": "200000",
-    "compression.type": "none",
-    "message.timeout.ms": "30000",
-    "socket.keepalive.enable": "true",
-    "reconnect.backoff.ms": "100",
-    "reconnect.backoff.max.ms": "2000",
-    # librdkafka's own stderr lines repeat what error_cb reports (rate-limited, structured).
-    "log_level": "2",
-}
 
 # librdkafka error codes after which sending the same record again cannot succeed: the row is
 # parked with the error. Everything else is retriable (timeouts, leader moves, transport).
@@ -78,45 +63,6 @@ PRODUCER_STATE_ERRORS: frozenset[int] = frozenset(
 def is_permanent(code: int) -> bool:
     """True when a record that failed with librdkafka error ``code`` can never be delivered."""
     return code in PERMANENT_ERRORS
-
-
-def producer_config(
-    bootstrap_servers: str, overrides: Mapping[str, str], client_id: str = "outbox-relay"
-) -> dict[str, str]:
-    """The librdkafka configuration of the relay's producer.
-
-    ``overrides`` (``--kafka-config``) win over the defaults, so TLS/SASL and tuning work, but
-    they may not turn off idempotence or ``acks=all``: the relay's no-loss and order guarantees
-    rest on both.
-    """
-    config: dict[str, str] = {"bootstrap.servers": bootstrap_servers, "client.id": client_id}
-    config.update(DEFAULT_CONFIG)
-    config.update({k: str(v) for k, v in overrides.items()})
-    if "delivery.timeout.ms" in config:  # librdkafka's alias: one name from here on
-        config["message.timeout.ms"] = config.pop("delivery.timeout.ms")
-    for key, value in REQUIRED_CONFIG.items():
-        given = config.get(key, value).lower()
-        normalized = {"-1": "all", "1": "true"}.get(given, given) if key == "acks" else given
-        if key == "enable.idempotence" and normalized in ("1", "true"):
-            normalized = "true"
-        if normalized != value:
-            raise ConfigurationError(
-                f"--kafka-config {key}={config[key]} is not allowed: the relay needs "
-                f"{key}={value} to deliver without loss and in order; remove that setting"
-            )
-        config[key] = value
-    timeout = config.get("message.timeout.ms", "1")
-    if not timeout.isdigit() or int(timeout) <= 0:
-        raise ConfigurationError(
-            f"--kafka-config message.timeout.ms={timeout} is not allowed: the relay needs a "
-            "positive bound on delivery (0 means wait forever) to back off and retry an outage"
-        )
-    if "transactional.id" in config:
-        raise ConfigurationError(
-            "--kafka-config transactional.id is not supported by the relay: remove it (the "
-            "idempotent producer already gives ordered, de-duplicated retries)"
-        )
-    return config
 
 
 Headers = list[tuple[str, str | bytes | None]]

@@ -1,5 +1,130 @@
-"""``outbox consume``: run a handler on Kafka messages through units of work."""
+"""``outbox consume``: run a handler on Kafka messages, at most once per idempotency key."""
 
-from outbox.consumer import register_cli as register
+from __future__ import annotations
 
-__all__ = ["register"]
+import argparse
+import importlib
+import logging
+import os
+import sys
+from typing import Any
+
+from outbox._core.codec import IDEMPOTENCY_HEADER
+from outbox._core.redact import redact_url
+from outbox._core.stopping import stop_on_signals
+from outbox.cli._common import (
+    CONSUMER_METRICS_PORT,
+    EXIT_OK,
+    add_flags,
+    add_kafka_config,
+    require,
+)
+from outbox.config import ConsumerConfig
+from outbox.consumer import ConsumerRunner, Handler, serve_metrics
+from outbox.errors import ConfigurationError
+from outbox.uow import Outbox
+
+log = logging.getLogger("outbox.consumer")
+
+
+def register(subparsers: Any) -> None:
+    """Add ``outbox consume`` to the ``outbox`` command."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "consume",
+        help="run a handler on Kafka messages, at most once per idempotency key",
+        description="Consume TOPICs as consumer group GROUP and run HANDLER (module:function, "
+        "called as handler(uow, message)) inside a unit of work keyed by each message's "
+        "X-Idempotency-Key header. SIGTERM/SIGINT finish the message in hand, commit and exit 0.",
+    )
+    p.add_argument("handler", metavar="HANDLER", help="module:function, e.g. app.consumers:handle")
+    p.add_argument(
+        "--topic", dest="topics", action="append", required=True, metavar="TOPIC",
+        help="topic to consume (repeatable)",
+    )  # fmt: skip
+    add_flags(p, "group")
+    p.add_argument(
+        "--scope", default=None,
+        help="idempotency scope, if it must differ from the group name",
+    )  # fmt: skip
+    add_flags(p, "database_url", "schema", "redis_url", "bootstrap_servers")
+    add_kafka_config(p)
+    p.add_argument(
+        "--key-header", default=IDEMPOTENCY_HEADER,
+        help=f"header that carries the idempotency key (default {IDEMPOTENCY_HEADER})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-attempts", type=int, default=5,
+        help="attempts before a failing message is dead-lettered (default 5)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dlq-suffix", default=".dlq",
+        help="dead-letter topic of TOPIC is TOPIC+suffix (default .dlq)",
+    )  # fmt: skip
+    add_flags(p, CONSUMER_METRICS_PORT, "log_level")
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    database_url = require(args, "database_url")
+    group = require(args, "group")
+    bootstrap = require(args, "bootstrap_servers")
+    # Like `python -m`: handler modules next to where the command runs are importable.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    handler = load_handler(args.handler)
+    config = ConsumerConfig(
+        topics=tuple(args.topics),
+        group=group,
+        scope=args.scope,
+        bootstrap_servers=bootstrap,
+        kafka_config=args.kafka_config,
+        key_header=args.key_header,
+        max_attempts=args.max_attempts,
+        dlq_topic_suffix=args.dlq_suffix,
+    ).validate()
+    ob = Outbox(database_url, redis_url=args.redis_url, schema=args.schema)
+    try:
+        runner = ConsumerRunner(ob, handler, config)
+        server = None
+        if args.metrics_port:
+            server = serve_metrics(runner, args.metrics_port)
+            log.info("metrics on :%d/metrics, health on :%d/healthz", server.port, server.port)
+        log.info(
+            "database %s, redis %s",
+            redact_url(database_url),
+            redact_url(args.redis_url) if args.redis_url else "off",
+        )
+        try:
+            with stop_on_signals(runner.stop):
+                runner.run()
+        finally:
+            if server is not None:
+                server.close()
+    finally:
+        ob.close()
+    return EXIT_OK
+
+
+def load_handler(ref: str) -> Handler:
+    """Import ``module:attribute`` (attribute may be dotted) and check that it is callable."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigurationError(
+            f"invalid handler {ref!r}: expected module:function, e.g. myapp.consumers:handle"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"cannot import handler module {module_name!r}: {exc} (run from the directory that "
+            "contains it, or put it on PYTHONPATH)"
+        ) from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r}") from exc
+    if not callable(obj):
+        raise ConfigurationError(f"handler {ref!r} is not callable")
+    handler: Handler = obj
+    return handler

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from outbox import PermanentError
-from outbox.dlq import DeadLetterInfo
+from outbox.consumer import DeadLetterInfo
 from tests.fixtures.common import wait_for
 from tests.fixtures.consumer import KAFKA, read_topic
 from tests.fixtures.kafka import create_topic

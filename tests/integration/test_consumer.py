@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, OutboxConfig, PermanentError
+from outbox._core.deadletter import HEADER_REASON, DeadLetterInfo
 from outbox.consumer import ConsumerRunner, serve_metrics
-from outbox.dlq import HEADER_REASON, DeadLetterInfo
 from tests.fixtures.common import wait_for
 from tests.fixtures.consumer import (
     KAFKA,

@@ -1,4 +1,4 @@
-"""Pure parts of the consumer runner: backoff, key lookup, configuration, dead-letter headers."""
+"""Pure parts of the consumer runner: backoff, key lookup, configuration, handler loading."""
 
 from __future__ import annotations
 
@@ -6,23 +6,9 @@ from typing import Any
 
 import pytest
 
-from outbox.consumer import (
-    ConsumerConfig,
-    backoff_delay,
-    header_key,
-    load_handler,
-    message_headers,
-)
-from outbox.dlq import (
-    HEADER_ATTEMPTS,
-    HEADER_OFFSET,
-    HEADER_REASON,
-    DeadLetter,
-    DeadLetterInfo,
-    Reason,
-    dead_letter_headers,
-    producer_config,
-)
+from outbox._kafka.consumer import message_headers
+from outbox.cli.consume import load_handler
+from outbox.consumer import ConsumerConfig, backoff_delay, header_key
 from outbox.errors import ConfigurationError, InvalidKeyError, InvalidTopicError
 
 
@@ -96,39 +82,6 @@ def test_config_defaults_scope_to_group_and_validates() -> None:
 def test_config_refuses(overrides: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         config(**overrides).validate()
-
-
-def test_dead_letter_headers_keep_the_original_and_replace_stale_ones() -> None:
-    letter = DeadLetter(Reason.RETRIES_EXHAUSTED, "Boom: down", "Boom", 5)
-    original = [("X-Idempotency-Key", b"k1"), ("outbox.dlq.reason", b"old"), ("bin", b"\x00")]
-    headers = dead_letter_headers(original, topic="orders", partition=3, offset=42,
-                                  group="billing", letter=letter)  # fmt: skip
-    assert headers[:2] == [("X-Idempotency-Key", b"k1"), ("bin", b"\x00")]
-    assert (HEADER_REASON, b"retries-exhausted") in headers
-    assert (HEADER_ATTEMPTS, b"5") in headers and (HEADER_OFFSET, b"42") in headers
-    info = DeadLetterInfo.from_headers(headers)
-    assert (info.reason, info.topic, info.partition, info.offset, info.group) == (
-        "retries-exhausted", "orders", 3, 42, "billing",
-    )  # fmt: skip
-    assert (info.error, info.error_type, info.attempts, info.idempotency_key) == (
-        "Boom: down", "Boom", 5, "k1",
-    )  # fmt: skip
-
-
-def test_dead_letter_from_exception_truncates_long_errors() -> None:
-    letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, ValueError("x" * 10_000), 1)
-    assert letter.error.startswith("ValueError: x") and len(letter.error) == 1000
-    assert letter.error_type == "ValueError"
-
-
-def test_producer_config_drops_consumer_properties_and_forces_idempotence() -> None:
-    cfg = producer_config(
-        {"session.timeout.ms": 6000, "group.instance.id": "a", "auto.offset.reset": "latest",
-         "security.protocol": "SASL_SSL", "enable.idempotence": False, "acks": "1"},
-        "k:9092",
-    )  # fmt: skip
-    assert cfg == {"security.protocol": "SASL_SSL", "bootstrap.servers": "k:9092",
-                   "enable.idempotence": True, "acks": "all", "linger.ms": 0}  # fmt: skip
 
 
 def test_load_handler() -> None:

@@ -1,0 +1,221 @@
+"""The consumer runner's Kafka side: a confluent-kafka consumer and what a message carries.
+
+Partitions cross this boundary as ``(topic, partition)`` pairs and offsets to commit as
+``(topic, partition, offset)`` triples; client errors become :class:`~outbox.errors.ConsumerError`
+(a configuration the client refuses, :class:`~outbox.errors.ConfigurationError`). Messages are
+confluent-kafka's own: handlers get them unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from outbox._kafka.config import refused
+from outbox.errors import ConsumerError, InvalidKeyError
+
+__all__ = [
+    "TP",
+    "Committed",
+    "KafkaConsumer",
+    "Message",
+    "coordinates",
+    "header_key",
+    "message_headers",
+]
+
+log = logging.getLogger("outbox.consumer")
+
+TP = tuple[str, int]
+"""A partition: ``(topic, partition)``."""
+
+
+class Committed(NamedTuple):
+    """The broker's answer for one partition's offset commit (``error`` is ``None`` on success)."""
+
+    topic: str
+    partition: int
+    offset: int
+    error: str | None
+
+
+def message_headers(message: Message) -> list[tuple[str, bytes | None]]:
+    """A consumed message's headers as a list of ``(name, value)`` pairs (empty if none)."""
+    raw = message.headers()
+    if raw is None:
+        return []
+    items = raw.items() if isinstance(raw, dict) else raw
+    return [
+        (name, value.encode("utf-8") if isinstance(value, str) else value) for name, value in items
+    ]
+
+
+def coordinates(message: Message) -> tuple[str, int, int]:
+    """``(topic, partition, offset)`` of a consumed message."""
+    topic, partition, offset = message.topic(), message.partition(), message.offset()
+    # Only records fetched from a partition reach this point, and they always carry all three.
+    assert topic is not None and partition is not None and offset is not None
+    return topic, partition, offset
+
+
+def header_key(message: Message, header: str) -> str | None:
+    """The idempotency key from the first ``header`` header, or ``None`` if there is none.
+
+    The name is matched without regard to case, as the relay does when it decides whether the
+    publisher set the header itself. Raises :class:`~outbox.errors.InvalidKeyError` for a value
+    that is not UTF-8.
+    """
+    wanted = header.lower()
+    for name, value in message_headers(message):
+        if name.lower() == wanted and value is not None:
+            try:
+                text: str = value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidKeyError(
+                    f"header {header!r} is not UTF-8 text: {value[:40]!r}"
+                ) from exc
+            return text
+    return None
+
+
+def _pairs(partitions: Iterable[TopicPartition]) -> list[TP]:
+    return [(tp.topic, tp.partition) for tp in partitions]
+
+
+def _committed(partitions: Iterable[TopicPartition]) -> list[Committed]:
+    return [
+        Committed(tp.topic, tp.partition, tp.offset, None if tp.error is None else str(tp.error))
+        for tp in partitions
+    ]
+
+
+class KafkaConsumer:
+    """A confluent-kafka consumer that speaks in partitions and offsets, not client objects.
+
+    ``on_error(text, fatal)`` receives the client's errors (librdkafka reconnects by itself;
+    a fatal one means the consumer must be rebuilt). ``on_commit(error, committed)`` receives
+    the broker's answers to asynchronous commits.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        *,
+        on_error: Callable[[str, bool], None],
+        on_commit: Callable[[str | None, list[Committed]], None],
+    ) -> None:
+        def error_cb(err: KafkaError) -> None:
+            on_error(str(err), err.fatal())
+
+        def on_commit_cb(err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+            on_commit(None if err is None else str(err), _committed(partitions))
+
+        try:
+            self._consumer = Consumer({**config, "error_cb": error_cb, "on_commit": on_commit_cb})
+        except KafkaException as exc:
+            raise refused(exc, config) from exc
+        self._paused: set[TP] = set()
+
+    def subscribe(
+        self,
+        topics: Sequence[str],
+        *,
+        on_assign: Callable[[list[TP]], None],
+        on_revoke: Callable[[list[TP]], None],
+        on_lost: Callable[[list[TP]], None],
+    ) -> None:
+        """Join the group for ``topics``; the callbacks run inside :meth:`consume`.
+
+        The callbacks leave the (incremental) assign to the client, so eager and cooperative
+        assignors both work.
+        """
+        self._consumer.subscribe(
+            list(topics),
+            on_assign=lambda _c, partitions: on_assign(_pairs(partitions)),
+            on_revoke=lambda _c, partitions: on_revoke(_pairs(partitions)),
+            on_lost=lambda _c, partitions: on_lost(_pairs(partitions)),
+        )
+
+    def consume(self, max_messages: int, timeout: float) -> list[Message]:
+        """Up to ``max_messages`` records, waiting at most ``timeout`` seconds.
+
+        Error events are logged and left out (librdkafka recovers from them); a fatal one raises
+        :class:`~outbox.errors.ConsumerError`.
+        """
+        try:
+            batch = self._consumer.consume(max_messages, timeout)
+        except KafkaException as exc:
+            raise ConsumerError(f"Kafka consumer error: {exc}; restart the consumer") from exc
+        messages = []
+        for message in batch:
+            err = message.error()
+            if err is None:
+                messages.append(message)
+            elif err.fatal():
+                raise ConsumerError(f"fatal Kafka consumer error: {err}; restart the consumer")
+            elif err.code() != KafkaError._PARTITION_EOF:
+                log.warning("Kafka consumer error on %s: %s", message.topic(), err)
+        return messages
+
+    def commit(self, offsets: Sequence[tuple[str, int, int]], *, sync: bool) -> list[Committed]:
+        """Commit ``offsets``; a synchronous commit returns the broker's answer per partition.
+
+        Raises :class:`~outbox.errors.ConsumerError` when the commit could not be made.
+        """
+        partitions = [
+            TopicPartition(topic, partition, offset) for topic, partition, offset in offsets
+        ]
+        try:
+            if sync:
+                return _committed(self._consumer.commit(offsets=partitions, asynchronous=False))
+            self._consumer.commit(offsets=partitions, asynchronous=True)
+        except KafkaException as exc:
+            raise ConsumerError(str(exc)) from exc
+        return []
+
+    def pause(self, tp: TP) -> None:
+        """Stop fetching ``tp`` (if not paused already).
+
+        Pausing drops prefetched records; :meth:`resume` continues after the last record handed
+        out, so a caller that keeps what it received skips nothing.
+        """
+        if tp not in self._paused:
+            self._call(self._consumer.pause, [tp])
+            self._paused.add(tp)
+
+    def resume(self, tp: TP) -> None:
+        """Fetch ``tp`` again (if it was paused)."""
+        if tp in self._paused:
+            self._call(self._consumer.resume, [tp])
+            self._paused.discard(tp)
+
+    def release(self, partitions: Iterable[TP]) -> None:
+        """Forget the pauses of ``partitions``, which left the assignment.
+
+        A pause outlives the assignment in some client versions; it must never carry over to a
+        later assignment of the same partition, so the paused ones are resumed (best effort).
+        """
+        paused = [tp for tp in partitions if tp in self._paused]
+        self._paused.difference_update(paused)
+        if paused:
+            try:
+                self._call(self._consumer.resume, paused)
+            except ConsumerError as exc:
+                log.debug("resume of revoked partitions failed: %s", exc)
+
+    @staticmethod
+    def _call(method: Callable[[list[TopicPartition]], None], partitions: list[TP]) -> None:
+        try:
+            method([TopicPartition(*tp) for tp in partitions])
+        except KafkaException as exc:
+            raise ConsumerError(str(exc)) from exc
+
+    def close(self) -> None:
+        """Leave the group (partitions move to other members at once) and release the client."""
+        try:
+            self._consumer.close()
+        except (KafkaException, RuntimeError) as exc:
+            raise ConsumerError(str(exc)) from exc

@@ -1,0 +1,126 @@
+"""Prometheus metrics and the health endpoint of the consumer runner.
+
+The collectors are created once per registry and shared by the runners of a process (their
+``group`` and ``topic`` labels tell them apart); ``docs/consumer.md`` lists them. The
+``/metrics`` and ``/healthz`` endpoints are served by the relay's
+:class:`outbox.metrics.MetricsServer`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Protocol
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+
+from outbox._core.disposition import Outcome
+from outbox.metrics import MetricsServer
+
+
+class _Runner(Protocol):
+    """What the health endpoint needs of a consumer runner."""
+
+    metrics_registry: CollectorRegistry | None
+
+    @property
+    def config(self) -> Any: ...
+
+    def healthy(self, max_silence: float) -> bool: ...
+
+
+class ConsumerMetrics:
+    """Prometheus collectors, created once per registry and shared by runners in a process."""
+
+    # Weak keys: a registry that is gone must not hand its collectors to a new registry that
+    # happens to reuse its address.
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ConsumerMetrics] = (
+        weakref.WeakKeyDictionary()
+    )
+    _lock = threading.Lock()
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ("group", "topic")
+        self.consumed = Counter(
+            "outbox_consumer_consumed",
+            "Messages received from Kafka (redeliveries included).",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.processed = Counter(
+            "outbox_consumer_processed",
+            "Messages whose handler ran and whose unit of work committed.",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.replayed = Counter(
+            "outbox_consumer_replayed",
+            "Duplicates answered from the stored outcome without calling the handler "
+            "(status: completed, or failed for a key that had failed permanently).",
+            (*labels, "status"), registry=registry,
+        )  # fmt: skip
+        self.failed = Counter(
+            "outbox_consumer_failed",
+            "Attempts that did not finish a message (kind: error, permanent, key_in_progress, "
+            "dead_letter_unavailable, database_unavailable).",
+            (*labels, "kind"), registry=registry,
+        )  # fmt: skip
+        self.dead_lettered = Counter(
+            "outbox_consumer_dead_lettered",
+            "Messages sent to the dead-letter topic and confirmed, by reason.",
+            (*labels, "reason"), registry=registry,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "outbox_consumer_processing_seconds",
+            "Time to handle one attempt at a message (unit of work included).",
+            labels, registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+        )  # fmt: skip
+
+    def attempted(self, group: str, topic: str, outcome: Outcome | None, seconds: float) -> None:
+        """One attempt at a message took ``seconds`` and came to ``outcome`` (None: it raised)."""
+        self.duration.labels(group, topic).observe(seconds)
+        if outcome is Outcome.PROCESSED:
+            self.processed.labels(group, topic).inc()
+        elif outcome is Outcome.REPLAYED:
+            self.replayed.labels(group, topic, "completed").inc()
+        elif outcome is Outcome.PREVIOUSLY_FAILED:
+            self.replayed.labels(group, topic, "failed").inc()
+
+    @classmethod
+    def for_registry(cls, registry: CollectorRegistry | None) -> ConsumerMetrics:
+        if registry is None:
+            registry = REGISTRY
+        with cls._lock:
+            metrics = cls._by_registry.get(registry)
+            if metrics is None:
+                metrics = cls._by_registry[registry] = cls(registry)
+            return metrics
+
+
+def serve_metrics(
+    runner: _Runner, port: int, *, host: str = "", max_silence: float | None = None
+) -> MetricsServer:
+    """Serve ``/metrics`` and ``/healthz`` for ``runner`` on ``port`` (0: any free port).
+
+    ``/metrics`` is the runner's registry (the global one by default) in Prometheus text format;
+    ``/healthz`` answers 200 while :meth:`ConsumerRunner.healthy` holds and 503 otherwise, so an
+    orchestrator restarts a wedged consumer. ``max_silence`` defaults to 60 s or twice
+    ``dlq_timeout``, whichever is longer: one attempt at a message may legitimately wait that
+    long for a dead letter. The server is the relay's (:class:`outbox.metrics.MetricsServer`);
+    its ``port`` attribute names the bound port, ``close()`` stops it.
+    """
+    if max_silence is None:
+        max_silence = max(60.0, 2 * runner.config.dlq_timeout)
+    return MetricsServer(_Health(runner), port, host=host, max_silence=max_silence).start()
+
+
+class _Health:
+    """A runner seen by :class:`outbox.metrics.MetricsServer`."""
+
+    def __init__(self, runner: _Runner) -> None:
+        self._runner = runner
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self._runner.metrics_registry or REGISTRY))
+
+    def healthy(self, max_silence: float) -> bool:
+        return self._runner.healthy(max_silence)

@@ -1,0 +1,226 @@
+"""The package's import graph: layers point one way, no cycles, each library in its adapter.
+
+Read from the source with ``ast`` (no import side effects): module-level imports, imports inside
+functions and ``TYPE_CHECKING`` blocks, and module names given to ``importlib`` as strings all
+count as edges.
+
+    _core, errors            pure decisions and exceptions (standard library only)
+    schema, config           the tables and the settings
+    _pg, _redis, _kafka      adapters, each the only importer of its library
+    services                 uow, consumer, relay, admin, guard, ... (and the package facade)
+    cli                      the commands, on top
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "outbox"
+
+BASE_RANK = {"core": 0, "schema": 1, "adapter": 2, "service": 3, "facade": 4, "cli": 5}
+# Libraries that only one adapter may import (the guard's Lua scripts live in _redis as well).
+CONFINED = {"psycopg": "outbox._pg", "confluent_kafka": "outbox._kafka", "redis": "outbox._redis"}
+MAX_LOCAL_IMPORTS = 3
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if module == "outbox":
+        return "facade"
+    second = parts[1]
+    if second in ("_core", "errors"):
+        return "core"
+    if second in ("schema", "config"):
+        return "schema"
+    if second in ("_pg", "_redis", "_kafka"):
+        return "adapter"
+    if second == "cli":
+        return "cli"
+    return "service"
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str
+    target: str  # a module of the package, or a top-level library name
+    line: int
+    local: bool  # inside a function
+    comment: str  # the source line's text, for the "why" of a local import
+
+
+def _resolve(source: str, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = source.split(".")
+    if MODULES[source].name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _dynamic(tree: ast.AST) -> set[int]:
+    """Nodes naming modules imported by name: ``import_module("...")`` arguments and the
+    CLI's command table."""
+    named: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name == "import_module" and node.args:
+                named.add(id(node.args[0]))
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "COMMANDS" for t in targets):
+                named.update(id(n) for n in ast.walk(node))
+    return named
+
+
+def _targets(source: str, node: ast.AST, dynamic: set[int]) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name
+    elif isinstance(node, ast.ImportFrom):
+        base = _resolve(source, node)
+        for alias in node.names:
+            candidate = f"{base}.{alias.name}"
+            yield candidate if candidate in MODULES else base
+    elif isinstance(node, ast.Constant) and id(node) in dynamic and node.value in MODULES:
+        yield node.value
+
+
+def edges() -> list[Edge]:
+    found: list[Edge] = []
+    for source, path in MODULES.items():
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        local_nodes: set[int] = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                local_nodes.update(id(n) for n in ast.walk(fn) if n is not fn)
+        dynamic = _dynamic(tree)
+        for node in ast.walk(tree):
+            for target in _targets(source, node, dynamic):
+                line = getattr(node, "lineno", 0)
+                found.append(Edge(source, target, line, id(node) in local_nodes, lines[line - 1]))
+    return found
+
+
+EDGES = edges()
+INTERNAL = [e for e in EDGES if e.target.startswith("outbox") and e.target in MODULES]
+
+
+def test_the_graph_was_read() -> None:
+    assert len(MODULES) > 30 and len(INTERNAL) > 60
+    assert any(e.source == "outbox.uow" and e.target == "outbox._pg.transaction" for e in INTERNAL)
+
+
+def test_no_import_cycle() -> None:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for e in INTERNAL:
+        if e.target != e.source:
+            graph[e.source].add(e.target)
+    # A submodule import also runs its package's __init__; the facade's imports of its own
+    # submodules are the one expected back-edge of that kind, so packages count only by their
+    # own imports (as listed above).
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt) :], nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+
+
+def test_layers_point_one_way() -> None:
+    wrong = [
+        f"{e.source} ({layer(e.source)}) imports {e.target} ({layer(e.target)}) at line {e.line}"
+        for e in INTERNAL
+        if BASE_RANK[layer(e.target)] > BASE_RANK[layer(e.source)]
+    ]
+    assert wrong == []
+
+
+def test_adapters_do_not_import_each_other() -> None:
+    wrong = [
+        f"{e.source} imports {e.target} at line {e.line}"
+        for e in INTERNAL
+        if layer(e.source) == layer(e.target) == "adapter"
+        and e.source.split(".")[1] != e.target.split(".")[1]
+    ]
+    assert wrong == []
+
+
+def test_core_uses_the_standard_library_only() -> None:
+    wrong = [
+        f"{e.source} imports {e.target} at line {e.line}"
+        for e in EDGES
+        if layer(e.source) == "core"
+        and not e.target.startswith("outbox")
+        and e.target.split(".")[0] not in sys.stdlib_module_names
+        and e.target.split(".")[0] != "__future__"
+    ]
+    assert wrong == []
+
+
+def test_each_library_is_imported_by_its_adapter_only() -> None:
+    wrong = [
+        f"{e.source} imports {e.target} at line {e.line}"
+        for e in EDGES
+        if e.target.split(".")[0] in CONFINED
+        and not e.source.startswith(CONFINED[e.target.split(".")[0]])
+    ]
+    assert wrong == []
+
+
+def test_few_function_local_imports_and_each_says_why() -> None:
+    local = {(e.source, e.line): e for e in INTERNAL if e.local}.values()
+    assert len(local) <= MAX_LOCAL_IMPORTS, [f"{e.source}:{e.line}" for e in local]
+    for e in local:
+        assert "#" in e.comment, f"{e.source}:{e.line} imports {e.target} locally without a why"
+
+
+@pytest.mark.parametrize("command", ["migrate", "status", "gc", "parked"])
+def test_operator_commands_do_not_load_the_kafka_client(command: str) -> None:
+    probe = (
+        "import sys\n"
+        "from outbox.cli import main\n"
+        "try:\n"
+        f"    main([{command!r}, '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('confluent_kafka' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
+    assert "usage: outbox" in out.stdout
