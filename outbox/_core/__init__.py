@@ -1,0 +1,1 @@
+"""Pure decisions: no I/O, standard library only, shared by the sync and asyncio services."""

@@ -1,0 +1,1 @@
+"""The Redis adapters: the only modules that import redis."""

@@ -1,0 +1,157 @@
+"""Generate the sync twins of the asyncio sources, so each I/O sequence is written once.
+
+Every (source, target) pair in ``PAIRS`` is rewritten with the ``RULES`` (regular expressions,
+applied in order, line by line), then cleaned with ruff (import order, imports left unused by a
+rule) and formatted with ruff, and written under a header naming its source.
+
+    python tools/async_to_sync.py           # regenerate the targets
+    python tools/async_to_sync.py --check   # exit 1 when a target differs from what it would be
+
+The run fails when a rule was never used across all pairs: a rule that matches nothing means
+the source changed under it, and the twins may have drifted. To generate a new twin, add its
+pair and any rule its names need; rules are shared by every pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (asyncio source, generated sync target), relative to the repository root.
+PAIRS: list[tuple[str, str]] = [
+    ("outbox/guard_async.py", "outbox/guard.py"),
+]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Replace ``pattern`` (a regular expression, multi-line mode) with ``replacement``."""
+
+    pattern: str
+    replacement: str
+
+    def compiled(self) -> re.Pattern[str]:
+        return re.compile(self.pattern, re.MULTILINE)
+
+
+RULES: list[Rule] = [
+    # Names of the asyncio classes and helpers, and their sync twins.
+    Rule(r"\bAsyncRedisGuard\b", "RedisGuard"),
+    Rule(r"\bAsyncClaim\b", "Claim"),
+    Rule(r"\bAsyncHeartbeat\b", "Heartbeat"),
+    Rule(r"\bAsyncRedisClient\b", "RedisClient"),
+    Rule(r"\bAsyncClient\b", "Client"),
+    Rule(r"\bmake_async_client\b", "make_client"),
+    Rule(r"\bas_async_client\b", "as_client"),
+    Rule(r"^_ASYNC = True$", "_ASYNC = False"),
+    # The language.
+    Rule(r"\basync def\b", "def"),
+    Rule(r"\basync with\b", "with"),
+    Rule(r"\bawait ", ""),
+    Rule(r"\b__aenter__\b", "__enter__"),
+    Rule(r"\b__aexit__\b", "__exit__"),
+    Rule(r"\baclose\b", "close"),
+    Rule(r"\bAwaitable\[(\w+)\]", r"\1"),
+    # Libraries.
+    Rule(r"\bredis\.asyncio\b", "redis"),
+]
+
+HEADER = "# generated from {source} by tools/async_to_sync.py; do not edit\n"
+
+
+class UnusedRules(Exception):
+    """Rules that matched nothing in any source."""
+
+
+def convert(text: str, rules: Sequence[Rule], used: dict[Rule, int]) -> str:
+    """Apply every rule to ``text``; count each rule's matches in ``used``."""
+    for rule in rules:
+        text, n = rule.compiled().subn(rule.replacement, text)
+        used[rule] = used.get(rule, 0) + n
+    return text
+
+
+def _ruff(args: list[str], text: str, target: Path, root: Path) -> str:
+    command = [sys.executable, "-m", "ruff", *args, "--stdin-filename", str(target), "-"]
+    try:
+        done = subprocess.run(
+            command, input=text, capture_output=True, text=True, cwd=root, check=False
+        )
+    except OSError as exc:  # pragma: no cover - no interpreter
+        raise SystemExit(f"cannot run ruff: {exc}") from exc
+    if done.returncode != 0:
+        raise SystemExit(
+            f"ruff {' '.join(args)} failed on the generated {target}:\n{done.stderr}{done.stdout}"
+        )
+    return done.stdout
+
+
+def generate(
+    pairs: Sequence[tuple[str, str]], rules: Sequence[Rule], root: Path = ROOT
+) -> dict[Path, str]:
+    """The text of every target; raises :class:`UnusedRules` when a rule matched nothing."""
+    used: dict[Rule, int] = {}
+    out: dict[Path, str] = {}
+    for source, target in pairs:
+        text = convert((root / source).read_text(encoding="utf-8"), rules, used)
+        path = root / target
+        text = _ruff(
+            ["check", "--fix", "--select", "I,F401", "--quiet", "--exit-zero"], text, path, root
+        )
+        text = _ruff(["format", "--quiet"], text, path, root)
+        out[path] = HEADER.format(source=source) + text
+    unused = [rule for rule in rules if not used.get(rule)]
+    if unused:
+        raise UnusedRules(
+            "rules that matched nothing (remove them, or the source changed under them): "
+            + ", ".join(repr(rule.pattern) for rule in unused)
+        )
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 when a target is stale"
+    )
+    args = parser.parse_args(argv)
+    try:
+        targets = generate(PAIRS, RULES)
+    except UnusedRules as exc:
+        print(f"async_to_sync: {exc}", file=sys.stderr)
+        return 2
+    stale = 0
+    for path, text in targets.items():
+        current = path.read_text(encoding="utf-8") if path.exists() else ""
+        if current == text:
+            continue
+        rel = path.relative_to(ROOT)
+        if args.check:
+            stale += 1
+            diff = difflib.unified_diff(
+                current.splitlines(keepends=True),
+                text.splitlines(keepends=True),
+                f"{rel} (on disk)",
+                f"{rel} (generated)",
+            )
+            sys.stderr.writelines(diff)
+            print(f"async_to_sync: {rel} is stale", file=sys.stderr)
+        else:
+            path.write_text(text, encoding="utf-8")
+            print(f"async_to_sync: wrote {rel}")
+    if stale:
+        print("run: python tools/async_to_sync.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
