@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import pytest
 
+from tests._guard import Target
 from tests._services import (
     ENV_TEST_DATABASE_URL,
     ENV_TEST_KAFKA_BOOTSTRAP,
@@ -36,6 +37,7 @@ from tests._services import (
     start_postgres_container,
     start_redis_container,
 )
+from tests.fixtures.redis_cluster import LocalRedisCluster
 
 HOW_POSTGRES = (
     "Start PostgreSQL on 127.0.0.1:5432 (user postgres, trust auth), or set "
@@ -207,6 +209,51 @@ def private_redis() -> Iterator[Callable[..., PrivateRedis]]:
         yield start
     finally:
         close_all(servers)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[PrivateRedis]:
+    """A private ``redis-server`` started once for the session (nothing persisted); tests keep
+    apart by key prefix. Tests that stop or reconfigure a server use ``private_redis``."""
+    server = PrivateRedis()
+    try:
+        server.start()
+    except ServiceUnavailable as exc:
+        server.close()
+        _unavailable("redis-server", str(exc), HOW_REDIS_SERVER)
+    _USED["private Redis"] = f"{server.url} (started by the test session)"
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalRedisCluster]:
+    """A private Redis Cluster of three masters on loopback ports, started once for the
+    session (``redis-server --cluster-enabled yes`` x3 + ``redis-cli --cluster create``).
+    ``.url`` names a startup node; ``.nodes`` are the servers."""
+    cluster = LocalRedisCluster()
+    try:
+        cluster.start()
+    except (ServiceUnavailable, TimeoutError, OSError) as exc:
+        cluster.close()
+        _unavailable("Redis Cluster", f"{type(exc).__name__}: {exc}", HOW_REDIS_SERVER)
+    _USED["Redis Cluster"] = f"{', '.join(map(str, cluster.ports))} (started by the test session)"
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def guard_target(request: pytest.FixtureRequest) -> Target:
+    """Where a guard test runs: the session's private redis-server, then its Redis Cluster."""
+    if request.param == "cluster":
+        cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+        return Target("cluster", cluster.url, cluster=True)
+    server: PrivateRedis = request.getfixturevalue("redis_server")
+    return Target("redis", server.url, cluster=False)
 
 
 # --------------------------------------------------------------------------------------- Kafka

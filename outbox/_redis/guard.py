@@ -30,7 +30,7 @@ import redis.cluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ConstantBackoff
 from redis.connection import parse_url
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from outbox._core.guard import MAX_FENCE, MAX_LEASE
@@ -61,9 +61,12 @@ SOCKET_TIMEOUT = 0.3
 RETRIES = 1
 RETRY_BACKOFF = 0.02
 
-# Everything redis-py raises for a server that is down, slow, refusing or misconfigured.
-# (RedisClusterException does not derive from RedisError.)
-REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+# What a failed client call raises: RedisError for a server that is down, slow or refusing,
+# RedisClusterException (not a RedisError) for a cluster it cannot map, OSError -- and, from
+# client bugs under concurrency, AttributeError and the like. The guard's policy (closed or
+# open) must hold whatever the client raises, so every Exception counts as a Redis failure;
+# the original stays chained to the GuardUnavailable.
+REDIS_ERRORS: tuple[type[Exception], ...] = (Exception,)
 
 RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
 AsyncRedisClient: TypeAlias = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
@@ -251,9 +254,8 @@ def make_async_client(url: str, cluster: bool) -> AsyncClient:
     check_url(url, cluster)
     retry = AsyncRetry(ConstantBackoff(RETRY_BACKOFF), RETRIES)
     if cluster:
-        return cast(
-            AsyncClient,
-            redis.asyncio.cluster.RedisCluster.from_url(url, retry=retry, **_options()),
+        return _AsyncCluster(
+            redis.asyncio.cluster.RedisCluster.from_url(url, retry=retry, **_options())
         )
     return cast(AsyncClient, redis.asyncio.Redis.from_url(url, retry=retry, **_options()))
 
@@ -288,6 +290,35 @@ class _LazyCluster:
             self._client.close()
 
 
+class _AsyncCluster:
+    """An asyncio ``RedisCluster`` that maps the cluster once, alone, before its first command.
+
+    redis-py's asyncio cluster client (seen with redis-py 8.1) breaks connections when many
+    coroutines send their first commands at once (``AttributeError: 'NoneType' object has no
+    attribute 'writelines'``). ``initialize()`` serializes its callers on the client's own lock,
+    so every first caller waits here until the map is complete.
+    """
+
+    def __init__(self, client: redis.asyncio.cluster.RedisCluster) -> None:
+        self._client = client
+        self._ready = False
+
+    async def _get(self) -> redis.asyncio.cluster.RedisCluster:
+        if not self._ready:
+            await self._client.initialize()
+            self._ready = True
+        return self._client
+
+    async def evalsha(self, sha: str, numkeys: int, *keys_and_args: str) -> Any:
+        return await (await self._get()).evalsha(sha, numkeys, *keys_and_args)
+
+    async def eval(self, script: str, numkeys: int, *keys_and_args: str) -> Any:
+        return await (await self._get()).eval(script, numkeys, *keys_and_args)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
 def as_client(value: object) -> Client:
     """A caller's sync client, or a clear error for anything else."""
     if isinstance(value, redis.Redis | redis.cluster.RedisCluster):
@@ -300,7 +331,9 @@ def as_client(value: object) -> Client:
 
 def as_async_client(value: object) -> AsyncClient:
     """A caller's asyncio client, or a clear error for anything else."""
-    if isinstance(value, redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster):
+    if isinstance(value, redis.asyncio.cluster.RedisCluster):
+        return _AsyncCluster(value)
+    if isinstance(value, redis.asyncio.Redis):
         return cast(AsyncClient, value)
     raise ConfigurationError(
         f"AsyncRedisGuard needs a Redis URL, a redis.asyncio.Redis or a "
