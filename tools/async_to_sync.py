@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        targets = generate(PAIRS, RULES)
+        targets = generate(PAIRS, RULES, ROOT)
     except UnusedRules as exc:
         print(f"async_to_sync: {exc}", file=sys.stderr)
         return 2
