@@ -206,7 +206,7 @@ class RedisGuard:
             except rg.NoScriptError:
                 return self._client.eval(script.text, 1, claim.redis_key, *args)
         except rg.REDIS_ERRORS as exc:
-            raise core.unreachable(claim.scope, claim.key, exc) from exc
+            raise core.redis_failed(claim.scope, claim.key, exc) from exc
 
 
 class Claim:
@@ -271,7 +271,7 @@ class Claim:
             )
         except GuardUnavailable as exc:
             if settings.on_redis_error == "closed":
-                raise
+                raise core.not_run(exc) from exc
             log.warning(
                 "%s; on_redis_error='open': running the body without the guard, so it may run "
                 "twice",

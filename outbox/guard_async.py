@@ -207,7 +207,7 @@ class AsyncRedisGuard:
             except rg.NoScriptError:
                 return await self._client.eval(script.text, 1, claim.redis_key, *args)
         except rg.REDIS_ERRORS as exc:
-            raise core.unreachable(claim.scope, claim.key, exc) from exc
+            raise core.redis_failed(claim.scope, claim.key, exc) from exc
 
 
 class AsyncClaim:
@@ -274,7 +274,7 @@ class AsyncClaim:
             )
         except GuardUnavailable as exc:
             if settings.on_redis_error == "closed":
-                raise
+                raise core.not_run(exc) from exc
             log.warning(
                 "%s; on_redis_error='open': running the body without the guard, so it may run "
                 "twice",

@@ -208,14 +208,23 @@ def unreadable(scope: str, key: str, redis_key: str, why: str) -> GuardUnavailab
     )
 
 
-def unreachable(scope: str, key: str, exc: BaseException) -> GuardUnavailable:
-    """The error for a Redis failure before the body ran (the body was not run)."""
+def redis_failed(scope: str, key: str, exc: BaseException) -> GuardUnavailable:
+    """The error for a Redis call that failed (down, slow, refusing, out of memory...)."""
     return GuardUnavailable(
-        f"the guard could not reach Redis for idempotency key {key!r} in scope {scope!r} "
-        f"({type(exc).__name__}: {exc}); the body was not run. Check that Redis is up and "
-        "reachable, or choose on_redis_error='open' to run bodies unguarded while it is not",
+        f"Redis failed the guard for idempotency key {key!r} in scope {scope!r} "
+        f"({type(exc).__name__}: {exc}); check that Redis is up, reachable and accepting writes",
         scope=scope,
         key=key,
+    )
+
+
+def not_run(cause: GuardUnavailable) -> GuardUnavailable:
+    """The error when the guard could not decide, under ``on_redis_error="closed"``."""
+    return GuardUnavailable(
+        f"{cause}. The body was not run (on_redis_error='closed'; 'open' runs bodies unguarded "
+        "while the guard cannot decide, at the risk of running them twice)",
+        scope=cause.scope,
+        key=cause.key,
     )
 
 
@@ -223,7 +232,7 @@ def not_recorded(scope: str, key: str, lease: float, cause: GuardUnavailable) ->
     """The error for a body that ran but whose outcome Redis did not record."""
     return GuardUnavailable(
         f"the body of idempotency key {key!r} in scope {scope!r} ran, but its outcome was not "
-        f"recorded ({cause}). The key stays busy until its lease runs out ({lease:g}s); a "
+        f"recorded: {cause}. The key stays busy until its lease runs out ({lease:g}s); a "
         "retry after that runs the body again",
         scope=scope,
         key=key,
