@@ -6,7 +6,7 @@ State of one ``(scope, key)`` -- one hash, one Redis key (see
     s  status: P (processing), C (completed), F (failed), R (released)
     t  token of the current (or last) owner
     n  fence: +1 on every claim, kept across releases and takeovers
-    d  lease deadline, in ms of the Redis server's clock (P only)
+    d  lease deadline, in ms of the Redis server's clock (read for P only)
     f  fingerprint ('' for none)
     r  result JSON (C only)     e  error text (F only)
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias, cast
 
 import redis
@@ -78,10 +78,10 @@ class Script:
 
     name: str
     text: str
+    sha: str = field(init=False)
 
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.text.encode("utf-8")).hexdigest()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.text.encode("utf-8")).hexdigest())
 
 
 _PRELUDE = f"""
@@ -94,54 +94,58 @@ local function int(x)
   return x and x == math.floor(x) and x >= 0 and x <= {MAX_FENCE}
 end
 -- The record: nil when there is none; false and a reason for any shape this guard never writes.
-local function load(now)
-  local kind = redis.call('TYPE', K)['ok']
-  if kind == 'none' then return nil end
-  if kind ~= 'hash' then return false, 'holds a ' .. kind .. ', not a hash' end
-  local v = redis.call('HMGET', K, 's', 't', 'n', 'd', 'f')
-  local rec = {{s = v[1], t = v[2], n = tonumber(v[3]), d = tonumber(v[4]), f = v[5]}}
+-- One HMGET reads all of it (a wrong type answers an error, which is caught).
+local function load()
+  local v = redis.pcall('HMGET', K, 's', 't', 'n', 'd', 'f', 'r', 'e')
+  if v['err'] then return false, 'holds a ' .. redis.call('TYPE', K)['ok'] .. ', not a hash' end
+  local rec = {{s = v[1], t = v[2], n = tonumber(v[3]), d = tonumber(v[4]), f = v[5] or '',
+               r = v[6], e = v[7]}}
+  if not rec.s then
+    if redis.call('EXISTS', K) == 0 then return nil end
+    return false, 'has no status'
+  end
   if rec.s ~= 'P' and rec.s ~= 'C' and rec.s ~= 'F' and rec.s ~= 'R' then
     return false, 'has no valid status'
   end
   if not rec.t or rec.t == '' then return false, 'has no owner token' end
   if not int(rec.n) or rec.n < 1 then return false, 'has no valid fence' end
-  if not rec.f then rec.f = '' end
-  if rec.s == 'P' and not (int(rec.d) and rec.d <= now + {round(MAX_LEASE * 1000)}) then
-    return false, 'has no valid lease deadline'
-  end
+  if rec.s == 'C' and not rec.r then return false, 'is completed but holds no result' end
+  if rec.s == 'F' and not rec.e then return false, 'is failed but holds no error' end
   return rec
+end
+-- A processing record's deadline, checked where it is used (claim, renew): a finish needs only
+-- the owner's token.
+local function deadline_ok(rec, now)
+  return int(rec.d) and rec.d <= now + {round(MAX_LEASE * 1000)}
 end
 """
 
 # ARGV: token, lease_ms, fingerprint ('' for none), keep_ms.
 # -> {'new', fence, takeover 0|1} | {'busy', ms left} | {'done', result, fingerprint}
 #    | {'failed', error, fingerprint} | {'corrupt', reason}
+# A duplicate of a completed key costs one HMGET; a new key HMGET, EXISTS, TIME, HSET, PEXPIRE.
 CLAIM = Script(
     "claim",
     _PRELUDE
     + """
 local token, lease, keep = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4])
-local now = now_ms()
-local rec, why = load(now)
+local rec, why = load()
 if rec == false then return {'corrupt', why} end
+local now
 local fence, takeover = 1, 0
 if rec then
-  if rec.s == 'C' then
-    local r = redis.call('HGET', K, 'r')
-    if not r then return {'corrupt', 'is completed but holds no result'} end
-    return {'done', r, rec.f}
-  elseif rec.s == 'F' then
-    local e = redis.call('HGET', K, 'e')
-    if not e then return {'corrupt', 'is failed but holds no error'} end
-    return {'failed', e, rec.f}
-  elseif rec.s == 'P' then
+  if rec.s == 'C' then return {'done', rec.r, rec.f} end
+  if rec.s == 'F' then return {'failed', rec.e, rec.f} end
+  if rec.s == 'P' then
     if rec.t == token then return {'new', rec.n, 0} end
+    now = now_ms()
+    if not deadline_ok(rec, now) then return {'corrupt', 'has no valid lease deadline'} end
     if now < rec.d then return {'busy', rec.d - now} end
     takeover = 1
   end
   fence = rec.n + 1
 end
-redis.call('DEL', K)
+now = now or now_ms()
 redis.call('HSET', K, 's', 'P', 't', token, 'n', string.format('%d', fence),
            'd', string.format('%d', now + lease), 'f', ARGV[3])
 redis.call('PEXPIRE', K, lease + keep)
@@ -156,18 +160,18 @@ FINISH = Script(
     _PRELUDE
     + """
 local token, status = ARGV[1], ARGV[2]
-local rec, why = load(now_ms())
+local rec, why = load()
 if rec == false then return {'corrupt', why} end
 if not rec then return {'lost', 0} end
 if rec.t ~= token then return {'lost', rec.n} end
 if rec.s == status then return {'ok', rec.n} end
 if rec.s ~= 'P' then return {'lost', rec.n} end
-redis.call('HSET', K, 's', status)
-redis.call('HDEL', K, 'd')
 if status == 'C' then
-  redis.call('HSET', K, 'r', ARGV[3])
+  redis.call('HSET', K, 's', 'C', 'r', ARGV[3])
 elseif status == 'F' then
-  redis.call('HSET', K, 'e', ARGV[3])
+  redis.call('HSET', K, 's', 'F', 'e', ARGV[3])
+else
+  redis.call('HSET', K, 's', 'R')
 end
 redis.call('PEXPIRE', K, tonumber(ARGV[4]))
 return {'ok', rec.n}
@@ -180,11 +184,12 @@ RENEW = Script(
     _PRELUDE
     + """
 local token, lease = ARGV[1], tonumber(ARGV[2])
-local now = now_ms()
-local rec, why = load(now)
+local rec, why = load()
 if rec == false then return {'corrupt', why} end
 if not rec then return {'lost', 0} end
 if rec.t ~= token or rec.s ~= 'P' then return {'lost', rec.n} end
+local now = now_ms()
+if not deadline_ok(rec, now) then return {'corrupt', 'has no valid lease deadline'} end
 redis.call('HSET', K, 'd', string.format('%d', now + lease))
 redis.call('PEXPIRE', K, lease + tonumber(ARGV[3]))
 return {'ok', rec.n}
