@@ -11,7 +11,8 @@ In one run, on one connection, one operation at a time, it measures:
 * **plain duplicate**: ``GET`` of an existing key (one round trip);
 * **guard duplicate**: a claim of a completed key, which replays its result.
 
-Each figure is the best of ``--rounds`` alternating rounds; the ratios are guard / plain. The
+The four kinds take turns every 500 operations, so that a change in the machine's load hits them
+alike. Each figure is the best of ``--rounds`` rounds; the ratios are guard / plain. The
 round trips per operation are counted by the server (``INFO commandstats``), so the run uses a
 ``redis-server`` of its own on a free port unless ``--redis-url`` names one (where other
 clients' commands would blur the count).
@@ -29,7 +30,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -70,6 +71,9 @@ def private_redis() -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+CHUNK = 500  # operations of one kind before the next kind runs: load changes hit all kinds
+
+
 @dataclass
 class Figure:
     ops_per_s: float
@@ -78,23 +82,30 @@ class Figure:
     round_trips: float
 
 
-def measure(op: Callable[[int], object], n: int, counter: Callable[[], int]) -> Figure:
-    samples: list[int] = []
-    calls = counter()
-    started = time.perf_counter()
-    for i in range(n):
-        t0 = time.perf_counter_ns()
-        op(i)
-        samples.append(time.perf_counter_ns() - t0)
-    elapsed = time.perf_counter() - started
-    calls = counter() - calls
-    samples.sort()
-    return Figure(
-        n / elapsed,
-        samples[len(samples) // 2] / 1000,
-        samples[int(len(samples) * 0.99)] / 1000,
-        calls / n,
-    )
+@dataclass
+class Tally:
+    """One kind of operation over one round, gathered chunk by chunk."""
+
+    elapsed: float = 0.0
+    calls: int = 0
+    samples: list[int] = field(default_factory=list)
+
+    def run(self, op: Callable[[int], object], start: int, counter: Callable[[], int]) -> None:
+        calls = counter()
+        began = time.perf_counter()
+        for i in range(start, start + CHUNK):
+            t0 = time.perf_counter_ns()
+            op(i)
+            self.samples.append(time.perf_counter_ns() - t0)
+        self.elapsed += time.perf_counter() - began
+        self.calls += counter() - calls
+
+    def figure(self) -> Figure:
+        samples = sorted(self.samples)
+        n = len(samples)
+        return Figure(
+            n / self.elapsed, samples[n // 2] / 1000, samples[int(n * 0.99)] / 1000, self.calls / n
+        )
 
 
 def best(figures: list[Figure]) -> Figure:
@@ -104,7 +115,12 @@ def best(figures: list[Figure]) -> Figure:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", help="an existing Redis (default: start a private one)")
-    parser.add_argument("--ops", type=int, default=20000, help="operations per measurement")
+    parser.add_argument(
+        "--ops",
+        type=int,
+        default=20000,
+        help=f"operations per kind and round (a multiple of {CHUNK})",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; best counts")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
@@ -145,6 +161,7 @@ def run(url: str, n: int, rounds: int) -> None:
 
         return op
 
+    n = max(CHUNK, n - n % CHUNK)
     for i in range(n):  # the keys duplicates read
         plain.set(f"{prefix}:dup:{i}", '{"i": 1}')
         with guard.claim(f"dup-{i}") as claim:
@@ -159,17 +176,22 @@ def run(url: str, n: int, rounds: int) -> None:
             return claim.result
 
     # Warm up connections and the script cache.
-    measure(plain_new(-1), 200, plain_count)
-    measure(guard_new(-1), 200, guard_count)
+    Tally().run(plain_new(-1), 0, plain_count)
+    Tally().run(guard_new(-1), 0, guard_count)
     results: dict[str, list[Figure]] = {k: [] for k in ("pn", "gn", "pd", "gd")}
     for r in range(rounds):
-        results["pn"].append(measure(plain_new(r), n, plain_count))
-        results["gn"].append(measure(guard_new(r), n, guard_count))
-        results["pd"].append(measure(plain_dup, n, plain_count))
-        results["gd"].append(measure(guard_dup, n, guard_count))
+        tallies = {k: Tally() for k in results}
+        for start in range(0, n, CHUNK):  # the four kinds take turns, CHUNK operations each
+            tallies["pn"].run(plain_new(r), start, plain_count)
+            tallies["gn"].run(guard_new(r), start, guard_count)
+            tallies["pd"].run(plain_dup, start, plain_count)
+            tallies["gd"].run(guard_dup, start, guard_count)
+        for k, tally in tallies.items():
+            results[k].append(tally.figure())
     pn, gn, pd, gd = (best(results[k]) for k in ("pn", "gn", "pd", "gd"))
 
-    print(f"Redis guard vs plain commands, {n} ops per measurement, best of {rounds}, 1 client\n")
+    print(f"Redis guard vs plain commands: {n} ops per kind and round, best of {rounds}, 1 client")
+    print()
     print(f"{'operation':<36} {'ops/s':>9} {'p50 us':>8} {'p99 us':>8} {'round trips':>12}")
     for name, fig in (
         ("plain new key (SET NX + GET)", pn),
@@ -189,6 +211,13 @@ def run(url: str, n: int, rounds: int) -> None:
           f"duplicate {gd.round_trips:.2f} (target 1)")  # fmt: skip
     spread = statistics.pstdev(f.ops_per_s for f in results["gn"]) / gn.ops_per_s
     print(f"spread of the guard's rounds: {100 * spread:.1f}% of the best")
+    stats = admin.info("commandstats")
+    server = {
+        name: float(stats[f"cmdstat_{name}"]["usec_per_call"])
+        for name in ("evalsha", "set", "get")
+        if f"cmdstat_{name}" in stats
+    }
+    print("server time per call (us): " + ", ".join(f"{k} {v:.2f}" for k, v in server.items()))
 
     keys = list(admin.scan_iter(match=f"{prefix}:*", count=1000))  # plain and guard keys
     for start in range(0, len(keys), 500):
