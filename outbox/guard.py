@@ -205,7 +205,7 @@ class RedisGuard:
                 return self._client.evalsha(script.sha, 1, claim.redis_key, *args)
             except rg.NoScriptError:
                 return self._client.eval(script.text, 1, claim.redis_key, *args)
-        except rg.REDIS_ERRORS as exc:
+        except rg.CLIENT_ERRORS as exc:
             raise core.redis_failed(claim.scope, claim.key, exc) from exc
 
 

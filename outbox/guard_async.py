@@ -206,7 +206,7 @@ class AsyncRedisGuard:
                 return await self._client.evalsha(script.sha, 1, claim.redis_key, *args)
             except rg.NoScriptError:
                 return await self._client.eval(script.text, 1, claim.redis_key, *args)
-        except rg.REDIS_ERRORS as exc:
+        except rg.CLIENT_ERRORS as exc:
             raise core.redis_failed(claim.scope, claim.key, exc) from exc
 
 

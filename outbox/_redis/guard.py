@@ -39,8 +39,8 @@ from outbox.errors import ConfigurationError
 
 __all__ = [
     "CLAIM",
+    "CLIENT_ERRORS",
     "FINISH",
-    "REDIS_ERRORS",
     "RENEW",
     "AsyncClient",
     "AsyncRedisClient",
@@ -50,6 +50,7 @@ __all__ = [
     "Script",
     "as_async_client",
     "as_client",
+    "check_url",
     "make_async_client",
     "make_client",
 ]
@@ -66,7 +67,7 @@ RETRY_BACKOFF = 0.02
 # client bugs under concurrency, AttributeError and the like. The guard's policy (closed or
 # open) must hold whatever the client raises, so every Exception counts as a Redis failure;
 # the original stays chained to the GuardUnavailable.
-REDIS_ERRORS: tuple[type[Exception], ...] = (Exception,)
+CLIENT_ERRORS: tuple[type[Exception], ...] = (Exception,)
 
 RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
 AsyncRedisClient: TypeAlias = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster

@@ -18,6 +18,7 @@ from outbox.guard import Claim, RedisGuard
 from outbox.guard_async import AsyncRedisGuard
 from tests._guard import Target, new_prefix
 from tests._services import PrivateRedis, TcpProxy
+from tests.fixtures.redis_cluster import LocalRedisCluster
 
 # ---------------------------------------------------------------------------- Redis stopped
 
@@ -114,6 +115,38 @@ def test_a_stalled_redis_is_known_within_a_second(
         print(f"stalled Redis refused after {elapsed:.3f}s")
         assert elapsed < 1.0
         proxy.restore()
+
+
+def test_a_dead_cluster_master_fails_only_its_own_keys(redis_cluster: LocalRedisCluster) -> None:
+    # A cluster of this test's own (the session's must stay whole); the session fixture has
+    # already shown that redis-server and redis-cli are there.
+    cluster = LocalRedisCluster().start()
+    try:
+        target = Target("cluster", cluster.url, cluster=True)
+        client = target.client()
+        with target.guard() as guard:
+            keys = [f"k{i}" for i in range(30)]
+            for key in keys:
+                guard.run(key, lambda claim: 1)
+            dead = cluster.nodes[1]
+            on_dead = {
+                key
+                for key in keys
+                if client.get_node_from_key(guard.claim(key).redis_key).port == dead.port  # type: ignore[union-attr]
+            }
+            assert 0 < len(on_dead) < len(keys)
+            client.close()
+            dead.kill()
+            for key in keys:
+                started = time.monotonic()
+                if key in on_dead:
+                    with pytest.raises(GuardUnavailable):
+                        guard.run(key, lambda claim: 2)
+                else:
+                    assert guard.run(key, lambda claim: 2) == 1  # replayed from a live master
+                assert time.monotonic() - started < 1.0
+    finally:
+        cluster.close()
 
 
 # ---------------------------------------------------------------------------- Redis flushed
