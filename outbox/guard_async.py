@@ -10,13 +10,14 @@ duplicate gets the stored result without running anything::
     async with guard.claim(request_id, scope="payments") as claim:
         if claim.replayed:
             return claim.result
-        receipt = await provider.charge(amount, reference=f"{request_id}/{claim.fence}")
+        receipt = await provider.charge(amount, idempotency_key=request_id)
+        await ledger.record(request_id, receipt.id, fence=claim.fence)
         claim.result = {"receipt": receipt.id}
 
 This is a weaker mode than the unit of work: a lease is a clock, and an owner paused longer
 than its lease can still act after another owner took over. ``claim.fence`` grows with every
-owner of a key, so downstream systems can refuse a stale one. ``docs/guard.md`` says when to
-use which, and what a lease cannot promise.
+owner of a key, so downstream systems (the ledger above) can refuse a stale one.
+``docs/guard.md`` says when to use which, and what a lease cannot promise.
 """
 
 from __future__ import annotations
