@@ -132,12 +132,15 @@ class LeaseLost(OutboxError):
     """
 
     def __init__(self, scope: str, key: str, fence: int, current_fence: int) -> None:
-        now = f"the key is at fence {current_fence}" if current_fence else "its record expired"
+        what = (
+            f"ran out and another owner took the key over (it is at fence {current_fence})"
+            if current_fence
+            else "is gone: the key's record left Redis (expired, evicted or flushed)"
+        )
         super().__init__(
-            f"the lease on idempotency key {key!r} in scope {scope!r} (fence {fence}) ran out "
-            f"and another owner took the key over ({now}); this owner's outcome was not "
-            "recorded. Use a longer lease or lease renewal, and pass the fence to downstream "
-            "writes so that they refuse stale owners"
+            f"the lease on idempotency key {key!r} in scope {scope!r} (fence {fence}) {what}; "
+            "this owner's outcome was not recorded. Use a longer lease or lease renewal, and "
+            "pass the fence to downstream writes so that they refuse stale owners"
         )
         self.scope = scope
         self.key = key

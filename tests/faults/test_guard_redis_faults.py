@@ -158,7 +158,7 @@ def test_a_lost_record_turns_the_owners_completion_into_lease_lost(
     prefix = new_prefix()
     admin = redis.Redis.from_url(redis_server.url)
     with RedisGuard(redis_server.url, prefix=prefix) as guard:
-        with pytest.raises(LeaseLost, match="its record expired"), guard.claim("k") as claim:
+        with pytest.raises(LeaseLost, match="record left Redis"), guard.claim("k") as claim:
             claim.result = 1
             admin.delete(claim.redis_key)  # what FLUSHALL or an eviction does to one key
         with guard.claim("k") as claim:
