@@ -128,3 +128,44 @@ class FatalProducerError(PublishError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, retriable=True)
+
+
+class GuardUnavailable(OutboxError):
+    """The Redis guard (:mod:`outbox.guard`) could not decide for a key.
+
+    Redis was unreachable, too slow, refused the command, or the key's record in Redis is not
+    one the guard wrote. With ``on_redis_error="closed"`` (the default) the body is not run and
+    this is raised; with ``"open"`` the body runs without the guard and a warning is logged.
+    Also raised, under ``"closed"``, when a body ran but Redis did not record its outcome.
+    """
+
+    def __init__(self, message: str, *, scope: str, key: str) -> None:
+        super().__init__(message)
+        self.scope = scope
+        self.key = key
+
+
+class LeaseLost(OutboxError):
+    """A guard's lease on a key ran out and another owner took the key over.
+
+    Raised when the owner whose lease expired tries to record its outcome: nothing is changed
+    and the new owner's outcome stands. Effects the old owner had already caused are not undone:
+    pass ``claim.fence`` to the systems the body writes to, so that they can refuse an owner
+    whose fence is lower than one they have already seen (see ``docs/guard.md``).
+    """
+
+    def __init__(self, scope: str, key: str, fence: int, current_fence: int) -> None:
+        what = (
+            f"ran out and another owner took the key over (it is at fence {current_fence})"
+            if current_fence
+            else "is gone: the key's record left Redis (expired, evicted or flushed)"
+        )
+        super().__init__(
+            f"the lease on idempotency key {key!r} in scope {scope!r} (fence {fence}) {what}; "
+            "this owner's outcome was not recorded. Use a longer lease or lease renewal, and "
+            "pass the fence to downstream writes so that they refuse stale owners"
+        )
+        self.scope = scope
+        self.key = key
+        self.fence = fence
+        self.current_fence = current_fence

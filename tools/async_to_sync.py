@@ -30,6 +30,7 @@ PAIRS: list[tuple[str, str]] = [
     ("outbox/_pg/transaction_async.py", "outbox/_pg/transaction.py"),
     ("outbox/_redis/cache_async.py", "outbox/_redis/cache.py"),
     ("outbox/uow_async.py", "outbox/uow.py"),
+    ("outbox/guard_async.py", "outbox/guard.py"),
 ]
 
 
@@ -52,6 +53,12 @@ RULES: list[Rule] = [
     Rule(r"\bAsyncTransaction\b", "Transaction"),
     Rule(r"\bAsyncOutcomeCache\b", "OutcomeCache"),
     Rule(r"\bmake_async_client\b", "make_client"),
+    Rule(r"\bAsyncRedisGuard\b", "RedisGuard"),
+    Rule(r"\bAsyncClaim\b", "Claim"),
+    Rule(r"\bAsyncHeartbeat\b", "Heartbeat"),
+    Rule(r"\bAsyncRedisClient\b", "RedisClient"),
+    Rule(r"\bAsyncClient\b", "Client"),
+    Rule(r"\bas_async_client\b", "as_client"),
     Rule(r"\baob\b", "ob"),
     Rule(r"^_ASYNC = True$", "_ASYNC = False"),
     # Modules that have a twin.
@@ -63,6 +70,7 @@ RULES: list[Rule] = [
     Rule(r"\b__aenter__\b", "__enter__"),
     Rule(r"\b__aexit__\b", "__exit__"),
     Rule(r"\baclose\b", "close"),
+    Rule(r"\bAwaitable\[(\w+)\]", r"\1"),
     # SQLAlchemy.
     Rule(
         r"^from sqlalchemy\.ext\.asyncio import AsyncConnection, AsyncEngine, AsyncSession$",
@@ -146,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        targets = generate(PAIRS, RULES)
+        targets = generate(PAIRS, RULES, ROOT)
     except UnusedRules as exc:
         print(f"async_to_sync: {exc}", file=sys.stderr)
         return 2
