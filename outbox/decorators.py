@@ -7,11 +7,10 @@ The wrapping is written here once; :func:`outbox.idempotent` and :meth:`outbox.O
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from outbox.errors import ConfigurationError
+from outbox._core.decorating import check_flavour, key_function
 
 
 class _UnitOfWorkSource(Protocol):
@@ -35,43 +34,8 @@ def make_idempotent(
     """
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
-        coroutine = inspect.iscoroutinefunction(func)
-        if is_async is not None and coroutine != is_async:
-            raise ConfigurationError(
-                f"@idempotent on {func.__qualname__}: "
-                + (
-                    "an async def needs an AsyncOutbox"
-                    if coroutine
-                    else "a plain function needs an Outbox (use async def with AsyncOutbox)"
-                )
-            )
-        signature = inspect.signature(func)
-        params = list(signature.parameters)
-        if not params:
-            raise ConfigurationError(
-                f"@idempotent function {func.__qualname__} must take the unit of work as its "
-                "first parameter: def handler(uow, ...)"
-            )
-        if isinstance(key, str):
-            if key not in params[1:]:
-                raise ConfigurationError(
-                    f"@idempotent(key={key!r}): {func.__qualname__} has no parameter {key!r}; "
-                    "pass a parameter name or a callable taking the function's arguments"
-                )
-            key_param = key
-
-            def key_of(*args: Any, **kwargs: Any) -> str:
-                bound = signature.bind(None, *args, **kwargs)
-                bound.apply_defaults()
-                value: str = bound.arguments[key_param]
-                return value
-
-        elif callable(key):
-            key_of = key
-        else:
-            raise ConfigurationError(
-                f"@idempotent key must be a parameter name or a callable, got {key!r}"
-            )
+        coroutine = check_flavour(func, is_async, "Outbox", "AsyncOutbox")
+        key_of = key_function(func, key, "uow")
 
         if coroutine:
 

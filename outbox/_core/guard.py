@@ -9,7 +9,6 @@ the scripts' answers into verdicts and exceptions. Any answer it cannot read bec
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import re
@@ -18,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from outbox._core import decorating
+from outbox._core.decorating import check_flavour
 from outbox.errors import (
     ConfigurationError,
     GuardUnavailable,
@@ -292,40 +293,7 @@ def decode_transition(reply: object, scope: str, key: str, redis_key: str) -> Tr
 def key_function(
     func: Callable[..., Any], key: str | Callable[..., str], is_async: bool
 ) -> Callable[..., str]:
-    """How ``@guard.idempotent`` finds the key among the caller's arguments.
-
-    ``func`` takes the claim first and the caller's arguments after it. ``key`` names one of
-    those parameters, or is a callable of the caller's arguments returning the key.
-    """
-    name = getattr(func, "__qualname__", repr(func))
-    if not callable(func):
-        raise ConfigurationError(f"@idempotent decorates functions, got {func!r}")
-    if inspect.iscoroutinefunction(func) != is_async:
-        flavour, other = (
-            ("an async", "AsyncRedisGuard") if not is_async else ("a plain", "RedisGuard")
-        )
-        raise ConfigurationError(
-            f"{name} is {flavour} function: decorate it with {other}.idempotent"
-        )
-    signature = inspect.signature(func)
-    params = list(signature.parameters)
-    if not params:
-        raise ConfigurationError(
-            f"@idempotent function {name} must take the claim as its first parameter: "
-            "def handler(claim, ...)"
-        )
-    if callable(key):
-        return key
-    if not isinstance(key, str) or key not in params[1:]:
-        raise ConfigurationError(
-            f"@idempotent(key={key!r}): {name} has no parameter {key!r} after the claim; pass a "
-            "parameter name or a callable taking the function's arguments"
-        )
-
-    def key_of(*args: Any, **kwargs: Any) -> str:
-        bound = signature.bind(None, *args, **kwargs)
-        bound.apply_defaults()
-        value: str = bound.arguments[key]
-        return value
-
-    return key_of
+    """How ``@guard.idempotent`` finds the key among the caller's arguments (the function
+    takes the claim first, the caller's arguments after it)."""
+    check_flavour(func, is_async, "RedisGuard", "AsyncRedisGuard")
+    return decorating.key_function(func, key, "claim")

@@ -222,7 +222,7 @@ def test_key_function() -> None:
         core.key_function(handler, "claim", is_async=False)  # the claim is not the caller's
     with pytest.raises(ConfigurationError, match="first parameter"):
         core.key_function(lambda: None, "k", is_async=False)
-    with pytest.raises(ConfigurationError, match=r"plain function: decorate it with RedisGuard\."):
+    with pytest.raises(ConfigurationError, match=r"a plain function needs RedisGuard\.idempotent"):
         core.key_function(handler, "order_id", is_async=True)
     with pytest.raises(ConfigurationError, match="no parameter 3"):
         core.key_function(handler, 3, is_async=False)  # type: ignore[arg-type]
