@@ -23,6 +23,7 @@ pytest_plugins = [
     "tests.fixtures.kafka",
     "tests.fixtures.proxy",
     "tests.fixtures.uow",
+    "tests.fixtures.web",
 ]
 
 
