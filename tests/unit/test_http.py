@@ -4,6 +4,8 @@ stored, their encoding and the problem documents."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -345,3 +347,13 @@ def test_problem_documents_follow_rfc_9457() -> None:
 def test_status_line() -> None:
     assert http.status_line(201) == "201 Created"
     assert http.status_line(599) == "599 Unknown"
+
+
+def test_the_middlewares_import_no_web_framework() -> None:
+    code = (
+        "import sys, outbox, outbox.http, outbox.http.asgi, outbox.http.wsgi\n"
+        "web = {'starlette', 'fastapi', 'flask', 'werkzeug', 'uvicorn', 'gunicorn', 'httpx'}\n"
+        "print(sorted(web & {name.split('.')[0] for name in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
