@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv services test lint typecheck pytest bench bench-uow bench-relay bench-consumer demo demo-quick clean
+.PHONY: venv services test lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-http demo demo-quick clean
 
 venv: $(VENV)/.installed
 
@@ -52,7 +52,10 @@ bench-relay:
 bench-consumer:
 	$(PYTHON) benchmarks/consumer.py
 
-bench: bench-uow bench-relay bench-consumer
+bench-http:
+	$(PYTHON) benchmarks/http.py
+
+bench: bench-uow bench-relay bench-consumer bench-http
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
