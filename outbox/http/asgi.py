@@ -156,13 +156,14 @@ class IdempotencyMiddleware:
         )
         try:
             covered = settings.admit(request)
-            if covered is None:
-                await self.app(scope, receive, send)
-                return
-            settings.check_declared_length(headers.get("content-length"))
-            body = await _read_body(receive, settings.max_request_bytes)
+            if covered is not None:
+                settings.check_declared_length(headers.get("content-length"))
+                body = await _read_body(receive, settings.max_request_bytes)
         except Refused as refused:
             await _send(send, refused.problem.response())
+            return
+        if covered is None:
+            await self.app(scope, receive, send)
             return
         if body is None:
             return  # the client went away before sending its body: nothing to answer

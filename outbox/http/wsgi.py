@@ -124,12 +124,13 @@ class IdempotencyMiddleware:
         request = Request(method, path, headers, environ.get("QUERY_STRING", ""))
         try:
             covered = settings.admit(request)
-            if covered is None:
-                return self.app(environ, start_response)
-            settings.check_declared_length(environ.get("CONTENT_LENGTH") or None)
-            body = _read_body(environ, settings.max_request_bytes)
+            if covered is not None:
+                settings.check_declared_length(environ.get("CONTENT_LENGTH") or None)
+                body = _read_body(environ, settings.max_request_bytes)
         except Refused as refused:
             return _respond(start_response, refused.problem.response())
+        if covered is None:
+            return self.app(environ, start_response)
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
         request_fingerprint = fingerprint(method, request.target, body)
