@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv services test lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard demo demo-quick clean
+.PHONY: venv services test lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http demo demo-quick clean
 
 venv: $(VENV)/.installed
 
@@ -55,7 +55,10 @@ bench-consumer:
 bench-guard:
 	$(PYTHON) benchmarks/guard.py
 
-bench: bench-uow bench-relay bench-consumer bench-guard
+bench-http:
+	$(PYTHON) benchmarks/http.py
+
+bench: bench-uow bench-relay bench-consumer bench-guard bench-http
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -86,6 +86,11 @@ class ReplayedWriteError(OutboxError):
     """
 
 
+class NoUnitOfWork(OutboxError, LookupError):
+    """:func:`outbox.http.current_unit_of_work` was called outside a request that the
+    idempotency middleware runs in a unit of work."""
+
+
 class PermanentError(OutboxError):
     """Raise from the body of a unit of work to record the key as failed.
 

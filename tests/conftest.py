@@ -24,6 +24,7 @@ pytest_plugins = [
     "tests.fixtures.proxy",
     "tests.fixtures.uow",
     "tests.fixtures.guard",
+    "tests.fixtures.web",
 ]
 
 

@@ -2,6 +2,8 @@
 
 * ``accept_order`` (group ``order-service``, topic ``order.requests``) writes an order row and
   publishes ``order.accepted`` through the outbox -- in one transaction with the idempotency key.
+  Its work is :func:`place_order`, which the HTTP door (``api.py``, ``POST /orders`` with an
+  ``Idempotency-Key``) runs too: two doors, one unit of work.
 * ``ship_order`` (group ``shipping``, topic ``order.accepted``) reacts to that event by writing a
   shipment row. The relay sets each event's ``X-Idempotency-Key`` to its event id, so a re-sent
   event is absorbed here too.
@@ -55,14 +57,16 @@ def create_tables(engine: sa.Engine) -> None:
     Base.metadata.create_all(engine)
 
 
-def accept_order(uow: UnitOfWork, message: Any) -> dict[str, int]:
-    """Turn an order request into an order row and an ``order.accepted`` event."""
-    request = json.loads(message.value())
-    if request["amount_cents"] <= 0:
-        # Retrying cannot fix this: record the key as failed and dead-letter the message.
-        raise PermanentError(f"order amount must be positive, got {request['amount_cents']}")
-    order = Order(request_id=uow.key, customer=request["customer"],
-                  amount_cents=request["amount_cents"])  # fmt: skip
+class InvalidOrder(PermanentError):
+    """An order request that no retry can fix."""
+
+
+def place_order(uow: UnitOfWork, customer: str, amount_cents: int) -> dict[str, int]:
+    """The order service's unit of work, whichever door the request came in by: one order row
+    and one ``order.accepted`` event, committed with the request's idempotency key."""
+    if amount_cents <= 0:
+        raise InvalidOrder(f"order amount must be positive, got {amount_cents}")
+    order = Order(request_id=uow.key, customer=customer, amount_cents=amount_cents)
     uow.session.add(order)
     uow.session.flush()  # assigns order.id
     uow.publish(
@@ -70,7 +74,15 @@ def accept_order(uow: UnitOfWork, message: Any) -> dict[str, int]:
         {"order_id": order.id, "customer": order.customer, "amount_cents": order.amount_cents},
         key=str(order.id),
     )
-    return {"order_id": order.id}  # stored with the key; duplicates get it back
+    return {"order_id": order.id}
+
+
+def accept_order(uow: UnitOfWork, message: Any) -> dict[str, int]:
+    """The Kafka door: an order request from ``order.requests``. An invalid one raises
+    :class:`InvalidOrder`, a ``PermanentError``: the key is recorded as failed and the message
+    dead-lettered."""
+    request = json.loads(message.value())
+    return place_order(uow, request["customer"], request["amount_cents"])  # stored with the key
 
 
 def ship_order(uow: UnitOfWork, message: Any) -> dict[str, int]:
