@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from outbox._core.validate import check_scope
 from outbox.errors import ConfigurationError
 
 
@@ -34,7 +35,15 @@ def make_idempotent(
     ``async def`` needs an ``AsyncOutbox`` and a plain function an ``Outbox``.
     """
 
+    check_scope(scope)  # refused at decoration time, not at the first call
+    if fingerprint is not None and not callable(fingerprint):
+        raise ConfigurationError(
+            f"@idempotent fingerprint must be a callable or None, got {type(fingerprint).__name__}"
+        )
+
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(func):
+            raise ConfigurationError(f"@idempotent decorates a function, got {type(func).__name__}")
         coroutine = inspect.iscoroutinefunction(func)
         if is_async is not None and coroutine != is_async:
             raise ConfigurationError(
@@ -45,7 +54,10 @@ def make_idempotent(
                     else "a plain function needs an Outbox (use async def with AsyncOutbox)"
                 )
             )
-        signature = inspect.signature(func)
+        try:
+            signature = inspect.signature(func)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(f"@idempotent cannot read the signature of {func!r}") from exc
         params = list(signature.parameters)
         if not params:
             raise ConfigurationError(

@@ -33,6 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 from outbox._core import claim
+from outbox._core.validate import shown
 from outbox.errors import ConfigurationError
 
 IDEMPOTENCY_KEYS = "idempotency_keys"
@@ -43,7 +44,7 @@ STATUS_STARTED = "started"
 STATUS_COMPLETED = claim.STATUS_COMPLETED
 STATUS_FAILED = claim.STATUS_FAILED
 
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 def validate_schema_name(schema: str | None) -> str | None:
@@ -54,9 +55,13 @@ def validate_schema_name(schema: str | None) -> str | None:
     """
     if schema is None:
         return None
-    if not isinstance(schema, str) or not _IDENTIFIER.match(schema) or schema.startswith("pg_"):
+    if (
+        not isinstance(schema, str)
+        or not _IDENTIFIER.fullmatch(schema)  # not match(): "$" would allow a final newline
+        or schema.startswith("pg_")
+    ):
         raise ConfigurationError(
-            f"invalid schema name {schema!r}: use 1-63 lower-case letters, digits or "
+            f"invalid schema name {shown(schema)}: use 1-63 lower-case letters, digits or "
             "underscores, starting with a letter or underscore (and not 'pg_')"
         )
     return schema

@@ -40,6 +40,7 @@ from outbox._core import claim, validate as _validate
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import Event, encode_event, event_params
 from outbox._core.failures import is_permanent
+from outbox._core.urls import check_redis_url
 from outbox._pg.after_commit import defer
 from outbox._pg.engines import engine_for, notifier_engine
 from outbox._pg.errors import unique_violation_of
@@ -258,6 +259,8 @@ class Outbox:
     ) -> None:
         if config is None:
             config = OutboxConfig(schema=schema)
+        elif not isinstance(config, OutboxConfig):
+            raise ConfigurationError(f"config must be an OutboxConfig, got {type(config).__name__}")
         elif schema is not None and schema != config.schema:
             raise ConfigurationError(
                 f"schema={schema!r} disagrees with config.schema={config.schema!r}; pass one"
@@ -265,6 +268,8 @@ class Outbox:
         self.config = config.validate()
         if redis_url is not None and redis is not None:
             raise ConfigurationError("pass either redis_url or redis, not both")
+        if redis_url is not None:
+            check_redis_url(redis_url)
         if redis is not None:
             check_flavour(redis, want_async=_ASYNC)
         engine, self._owns_engine = engine_for(database, _ASYNC, engine_options)

@@ -23,8 +23,10 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from outbox._core.claim import StoredOutcome
+from outbox._core.redact import redact, redact_url
+from outbox._core.urls import check_redis_url
 from outbox._redis.entry import decode_entry, encode_entry
-from outbox.config import OutboxConfig, redact_url
+from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError
 
 log = logging.getLogger("outbox.cache")
@@ -35,7 +37,12 @@ CachedOutcome = StoredOutcome
 
 
 def make_client(url: str, config: OutboxConfig) -> Redis:
-    """A redis-py client with bounded timeouts and no retries (a miss is cheaper than a wait)."""
+    """A redis-py client with bounded timeouts and no retries (a miss is cheaper than a wait).
+
+    The URL is checked first (:func:`outbox._core.urls.check_redis_url`); no connection is
+    opened here.
+    """
+    check_redis_url(url)
     try:
         return Redis.from_url(
             url,
@@ -45,8 +52,11 @@ def make_client(url: str, config: OutboxConfig) -> Redis:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-    except ValueError as exc:
-        raise ConfigurationError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc
+    except (ValueError, TypeError, RedisError) as exc:
+        # redis-py's message may quote parts of the URL: hide its secrets, drop the cause.
+        raise ConfigurationError(
+            f"invalid Redis URL {redact_url(url)!r}: {redact(str(exc), urls=[url])}"
+        ) from None
 
 
 class OutcomeCache:
