@@ -23,10 +23,12 @@ HIDDEN = "***"
 
 _SECRET_WORDS = ("password", "passwd", "secret", "token", "credential")
 _SECRET_PREFIXES = ("sasl.", "ssl.key.", "ssl_key")
-# Query parameters (and key=value words of a libpq DSN) whose values are secrets.
-_SECRET_PARAM = re.compile(
-    r"(?i)((?:^|[?&;\s])[\w.-]*(?:password|passwd|pwd|secret|token|sslkey)[\w.-]*=)([^&;\s#]*)"
-)
+# Query parameters (and key=value words of a libpq DSN) whose values are secrets. In a URL the
+# value runs to the next "&" (a malformed one may hold spaces or "#"); in free text, to the
+# next space as well.
+_SECRET_NAME = r"(?i)((?:^|[?&;\s])[\w.-]*(?:password|passwd|pwd|secret|token|sslkey)[\w.-]*=)"
+_SECRET_PARAM = re.compile(_SECRET_NAME + r"([^&;\s]*)")
+_SECRET_PARAM_IN_URL = re.compile(_SECRET_NAME + r"([^&]*)")
 _SHORT = 4  # shorter secrets are hidden only where they stand alone, not inside other words
 
 
@@ -52,14 +54,15 @@ def redact_url(url: object) -> str:
     """
     if not isinstance(url, str):
         return "<not a URL>"
-    text = url
+    # Query secrets first: a password parameter may itself hold an "@".
+    text = _SECRET_PARAM_IN_URL.sub(lambda m: m.group(1) + HIDDEN, url)
     span = _userinfo_span(text)
     if span is not None:
         text = text[: span[0]] + HIDDEN + text[span[1] :]
     elif "://" not in text and ":" in text:
         # Not a URL we can read: the part after a colon may be anything.
         text = text.split(":", 1)[0] + ":" + HIDDEN
-    return _SECRET_PARAM.sub(lambda m: m.group(1) + HIDDEN, text)
+    return text
 
 
 def url_secrets(url: object) -> list[str]:
@@ -76,7 +79,7 @@ def url_secrets(url: object) -> list[str]:
     userinfo = rest.split("@", 1)[0] if "@" in rest else ""
     if ":" in userinfo:
         found.add(userinfo.split(":", 1)[1])
-    for match in _SECRET_PARAM.finditer(url):
+    for match in _SECRET_PARAM_IN_URL.finditer(url):
         found.add(match.group(2))
     for value in list(found):
         found.add(unquote(value))
@@ -136,15 +139,19 @@ def redact(
     return hide(text, secrets)
 
 
-_URL_TOKEN = re.compile(r"[A-Za-z][\w+.-]*://[^\s'\"<>]*")
+_URL_START = re.compile(r"[A-Za-z][\w+.-]*://")
 _SETTING = re.compile(r"([A-Za-z0-9][\w.-]*)=([^\s,'\"]*)")
 
 
 def redact_text(text: str) -> str:
     """Hide secrets in free text whose inputs are not known (an argparse error quoting the
-    command line, say): the password of every URL in it, and the value of every
+    command line, say): the password of every URL in it -- read to the last ``@`` of the
+    text, since a malformed password may hold spaces or line breaks -- and the value of every
     ``name=value`` whose name is a secret setting's."""
-    text = _URL_TOKEN.sub(lambda m: redact_url(m.group(0)), text)
+    text = _SECRET_PARAM.sub(lambda m: m.group(1) + HIDDEN, text)
+    for match in reversed(list(_URL_START.finditer(text))):
+        start = match.start()
+        text = text[:start] + redact_url(text[start:])
     return _SETTING.sub(
         lambda m: f"{m.group(1)}={HIDDEN}" if is_secret_setting(m.group(1)) else m.group(0), text
     )

@@ -140,7 +140,49 @@ def check_database_url(url: object) -> str:
     return text
 
 
-def _check_query(query: str, what: str, example: str) -> None:
+# libpq options that carry secrets: in a URL they would show in the engine's repr and logs.
+_SECRET_OPTIONS = frozenset({"password", "sslpassword"})
+# What redis-py reads from a URL's query string (anything else becomes a keyword argument the
+# connection refuses at its first command).
+REDIS_QUERY_OPTIONS = frozenset(
+    {
+        "db",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_read_size",
+        "socket_keepalive",
+        "retry_on_timeout",
+        "retry_on_error",
+        "max_connections",
+        "health_check_interval",
+        "timeout",
+        "protocol",
+        "legacy_responses",
+        "client_name",
+        "username",
+        "password",
+    }
+)
+REDIS_TLS_QUERY_OPTIONS = frozenset(
+    {
+        "ssl_check_hostname",
+        "ssl_include_verify_flags",
+        "ssl_exclude_verify_flags",
+        "ssl_min_version",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_certfile",
+        "ssl_keyfile",
+    }
+)
+
+
+def _check_query(
+    query: str, what: str, example: str, allowed: frozenset[str] | None = None
+) -> None:
+    if "?" in query:
+        raise _fail(what, "the query string holds a second '?' (write it as %3F)", example)
     if _BAD_ESCAPE.search(query):
         raise _fail(what, "the query string contains a '%' that starts no %XX escape", example)
     try:
@@ -150,6 +192,17 @@ def _check_query(query: str, what: str, example: str) -> None:
     for name, value in pairs:
         if "\x00" in name or "\x00" in value:
             raise _fail(what, "the query string decodes to a NUL character", example)
+        if allowed is not None and name not in allowed:
+            shown = name if re.fullmatch(r"\w{1,40}", name) else "(not shown)"
+            raise _fail(what, f"the query option {shown} is not one the client reads", example)
+        if what == "database URL" and name.lower() in _SECRET_OPTIONS:
+            raise _fail(
+                what,
+                f"{name}= in the query string would show wherever the URL is shown; put the "
+                "password in the user info (user:password@host), or pass secrets with "
+                "engine_options={'connect_args': {...}}",
+                example,
+            )
 
 
 def check_redis_url(url: object) -> str:
@@ -188,5 +241,6 @@ def check_redis_url(url: object) -> str:
     if parts.fragment:
         raise _fail(what, "it has a '#' fragment (percent-encode '#' as %23)", example)
     if parts.query:
-        _check_query(parts.query, what, example)
+        allowed = REDIS_QUERY_OPTIONS | (REDIS_TLS_QUERY_OPTIONS if scheme == "rediss" else set())
+        _check_query(parts.query, what, example, frozenset(allowed))
     return text

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox._core.redact import redact
+from outbox._core.settings import check_int, check_seconds
 from outbox.config import normalize_database_url
 from outbox.errors import ConfigurationError
 
@@ -40,6 +41,12 @@ def engine_for(database: object, want_async: bool, options: dict[str, Any] | Non
             isinstance(options, dict) and all(isinstance(k, str) for k in options)
         ):
             raise ConfigurationError("engine_options must be a dict of create_engine() keywords")
+        for name in ("pool_size", "max_overflow"):
+            if name in (options or {}):
+                check_int(f"engine_options[{name!r}]", (options or {})[name], -1, 100_000)
+        for name in ("pool_timeout", "pool_recycle"):
+            if name in (options or {}):
+                check_seconds(f"engine_options[{name!r}]", (options or {})[name], zero=True)
         merged = {**DEFAULT_POOL, **(options or {})}
         url = normalize_database_url(database)
         try:

@@ -163,7 +163,8 @@ class AsyncOutcomeCache:
         except (RedisError, OSError) as exc:
             self._failed("GET", exc)
             return None
-        except Exception:  # a client that decodes responses, meeting bytes that are not text
+        except Exception as exc:  # a client's own failure (a bad setting, undecodable bytes...)
+            self._failed("GET", exc)
             return None
         if raw is None:
             return None
@@ -184,7 +185,7 @@ class AsyncOutcomeCache:
             return
         try:
             await self._client.set(redis_key, entry, px=px)
-        except (RedisError, OSError) as exc:
+        except Exception as exc:  # after the commit: the outcome stands, whatever Redis does
             self._failed("SET", exc)
 
     async def close(self) -> None:

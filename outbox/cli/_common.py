@@ -373,9 +373,10 @@ def parse_kafka_config(pairs: Sequence[str], env_value: str | None = None) -> di
     config: dict[str, str] = {}
     for number, (source, item) in enumerate(items, 1):
         key, sep, value = item.strip().partition("=")
-        if not sep or not key.strip():
+        if not sep or not key.strip() or not value.strip():
             raise ConfigurationError(
-                f"invalid {source} entry #{number} (not shown): expected KEY=VALUE, e.g. acks=all"
+                f"invalid {source} entry #{number} (not shown): expected KEY=VALUE with both "
+                "parts, e.g. acks=all"
             )
         config[key.strip()] = value.strip()
     return _settings.check_kafka_config(config, "--kafka-config")

@@ -20,6 +20,7 @@ from outbox.cli._common import (
     add_kafka_config,
     integer,
     require,
+    resolve_flags,
 )
 from outbox.config import ConsumerConfig
 from outbox.consumer import ConsumerRunner, Handler, serve_metrics
@@ -66,20 +67,26 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=command)
 
 
-def command(args: argparse.Namespace) -> int:
-    database_url = require(args, "database_url")
-    group = require(args, "group")
-    bootstrap = require(args, "bootstrap_servers")
-    config = ConsumerConfig(
+def config_from_args(args: argparse.Namespace) -> ConsumerConfig:
+    """The runner's settings from flags and ``OUTBOX_*`` variables, checked (no I/O)."""
+    resolve_flags(args)
+    require(args, "database_url")
+    check_handler_reference(args.handler)
+    return ConsumerConfig(
         topics=tuple(args.topics),
-        group=group,
+        group=require(args, "group"),
         scope=args.scope,
-        bootstrap_servers=bootstrap,
+        bootstrap_servers=require(args, "bootstrap_servers"),
         kafka_config=args.kafka_config,
         key_header=args.key_header,
         max_attempts=args.max_attempts,
         dlq_topic_suffix=args.dlq_suffix,
     ).validate()
+
+
+def command(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    database_url = require(args, "database_url")
     # Like `python -m`: handler modules next to where the command runs are importable.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
