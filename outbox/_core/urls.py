@@ -14,7 +14,9 @@ its user name and password agree, which is what percent-encoding guarantees.
 from __future__ import annotations
 
 import re
-from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
+from collections.abc import Callable
+from typing import TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from outbox.errors import ConfigurationError
 
@@ -40,6 +42,19 @@ _UNSAFE = re.compile(r"[\x00-\x20\x7f]")
 _UNENCODED_AT = "the user name or password contains an unencoded '@' (write it as %40)"
 
 
+_T = TypeVar("_T")
+
+
+def _attempt(parse: Callable[[], _T]) -> _T | None:
+    """``parse()``, or ``None`` when it raises: the refusal is then raised outside the
+    ``except`` block, so no parser's message (which may quote the URL) rides along as the
+    error's context."""
+    try:
+        return parse()
+    except (ValueError, UnicodeError):
+        return None
+
+
 def _fail(what: str, problem: str, example: str) -> ConfigurationError:
     # Never the URL itself: a malformed URL cannot be redacted reliably.
     return ConfigurationError(f"invalid {what}: {problem}; expected {example}")
@@ -58,11 +73,8 @@ def _check_text(url: object, what: str, example: str) -> str:
             "it contains a space or control character (percent-encode it, e.g. a space as %20)",
             example,
         )
-    if not url.isascii():
-        try:
-            url.encode("utf-8")
-        except UnicodeEncodeError:
-            raise _fail(what, "it is not valid UTF-8 text", example) from None
+    if not url.isascii() and not _attempt(lambda: url.encode("utf-8")):
+        raise _fail(what, "it is not valid UTF-8 text", example)
     if "://" not in url:
         raise _fail(what, "it has no scheme (scheme://...)", example)
     return url
@@ -80,10 +92,9 @@ def _check_userinfo(part: str | None, what: str, field: str, example: str) -> No
             f"the {field} contains a '%' that starts no %XX escape (write '%' as %25)",
             example,
         )
-    try:
-        decoded = unquote(part, errors="strict") if "%" in part else part
-    except UnicodeDecodeError:
-        raise _fail(what, f"the {field} decodes to invalid UTF-8", example) from None
+    decoded = _attempt(lambda: unquote(part, errors="strict")) if "%" in part else part
+    if decoded is None:
+        raise _fail(what, f"the {field} decodes to invalid UTF-8", example)
     if "\x00" in decoded:
         raise _fail(what, f"the {field} decodes to a NUL character", example)
 
@@ -185,10 +196,11 @@ def _check_query(
         raise _fail(what, "the query string holds a second '?' (write it as %3F)", example)
     if _BAD_ESCAPE.search(query):
         raise _fail(what, "the query string contains a '%' that starts no %XX escape", example)
-    try:
-        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True, errors="strict")
-    except (ValueError, UnicodeError):
-        raise _fail(what, "the query string is malformed (name=value&...)", example) from None
+    pairs = _attempt(
+        lambda: parse_qsl(query, keep_blank_values=True, strict_parsing=True, errors="strict")
+    )
+    if pairs is None:
+        raise _fail(what, "the query string is malformed (name=value&...)", example)
     for name, value in pairs:
         if "\x00" in name or "\x00" in value:
             raise _fail(what, "the query string decodes to a NUL character", example)
@@ -216,11 +228,10 @@ def check_redis_url(url: object) -> str:
         raise ConfigurationError(
             f"unsupported Redis URL scheme {shown!r}: use redis://, rediss:// or unix://"
         )
-    try:
-        parts: SplitResult = urlsplit(text)
-        port = parts.port
-    except ValueError:
-        raise _fail(what, "its host or port cannot be parsed", example) from None
+    split = _attempt(lambda: (urlsplit(text), urlsplit(text).port))
+    if split is None:
+        raise _fail(what, "its host or port cannot be parsed", example)
+    parts, port = split
     netloc = parts.netloc
     if netloc.count("@") > 1:
         raise _fail(what, _UNENCODED_AT, example)
@@ -233,6 +244,8 @@ def check_redis_url(url: object) -> str:
     if scheme == "unix":
         if not parts.path:
             raise _fail(what, "a unix:// URL needs the socket's path", example)
+        if "@" in parts.path:
+            raise _fail(what, "the user name or password holds an unencoded '/' or '@'", example)
     else:
         if host and not (_HOST.fullmatch(host) or re.fullmatch(r"\[[0-9A-Fa-f:.]+\]", host)):
             raise _fail(what, "the host name contains characters a host name cannot have", example)
