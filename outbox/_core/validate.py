@@ -52,7 +52,9 @@ def is_utf8(value: str) -> bool:
 
 def _has_control(value: str) -> bool:
     """Control characters, or lone surrogates (not valid UTF-8, so PostgreSQL cannot store them)."""
-    return bool(_CONTROL.search(value)) or not is_utf8(value)
+    if _CONTROL.search(value):
+        return True
+    return not value.isascii() and not is_utf8(value)
 
 
 def shown(value: object, limit: int = 60) -> str:

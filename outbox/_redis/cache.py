@@ -30,7 +30,7 @@ from redis.retry import Retry
 from outbox._core.claim import StoredOutcome
 from outbox._core.redact import one_line, redact, redact_url
 from outbox._core.urls import check_redis_url
-from outbox._redis.entry import decode_entry, derive_key, encode_entry
+from outbox._redis.entry import Signer, decode_entry, derive_key, encode_entry
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError
 
@@ -74,7 +74,7 @@ class OutcomeCache:
         self._retry_after = config.cache_retry_after
         self._down_until = 0.0
         self._lock = threading.Lock()
-        self._key: bytes | None = None
+        self._signer: Signer | None = None
         self._generation = 0
         self._untrusted_warned = False
 
@@ -95,7 +95,7 @@ class OutcomeCache:
     @property
     def trusted(self) -> bool:
         """True once the key of the database's entries is known (see :meth:`trust`)."""
-        return self._key is not None
+        return self._signer is not None
 
     @property
     def generation(self) -> int:
@@ -108,23 +108,23 @@ class OutcomeCache:
         """Sign and accept entries with the key of this identity (read by
         :mod:`outbox._pg.identity`) -- unless the identity changed since ``generation`` was
         read, in which case this one may be a previous database's."""
-        key = derive_key(secret, database_oid, keys_oid)
+        signer = Signer(derive_key(secret, database_oid, keys_oid))
         with self._lock:
             if generation == self._generation:
-                self._key = key
+                self._signer = signer
 
     def reidentify(self, secret: bytes, database_oid: int, keys_oid: int | None) -> None:
         """The identity read on a connection just opened: from now on, the only one trusted."""
-        key = derive_key(secret, database_oid, keys_oid)
+        signer = Signer(derive_key(secret, database_oid, keys_oid))
         with self._lock:
             self._generation += 1
-            self._key = key
+            self._signer = signer
 
     def forget(self) -> None:
         """Trust nothing until the identity is read again."""
         with self._lock:
             self._generation += 1
-            self._key = None
+            self._signer = None
 
     def untrusted(self, exc: Exception) -> None:
         """The identity could not be read: step aside for ``cache_retry_after`` seconds."""
@@ -155,8 +155,8 @@ class OutcomeCache:
     def get(self, scope: str, key: str) -> CachedOutcome | None:
         """The cached outcome, or ``None`` on a miss, a Redis failure or an entry that is
         malformed, forged, of another database or expired."""
-        mac_key = self._key
-        if mac_key is None or not self.available():
+        signer = self._signer
+        if signer is None or time.monotonic() < self._down_until:
             return None
         redis_key = self.redis_key(scope, key)
         try:
@@ -169,17 +169,17 @@ class OutcomeCache:
             return None
         if raw is None:
             return None
-        return decode_entry(raw, mac_key, redis_key, int(time.time() * 1000))
+        return decode_entry(raw, signer, redis_key, int(time.time() * 1000))
 
     def put(self, scope: str, key: str, outcome: CachedOutcome, ttl: float | None = None) -> None:
         """Remember an outcome for ``ttl`` seconds (default ``cache_ttl``); call only after the
         PostgreSQL commit that made it final."""
-        mac_key = self._key
-        if mac_key is None or not self.available():
+        signer = self._signer
+        if signer is None or not self.available():
             return
         px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))
         redis_key = self.redis_key(scope, key)
-        entry = encode_entry(outcome, mac_key, redis_key, int(time.time() * 1000) + px)
+        entry = encode_entry(outcome, signer, redis_key, int(time.time() * 1000) + px)
         if entry is None:
             return
         try:

@@ -5,7 +5,7 @@ An entry is one JSON object::
     {"s":"completed","f":<fingerprint>,"r":<result JSON text>,"x":<expiry, ms>,"m":"<MAC>"}
     {"s":"failed","f":<fingerprint>,"e":<error text>,"x":<expiry, ms>,"m":"<MAC>"}
 
-``m`` is always last: a keyed BLAKE2b MAC (128 bits, base64url) over the Redis key and every
+``m`` is always last: a keyed BLAKE2b MAC (128 bits, hex) over the Redis key and every
 byte before ``,"m":"``. Its key (:func:`derive_key`) comes from a secret kept in PostgreSQL and
 the database's identity, so only a process that can read the database can write an entry the
 cache trusts, and an entry is bound to its Redis key (it cannot be copied to another key) and
@@ -18,7 +18,6 @@ module. Nothing here raises on what Redis hands back.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import json
@@ -29,9 +28,9 @@ from outbox._core.claim import STATUS_COMPLETED, STATUS_FAILED, StoredOutcome
 # Larger outcomes are not cached: PostgreSQL answers their duplicates.
 MAX_ENTRY_BYTES = 1024 * 1024
 _MAC_BYTES = 16
-_MAC_CHARS = 22  # base64url of 16 bytes, unpadded
+_MAC_CHARS = 2 * _MAC_BYTES  # hex
 _MAC_FIELD = b',"m":"'
-_TAIL = len(_MAC_FIELD) + _MAC_CHARS + 2  # ,"m":"<22 chars>"}
+_TAIL = len(_MAC_FIELD) + _MAC_CHARS + 2  # ,"m":"<32 hex digits>"}
 _PERSON = b"outbox-cache-v1"
 
 
@@ -43,15 +42,28 @@ def derive_key(secret: bytes, database_oid: int, keys_oid: int | None) -> bytes:
     ).digest()
 
 
-def _mac(key: bytes, redis_key: bytes, signed: bytes) -> bytes:
-    digest = hashlib.blake2b(redis_key, key=key, digest_size=_MAC_BYTES)
-    digest.update(b"\x00")
-    digest.update(signed)
-    return base64.urlsafe_b64encode(digest.digest())[:_MAC_CHARS]
+class Signer:
+    """MACs with one key; the keyed state is set up once and copied per entry."""
+
+    __slots__ = ("_keyed",)
+
+    def __init__(self, key: bytes) -> None:
+        self._keyed = hashlib.blake2b(key=key, digest_size=_MAC_BYTES)
+
+    def mac(self, redis_key: bytes, signed: bytes) -> bytes:
+        digest = self._keyed.copy()
+        digest.update(redis_key)
+        digest.update(b"\x00")
+        digest.update(signed)
+        return digest.hexdigest().encode("ascii")
+
+
+def _signer(key: bytes | Signer) -> Signer:
+    return key if isinstance(key, Signer) else Signer(key)
 
 
 def encode_entry(
-    outcome: StoredOutcome, key: bytes, redis_key: str, expires_ms: int
+    outcome: StoredOutcome, key: bytes | Signer, redis_key: str, expires_ms: int
 ) -> bytes | None:
     """The signed entry of ``outcome`` under ``redis_key``, trusted until ``expires_ms``
     (milliseconds since the epoch); ``None`` when it would exceed :data:`MAX_ENTRY_BYTES`."""
@@ -65,11 +77,13 @@ def encode_entry(
     signed = body[:-1]  # without the closing brace
     if len(signed) + _TAIL > MAX_ENTRY_BYTES:
         return None
-    mac = _mac(key, redis_key.encode("utf-8"), signed)
+    mac = _signer(key).mac(redis_key.encode("utf-8"), signed)
     return signed + _MAC_FIELD + mac + b'"}'
 
 
-def decode_entry(raw: object, key: bytes, redis_key: str, now_ms: int) -> StoredOutcome | None:
+def decode_entry(
+    raw: object, key: bytes | Signer, redis_key: str, now_ms: int
+) -> StoredOutcome | None:
     """The outcome in a cache entry; ``None`` for anything that is not an unexpired entry
     signed with ``key`` for ``redis_key``."""
     # Garbage, forgeries and entries of another database must never change an outcome.
@@ -84,7 +98,7 @@ def decode_entry(raw: object, key: bytes, redis_key: str, now_ms: int) -> Stored
     if not (tail.startswith(_MAC_FIELD) and tail.endswith(b'"}')):
         return None
     given = tail[len(_MAC_FIELD) : -2]
-    if not hmac.compare_digest(given, _mac(key, redis_key.encode("utf-8"), signed)):
+    if not hmac.compare_digest(given, _signer(key).mac(redis_key.encode("utf-8"), signed)):
         return None
     try:
         entry = json.loads(raw)

@@ -279,7 +279,7 @@ class OutboxMachine(RuleBasedStateMachine):
     def trusted_redis_entries_agree(self) -> None:
         cache = self.s.ob.cache
         assert cache is not None
-        mac_key = cache._key
+        mac_key = cache._signer
         if mac_key is None:
             return
         now = int(time.time() * 1000)
