@@ -18,7 +18,14 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import context
 
-from outbox.schema import IDEMPOTENCY_KEYS, OUTBOX, VERSION_TABLE, tables, validate_schema_name
+from outbox.schema import (
+    CACHE_SECRET,
+    IDEMPOTENCY_KEYS,
+    OUTBOX,
+    VERSION_TABLE,
+    tables,
+    validate_schema_name,
+)
 
 config = context.config
 x_args = context.get_x_argument(as_dictionary=True)
@@ -30,7 +37,7 @@ schema = validate_schema_name(
 )
 config.attributes["outbox_schema"] = schema
 target_metadata = tables(schema).metadata
-OWN_TABLES = {IDEMPOTENCY_KEYS, OUTBOX}
+OWN_TABLES = {IDEMPOTENCY_KEYS, OUTBOX, CACHE_SECRET}
 
 
 def _include_object(

@@ -8,6 +8,7 @@ combinations with a message that says how to fix them.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,8 +38,20 @@ from outbox._core.environment import (  # the table of OUTBOX_* variables
     ENV_SCHEMA as ENV_SCHEMA,
     ENV_WAKEUP_INTERVAL as ENV_WAKEUP_INTERVAL,
 )
-from outbox._core.lanes import DEFAULT_LANES, MAX_LANES
-from outbox._core.redact import redact_url as redact_url
+from outbox._core.lanes import DEFAULT_LANES, MAX_LANES as MAX_LANES
+from outbox._core.redact import redact_kafka_config, redact_url as redact_url
+from outbox._core.settings import (
+    MAX_TIMEOUT,
+    check_bool,
+    check_bootstrap_servers,
+    check_cache_prefix,
+    check_int,
+    check_kafka_config,
+    check_port,
+    check_seconds,
+)
+from outbox._core.urls import check_database_url
+from outbox._core.validate import shown
 from outbox.errors import ConfigurationError, ValidationError
 from outbox.schema import validate_schema_name
 
@@ -46,6 +59,8 @@ DEFAULT_SCOPE = "default"
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 DEFAULT_CACHE_TTL_SECONDS = 24 * 3600.0
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
+# PostgreSQL's bytea (and Kafka's message.max.bytes) cannot go past 1 GiB.
+MAX_PAYLOAD_BYTES = 1024 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -70,38 +85,41 @@ class OutboxConfig:
     # background thread (outbox._pg.wakeup). Off: relays find new rows at their next poll.
     wake_relays: bool = True
 
+    def __post_init__(self) -> None:
+        if isinstance(self.permanent_errors, list):
+            object.__setattr__(self, "permanent_errors", tuple(self.permanent_errors))
+
     def validate(self) -> OutboxConfig:
+        """Refuse a setting of the wrong type, out of range or inconsistent with another one."""
         validate_schema_name(self.schema)
-        if self.cache_ttl <= 0:
-            raise ConfigurationError(f"cache_ttl must be positive, got {self.cache_ttl!r}")
-        if self.retention <= 0:
-            raise ConfigurationError(f"retention must be positive, got {self.retention!r}")
+        check_seconds("cache_ttl", self.cache_ttl)
+        check_seconds("retention", self.retention)
         if self.cache_ttl >= self.retention:
             raise ConfigurationError(
                 f"cache_ttl ({self.cache_ttl:g}s) must be shorter than retention "
                 f"({self.retention:g}s): otherwise Redis could replay a key the database has "
                 "already forgotten"
             )
-        if not self.cache_prefix or any(c in self.cache_prefix for c in "{}"):
+        check_cache_prefix(self.cache_prefix)
+        for name in ("cache_socket_timeout", "cache_connect_timeout"):
+            check_seconds(name, getattr(self, name), MAX_TIMEOUT)
+        check_seconds("cache_retry_after", self.cache_retry_after, 86400.0)
+        check_int("max_payload_bytes", self.max_payload_bytes, 1, MAX_PAYLOAD_BYTES)
+        if not isinstance(self.permanent_errors, tuple):
             raise ConfigurationError(
-                f"cache_prefix must be non-empty and free of braces, got {self.cache_prefix!r}"
-            )
-        for name in ("cache_socket_timeout", "cache_connect_timeout", "cache_retry_after"):
-            if getattr(self, name) <= 0:
-                raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.max_payload_bytes <= 0:
-            raise ConfigurationError(
-                f"max_payload_bytes must be positive, got {self.max_payload_bytes!r}"
+                "permanent_errors must be a tuple of exception classes, got "
+                f"{type(self.permanent_errors).__name__}"
             )
         for exc_type in self.permanent_errors:
             if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
                 raise ConfigurationError(
-                    f"permanent_errors must hold exception classes, got {exc_type!r}"
+                    f"permanent_errors must hold exception classes, got {shown(exc_type)}"
                 )
+        check_bool("wake_relays", self.wake_relays)
         return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RelayConfig:
     """Settings of one ``outbox-relay`` process (every field but the backoff and timing ones
     has a CLI flag and an environment variable).
@@ -128,36 +146,39 @@ class RelayConfig:
     stats_interval: float = 5.0
     shutdown_grace: float = 5.0
 
+    def __repr__(self) -> str:
+        # The URL's password and the secret Kafka settings never reach a repr (I10).
+        fields = {**self.__dict__, "database_url": redact_url(self.database_url)}
+        if isinstance(self.kafka_config, Mapping):
+            fields["kafka_config"] = redact_kafka_config(self.kafka_config)
+        return f"RelayConfig({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
     def validate(self) -> RelayConfig:
-        normalize_database_url(self.database_url)
+        check_database_url(self.database_url)
         validate_schema_name(self.schema)
         if not self.bootstrap_servers:
             raise ConfigurationError(
                 f"--bootstrap-servers is required (or set {ENV_KAFKA_BOOTSTRAP})"
             )
-        if not 1 <= self.batch_size <= 100_000:
-            raise ConfigurationError(
-                f"--batch-size must be between 1 and 100000, got {self.batch_size}"
-            )
-        if not 1 <= self.lanes <= MAX_LANES:
-            raise ConfigurationError(f"--lanes must be between 1 and {MAX_LANES}, got {self.lanes}")
-        if self.max_attempts < 1:
-            raise ConfigurationError(f"--max-attempts must be at least 1, got {self.max_attempts}")
+        check_bootstrap_servers(self.bootstrap_servers, "--bootstrap-servers")
+        check_kafka_config(self.kafka_config, "--kafka-config")
+        check_int("--batch-size", self.batch_size, 1, 100_000)
+        check_int("--lanes", self.lanes, 1, MAX_LANES)
+        check_int("--max-attempts", self.max_attempts, 1, 1_000_000)
         for name in ("poll_interval", "rebalance_interval", "backoff_initial", "backoff_max"):
-            if getattr(self, name) <= 0:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigurationError(f"{flag} must be positive, got {getattr(self, name)!r}")
+            check_seconds("--" + name.replace("_", "-"), getattr(self, name), MAX_TIMEOUT)
+        for name in ("stats_interval", "shutdown_grace"):
+            check_seconds(name, getattr(self, name), MAX_TIMEOUT)
         if self.backoff_initial > self.backoff_max:
             raise ConfigurationError(
                 f"backoff_initial ({self.backoff_initial:g}s) must not exceed backoff_max "
                 f"({self.backoff_max:g}s)"
             )
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigurationError(f"--metrics-port must be a TCP port, got {self.metrics_port}")
+        check_port("--metrics-port", self.metrics_port)
         return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ConsumerConfig:
     """Settings of a :class:`outbox.consumer.ConsumerRunner`.
 
@@ -185,11 +206,20 @@ class ConsumerConfig:
     commit_interval: float = 1.0
 
     def __post_init__(self) -> None:
+        # Lenient here, strict in validate(): a malformed value must reach validate() to be
+        # refused with a ConfigurationError, not fail construction with a TypeError.
         if isinstance(self.topics, str):
             object.__setattr__(self, "topics", (self.topics,))
-        else:
+        elif isinstance(self.topics, list | tuple | set | frozenset):
             object.__setattr__(self, "topics", tuple(self.topics))
-        object.__setattr__(self, "kafka_config", dict(self.kafka_config))
+        if isinstance(self.kafka_config, Mapping):
+            object.__setattr__(self, "kafka_config", dict(self.kafka_config))
+
+    def __repr__(self) -> str:
+        fields = dict(self.__dict__)
+        if isinstance(self.kafka_config, Mapping):
+            fields["kafka_config"] = redact_kafka_config(self.kafka_config)
+        return f"ConsumerConfig({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 
     @property
     def effective_scope(self) -> str:
@@ -199,7 +229,9 @@ class ConsumerConfig:
     @property
     def effective_bootstrap(self) -> str:
         """``bootstrap_servers``, or ``bootstrap.servers`` from ``kafka_config``."""
-        value = self.bootstrap_servers or self.kafka_config.get("bootstrap.servers")
+        value = self.bootstrap_servers
+        if not value and isinstance(self.kafka_config, Mapping):
+            value = self.kafka_config.get("bootstrap.servers")
         if not value:
             raise ConfigurationError(
                 "no Kafka bootstrap servers: pass bootstrap_servers='host:port' "
@@ -209,28 +241,34 @@ class ConsumerConfig:
 
     def validate(self) -> ConsumerConfig:
         """Refuse inconsistent settings with a message that says how to fix them."""
+        if not isinstance(self.topics, tuple):
+            raise ConfigurationError(
+                f"topics must be a list of topic names, got {type(self.topics).__name__}"
+            )
         if not self.topics:
             raise ConfigurationError("no topics to consume: pass topics=['orders', ...]")
+        if not isinstance(self.dlq_topic_suffix, str) or not self.dlq_topic_suffix:
+            raise ConfigurationError("dlq_topic_suffix must not be empty, e.g. '.dlq'")
         for topic in self.topics:
             _validate.check_topic(topic)
-            if not self.dlq_topic_suffix:
-                raise ConfigurationError("dlq_topic_suffix must not be empty, e.g. '.dlq'")
             _validate.check_topic(dead_letter_topic(topic, self.dlq_topic_suffix))
         if not isinstance(self.group, str) or not self.group.strip():
             raise ConfigurationError("group must be a non-empty consumer group name")
+        if self.scope is not None and not isinstance(self.scope, str):
+            raise ConfigurationError(
+                f"scope must be a str or None, got {type(self.scope).__name__}"
+            )
         try:
             _validate.check_scope(self.effective_scope)
         except ValidationError as exc:
             raise ConfigurationError(
                 f"{exc} -- the scope defaults to the group name; pass scope=... explicitly"
             ) from exc
-        self.effective_bootstrap  # noqa: B018 -- raises when missing
-        if not self.key_header:
-            raise ConfigurationError("key_header must name a header, e.g. 'X-Idempotency-Key'")
-        if self.max_attempts < 1:
-            raise ConfigurationError(f"max_attempts must be at least 1, got {self.max_attempts}")
-        if self.batch_size < 1:
-            raise ConfigurationError(f"batch_size must be at least 1, got {self.batch_size}")
+        kafka_config = check_kafka_config(self.kafka_config)
+        check_bootstrap_servers(self.effective_bootstrap)
+        _validate.check_header_name(self.key_header, ConfigurationError)
+        check_int("max_attempts", self.max_attempts, 1, 1_000_000)
+        check_int("batch_size", self.batch_size, 1, 1_000_000)
         for name in (
             "retry_backoff",
             "retry_backoff_max",
@@ -240,39 +278,26 @@ class ConsumerConfig:
             "poll_timeout",
             "commit_interval",
         ):
-            if getattr(self, name) <= 0:
-                raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)!r}")
-        auto_commit = str(self.kafka_config.get("enable.auto.commit", "false")).lower()
+            check_seconds(name, getattr(self, name), MAX_TIMEOUT)
+        auto_commit = str(kafka_config.get("enable.auto.commit", "false")).lower()
         if auto_commit in ("true", "1"):
             raise ConfigurationError(
                 "enable.auto.commit must stay false: the runner commits an offset only after "
                 "the message's unit of work committed; remove it from kafka_config"
             )
-        group_id = self.kafka_config.get("group.id")
+        group_id = kafka_config.get("group.id")
         if group_id is not None and group_id != self.group:
             raise ConfigurationError(
-                f"kafka_config group.id={group_id!r} disagrees with group={self.group!r}; "
-                "pass the group once"
+                f"kafka_config group.id={shown(group_id)} disagrees with group="
+                f"{shown(self.group)}; pass the group once"
             )
         return self
 
 
 def normalize_database_url(url: str) -> str:
-    """Accept ``postgres://`` and ``postgresql://`` URLs and select the psycopg 3 driver."""
-    if not isinstance(url, str) or "://" not in url:
-        # Not echoed: a malformed URL cannot be redacted reliably and may hold a password.
-        raise ConfigurationError(
-            "invalid database URL: expected postgresql+psycopg://user:password@host:5432/dbname"
-        )
-    scheme, rest = url.split("://", 1)
-    if scheme in ("postgres", "postgresql"):
-        return "postgresql+psycopg://" + rest
-    if scheme != "postgresql+psycopg":
-        raise ConfigurationError(
-            f"unsupported database URL scheme {scheme!r}: outbox-kit needs PostgreSQL through "
-            "psycopg 3 (postgresql+psycopg://...)"
-        )
-    return url
+    """Accept ``postgres://`` and ``postgresql://`` URLs and select the psycopg 3 driver;
+    refuse a malformed URL without quoting it (see :mod:`outbox._core.urls`)."""
+    return check_database_url(url)
 
 
 def env(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -291,8 +316,8 @@ def env_int(name: str, default: _T) -> int | _T:
         return default
     try:
         return int(value)
-    except ValueError as exc:
-        raise ConfigurationError(f"{name}={value!r} is not an integer") from exc
+    except ValueError:
+        raise ConfigurationError(f"{name}={shown(value)} is not an integer") from None
 
 
 def env_float(name: str, default: _T) -> float | _T:
@@ -301,6 +326,9 @@ def env_float(name: str, default: _T) -> float | _T:
     if value is None:
         return default
     try:
-        return float(value)
-    except ValueError as exc:
-        raise ConfigurationError(f"{name}={value!r} is not a number") from exc
+        number = float(value)
+    except ValueError:
+        raise ConfigurationError(f"{name}={shown(value)} is not a number") from None
+    if not math.isfinite(number):
+        raise ConfigurationError(f"{name}={shown(value)} is not a finite number")
+    return number

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from outbox._core.decorating import check_flavour, key_function
+from outbox._core.validate import check_scope
+from outbox.errors import ConfigurationError
 
 
 class _UnitOfWorkSource(Protocol):
@@ -32,6 +34,12 @@ def make_idempotent(
     ``is_async`` is the flavour of that outbox (``None``: not known until the call): an
     ``async def`` needs an ``AsyncOutbox`` and a plain function an ``Outbox``.
     """
+
+    check_scope(scope)  # refused at decoration time, not at the first call
+    if fingerprint is not None and not callable(fingerprint):
+        raise ConfigurationError(
+            f"@idempotent fingerprint must be a callable or None, got {type(fingerprint).__name__}"
+        )
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         coroutine = check_flavour(func, is_async, "Outbox", "AsyncOutbox")

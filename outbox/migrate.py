@@ -6,13 +6,17 @@ without the repository's ``alembic.ini``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 
+from outbox._core.validate import shown
 from outbox.config import normalize_database_url
+from outbox.errors import ConfigurationError
 from outbox.schema import VERSION_TABLE, validate_schema_name
 
 
@@ -57,13 +61,40 @@ def current_revision(connection: sa.Connection, schema: str | None = None) -> st
 
 def head_revision() -> str:
     """The newest revision shipped with this version of the package."""
-    from alembic.script import ScriptDirectory
-
     cfg = Config()
     cfg.set_main_option("script_location", _script_location())
     head = ScriptDirectory.from_config(cfg).get_current_head()
     assert head is not None
     return head
+
+
+_REVISION = re.compile(r"[A-Za-z0-9_@+-]{1,64}")
+_RELATIVE = re.compile(r"[+-]\d{1,4}")
+
+
+def check_revision(revision: object) -> str:
+    """A revision ``upgrade``/``downgrade`` can reach: ``head``, ``base``, a revision id
+    shipped with the package, or a relative step (``+1``, ``-1``); checked before connecting."""
+    if not isinstance(revision, str) or not _REVISION.fullmatch(revision):
+        raise ConfigurationError(
+            f"invalid revision {shown(revision)}: use head, base, a revision id or +N/-N"
+        )
+    if _RELATIVE.fullmatch(revision):
+        return revision
+    cfg = Config()
+    cfg.set_main_option("script_location", _script_location())
+    try:
+        ScriptDirectory.from_config(cfg).get_revisions(revision)
+    except Exception:
+        known = ", ".join(["head", "base", *sorted(_revision_ids(cfg))])
+        raise ConfigurationError(
+            f"unknown revision {revision!r}: use one of {known} or +N/-N"
+        ) from None
+    return revision
+
+
+def _revision_ids(cfg: Config) -> list[str]:
+    return [script.revision for script in ScriptDirectory.from_config(cfg).walk_revisions()]
 
 
 def _run(url_or_engine: str | sa.Engine, schema: str | None, action: object) -> None:

@@ -1,4 +1,4 @@
-"""SQLAlchemy Core tables for ``idempotency_keys`` and ``outbox``.
+"""SQLAlchemy Core tables for ``idempotency_keys``, ``outbox`` and ``outbox_cache_secret``.
 
 The migrations in ``migrations/`` own the DDL; these tables mirror it exactly (a test compares
 them against a migrated database). An optional PostgreSQL schema name places both tables outside
@@ -23,6 +23,7 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
+    SmallInteger,
     Table,
     Text,
     UniqueConstraint,
@@ -33,17 +34,19 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 from outbox._core import claim
+from outbox._core.validate import shown
 from outbox.errors import ConfigurationError
 
 IDEMPOTENCY_KEYS = "idempotency_keys"
 OUTBOX = "outbox"
+CACHE_SECRET = "outbox_cache_secret"
 VERSION_TABLE = "outbox_alembic_version"
 
 STATUS_STARTED = "started"
 STATUS_COMPLETED = claim.STATUS_COMPLETED
 STATUS_FAILED = claim.STATUS_FAILED
 
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 def validate_schema_name(schema: str | None) -> str | None:
@@ -54,9 +57,13 @@ def validate_schema_name(schema: str | None) -> str | None:
     """
     if schema is None:
         return None
-    if not isinstance(schema, str) or not _IDENTIFIER.match(schema) or schema.startswith("pg_"):
+    if (
+        not isinstance(schema, str)
+        or not _IDENTIFIER.fullmatch(schema)  # not match(): "$" would allow a final newline
+        or schema.startswith("pg_")
+    ):
         raise ConfigurationError(
-            f"invalid schema name {schema!r}: use 1-63 lower-case letters, digits or "
+            f"invalid schema name {shown(schema)}: use 1-63 lower-case letters, digits or "
             "underscores, starting with a letter or underscore (and not 'pg_')"
         )
     return schema
@@ -70,6 +77,7 @@ class Tables:
     idempotency_keys: Table
     outbox: Table
     schema: str | None
+    cache_secret: Table
 
 
 @functools.cache
@@ -124,4 +132,14 @@ def tables(schema: str | None = None) -> Tables:
             postgresql_where=text("parked_at IS NOT NULL"),
         ),
     )
-    return Tables(metadata, idempotency_keys, outbox, schema)
+    # One row (migration 0003): the secret that signs the Redis cache's entries.
+    cache_secret = Table(
+        CACHE_SECRET,
+        metadata,
+        Column("id", SmallInteger, nullable=False, server_default=text("1")),
+        Column("secret", LargeBinary, nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        PrimaryKeyConstraint("id", name="outbox_cache_secret_pkey"),
+        CheckConstraint("id = 1", name="outbox_cache_secret_one_row"),
+    )
+    return Tables(metadata, idempotency_keys, outbox, schema, cache_secret)

@@ -32,15 +32,18 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Literal
 
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from outbox._core import claim, validate as _validate
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import Event, encode_event, event_params
 from outbox._core.failures import is_permanent
+from outbox._core.urls import check_redis_url
 from outbox._pg.after_commit import defer, spawn
 from outbox._pg.engines import engine_for, notifier_engine
 from outbox._pg.errors import unique_violation_of
+from outbox._pg.identity import cache_identity, identity_of, read_identity
 from outbox._pg.statements import (
     JoinedStatements,
     Statements,
@@ -256,6 +259,8 @@ class AsyncOutbox:
     ) -> None:
         if config is None:
             config = OutboxConfig(schema=schema)
+        elif not isinstance(config, OutboxConfig):
+            raise ConfigurationError(f"config must be an OutboxConfig, got {type(config).__name__}")
         elif schema is not None and schema != config.schema:
             raise ConfigurationError(
                 f"schema={schema!r} disagrees with config.schema={config.schema!r}; pass one"
@@ -263,6 +268,8 @@ class AsyncOutbox:
         self.config = config.validate()
         if redis_url is not None and redis is not None:
             raise ConfigurationError("pass either redis_url or redis, not both")
+        if redis_url is not None:
+            check_redis_url(redis_url)
         if redis is not None:
             check_flavour(redis, want_async=_ASYNC)
         engine, self._owns_engine = engine_for(database, _ASYNC, engine_options)
@@ -272,6 +279,10 @@ class AsyncOutbox:
         self.cache: AsyncOutcomeCache | None = (
             AsyncOutcomeCache(client, self.config) if client is not None else None
         )
+        self._identity = cache_identity(self.config.schema)
+        if self.cache is not None:
+            # A new connection may lead to a recreated or restored database: read its key again.
+            event.listen(self.engine.sync_engine.pool, "connect", self._on_connect)
         self._sql: Statements = statements(self.config.schema)
         self._joined_sql: JoinedStatements = joined_statements(self.config.schema)
         install_guard(self.engine)
@@ -359,6 +370,8 @@ class AsyncOutbox:
 
     async def close(self) -> None:
         """Dispose of the engine and Redis client if this object created them."""
+        if event.contains(self.engine.sync_engine.pool, "connect", self._on_connect):
+            event.remove(self.engine.sync_engine.pool, "connect", self._on_connect)
         if self._owns_engine:
             await self.engine.dispose()
         if self._owns_redis and self.cache is not None:
@@ -372,6 +385,33 @@ class AsyncOutbox:
 
     # -- internals --------------------------------------------------------------------------
 
+    async def _cached(self, cache: AsyncOutcomeCache, scope: str, key: str) -> StoredOutcome | None:
+        """The outcome Redis holds for the key, if the cache can vouch for it."""
+        if not cache.trusted and cache.available():
+            # Once per process: the key of this database's entries (outbox._pg.identity).
+            statement, params = self._identity
+            try:
+                async with self.engine.connect() as conn:
+                    generation = cache.generation
+                    result = await conn.exec_driver_sql(statement, params)
+                    identity = identity_of(result.first())
+            except Exception as exc:  # the database decides without the cache
+                cache.untrusted(exc)
+                return None
+            cache.trust(generation, *identity)
+        return await cache.get(scope, key)
+
+    def _on_connect(self, dbapi_connection: Any, _record: Any) -> None:
+        """The pool opened a connection: read the database's identity on it (the database
+        may have been recreated or restored since the cache's key was read)."""
+        assert self.cache is not None
+        try:
+            identity = read_identity(dbapi_connection, *self._identity)
+        except Exception:  # trust nothing; the next unit of work reads the key again
+            self.cache.forget()
+            return
+        self.cache.reidentify(*identity)
+
     def _replay(
         self, scope: str, key: str, fingerprint: str | None, stored: StoredOutcome
     ) -> AsyncUnitOfWork:
@@ -382,7 +422,7 @@ class AsyncOutbox:
     async def _begin(self, key: str, scope: str, fingerprint: str | None) -> AsyncUnitOfWork:
         cache = self.cache
         if cache is not None:
-            cached = await cache.get(scope, key)
+            cached = await self._cached(cache, scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
         tx = await AsyncTransaction.open(self.engine)
@@ -501,7 +541,7 @@ class AsyncOutbox:
     ) -> AsyncUnitOfWork:
         cache = self.cache
         if cache is not None:
-            cached = await cache.get(scope, key)
+            cached = await self._cached(cache, scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
         # The claim runs in the savepoint: its advisory lock is released if the savepoint is

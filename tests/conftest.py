@@ -7,15 +7,31 @@ resolved lazily: a unit test that asks for none of these fixtures never touches 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 # Before anything imports them: the helpers' asserts report their operands like a test's own.
 pytest.register_assert_rewrite("tests.fixtures")
 
-from tests.fixtures.common import USED  # noqa: E402
+from tests.fixtures.common import USED, in_ci  # noqa: E402
+from tests.fixtures.hostile import TALLY  # noqa: E402
 from tests.fixtures.postgres import FACTORIES  # noqa: E402
+
+# Property-based tests: HYPOTHESIS_PROFILE picks a profile; by default "ci" under CI=true
+# (derandomized: the same examples on every run) and "dev" elsewhere. "long" is the run by
+# hand that generates thousands of examples per family (see tests/property/README.md).
+# No deadline: examples talk to real services on shared machines.
+_COMMON: dict[str, Any] = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+}
+settings.register_profile("dev", max_examples=100, **_COMMON)
+settings.register_profile("ci", max_examples=100, derandomize=True, print_blob=True, **_COMMON)
+settings.register_profile("long", max_examples=1000, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if in_ci() else "dev"))
 
 pytest_plugins = [
     "tests.fixtures.postgres",
@@ -30,6 +46,9 @@ pytest_plugins = [
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Name the services the session used and what a per-test database cost."""
+    if TALLY.examples:
+        terminalreporter.section("hostile input")
+        terminalreporter.write_line(TALLY.summary())
     if not USED and not FACTORIES:
         return
     terminalreporter.section("outbox test services")

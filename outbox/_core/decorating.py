@@ -44,7 +44,10 @@ def key_function(
     ``first`` names what the decorated function takes first (``uow``, ``claim``), for errors.
     """
     name = getattr(func, "__qualname__", repr(func))
-    signature = inspect.signature(func)
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"@idempotent cannot read the signature of {name}") from exc
     params = list(signature.parameters)
     if not params:
         raise ConfigurationError(

@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable
 
 from outbox._core.environment import ENV_CACHE_TTL, ENV_MIN_REDELIVERY_WINDOW
+from outbox._core.settings import MAX_SECONDS
+from outbox._core.validate import shown
 from outbox.errors import ConfigurationError, RetentionError
 
 _UNITS = {"w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
@@ -34,11 +36,15 @@ def parse_duration(text: str) -> float:
         seconds = sum(float(n) * _UNITS[u] for n, u in _PART.findall(cleaned))
     else:
         raise ConfigurationError(
-            f"invalid duration {text!r}: use a number with a unit, e.g. 7d, 36h, 90m, 45s or "
+            f"invalid duration {shown(text)}: use a number with a unit, e.g. 7d, 36h, 90m, 45s or "
             "1d12h (w=weeks, d=days, h=hours, m=minutes, s=seconds)"
         )
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigurationError(f"invalid duration {text!r}: it must be longer than zero")
+        raise ConfigurationError(f"invalid duration {shown(text)}: it must be longer than zero")
+    if seconds > MAX_SECONDS:
+        raise ConfigurationError(
+            f"invalid duration {shown(text)}: it must not exceed {format_duration(MAX_SECONDS)}"
+        )
     return seconds
 
 

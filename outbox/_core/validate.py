@@ -9,37 +9,61 @@ from typing import Any
 
 from outbox._core.codec import CONTENT_TYPE_HEADER, IDEMPOTENCY_HEADER, JSON_CONTENT_TYPE
 from outbox.errors import (
+    ConfigurationError,
     InvalidKeyError,
     InvalidTopicError,
     PayloadTooLargeError,
     SerializationError,
+    ValidationError,
 )
 
 MAX_KEY_LENGTH = 255
 MAX_SCOPE_LENGTH = 100
 MAX_FINGERPRINT_LENGTH = 512
 MAX_TOPIC_LENGTH = 249
+MAX_HEADER_NAME_LENGTH = 255
+# Nesting limit of stored results and JSON event values (serde_json's default): deeper values
+# would exhaust the stack of a reader, Python's or PostgreSQL's jsonb parser.
+MAX_JSON_DEPTH = 128
 TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
 OCTET_CONTENT_TYPE = "application/octet-stream"
 
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]+$")
-_SCOPE = re.compile(r"^[A-Za-z0-9._:/-]+$")
+# fullmatch() everywhere: "$" would also match before a trailing newline.
+_TOPIC = re.compile(r"[A-Za-z0-9._-]+")
+_SCOPE = re.compile(r"[A-Za-z0-9._:/-]+")
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# A NUL character in JSON text: "\u0000" not preceded by an escaping backslash.
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def is_utf8(value: str) -> bool:
+    """True when ``value`` encodes to UTF-8 (no lone surrogates), as PostgreSQL, Redis and
+    Kafka need."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _has_control(value: str) -> bool:
     """Control characters, or lone surrogates (not valid UTF-8, so PostgreSQL cannot store them)."""
     if _CONTROL.search(value):
         return True
-    if value.isascii():
-        return False
+    return not value.isascii() and not is_utf8(value)
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages about refused input."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
+        text = repr(value)
+    except Exception:  # an object whose repr fails is still refused, with its type
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_key(key: object) -> str:
@@ -58,7 +82,7 @@ def check_key(key: object) -> str:
         )
     if _has_control(key):
         raise InvalidKeyError(
-            f"idempotency key {key!r} contains control characters or invalid UTF-8"
+            f"idempotency key {shown(key)} contains control characters or invalid UTF-8"
         )
     return key
 
@@ -67,9 +91,9 @@ def check_scope(scope: object) -> str:
     """A scope: 1-100 characters of letters, digits and ``. _ : / -``."""
     if not isinstance(scope, str):
         raise InvalidKeyError(f"scope must be a str, got {type(scope).__name__}")
-    if not scope or len(scope) > MAX_SCOPE_LENGTH or not _SCOPE.match(scope):
+    if not scope or len(scope) > MAX_SCOPE_LENGTH or not _SCOPE.fullmatch(scope):
         raise InvalidKeyError(
-            f"invalid scope {scope!r}: use 1-{MAX_SCOPE_LENGTH} letters, digits or '._:/-' "
+            f"invalid scope {shown(scope)}: use 1-{MAX_SCOPE_LENGTH} letters, digits or '._:/-' "
             "(for example 'payments' or 'billing.v2')"
         )
     return scope
@@ -99,24 +123,54 @@ def check_topic(topic: object) -> str:
         not topic
         or len(topic) > MAX_TOPIC_LENGTH
         or topic in (".", "..")
-        or not _TOPIC.match(topic)
+        or not _TOPIC.fullmatch(topic)
     ):
         raise InvalidTopicError(
-            f"invalid topic name {topic!r}: Kafka accepts 1-{MAX_TOPIC_LENGTH} characters of "
+            f"invalid topic name {shown(topic)}: Kafka accepts 1-{MAX_TOPIC_LENGTH} characters of "
             "letters, digits, '.', '_' and '-' (and not '.' or '..')"
         )
     return topic
 
 
 def dumps_json(value: Any, what: str) -> str:
-    """Strict JSON (no NaN/Infinity, no NUL characters) that PostgreSQL's jsonb accepts."""
+    """Strict JSON that PostgreSQL's jsonb accepts and every reader can parse back: no
+    NaN/Infinity, no NUL characters, valid UTF-8, at most :data:`MAX_JSON_DEPTH` levels."""
     try:
         text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise SerializationError(
+            f"{what} is nested more than {MAX_JSON_DEPTH} levels deep"
+        ) from None
     except (TypeError, ValueError) as exc:
         raise SerializationError(f"{what} is not JSON-serializable: {exc}") from exc
-    if "\\u0000" in text:
+    # Each level opens a bracket: only a text with that many brackets can be too deep.
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(value) > MAX_JSON_DEPTH:
+        raise SerializationError(f"{what} is nested more than {MAX_JSON_DEPTH} levels deep")
+    if "\\u0000" in text and _JSON_NUL.search(text):
         raise SerializationError(f"{what} contains a NUL character, which jsonb cannot store")
+    if not is_utf8(text):
+        raise SerializationError(f"{what} contains text that is not valid UTF-8 (a lone surrogate)")
     return text
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and dicts (as JSON would write it); stops counting
+    once past :data:`MAX_JSON_DEPTH`."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_JSON_DEPTH:
+            break
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def encode_value(value: object) -> tuple[bytes, str]:
@@ -155,23 +209,41 @@ def check_headers(headers: object) -> dict[str, str | bytes]:
         )
     out: dict[str, str | bytes] = {}
     for name, value in headers.items():
-        if not isinstance(name, str) or not name:
-            raise SerializationError(f"header name must be a non-empty str, got {name!r}")
-        if "\x00" in name:
-            raise SerializationError(f"header name {name!r} contains a NUL character")
+        check_header_name(name, SerializationError)
         if isinstance(value, bytes | bytearray | memoryview):
             out[name] = bytes(value)
         elif isinstance(value, str):
             if "\x00" in value:
                 raise SerializationError(
-                    f"header {name!r}: str values must not contain NUL; pass bytes instead"
+                    f"header {shown(name)}: str values must not contain NUL; pass bytes instead"
+                )
+            if not is_utf8(value):
+                raise SerializationError(
+                    f"header {shown(name)}: str value is not valid UTF-8 text (a lone "
+                    "surrogate); pass bytes instead"
                 )
             out[name] = value
         else:
             raise SerializationError(
-                f"header {name!r} must be str or bytes, got {type(value).__name__}"
+                f"header {shown(name)} must be str or bytes, got {type(value).__name__}"
             )
     return out
+
+
+def check_header_name(
+    name: object, error: type[ValidationError | ConfigurationError] = SerializationError
+) -> str:
+    """A Kafka header name: a non-empty ``str`` of valid UTF-8 text without NUL, at most
+    :data:`MAX_HEADER_NAME_LENGTH` characters."""
+    if not isinstance(name, str) or not name:
+        raise error(f"header name must be a non-empty str, got {shown(name)}")
+    if "\x00" in name:
+        raise error(f"header name {shown(name)} contains a NUL character")
+    if len(name) > MAX_HEADER_NAME_LENGTH:
+        raise error(f"header name is longer than {MAX_HEADER_NAME_LENGTH} characters")
+    if not is_utf8(name):
+        raise error(f"header name {shown(name)} is not valid UTF-8 text (a lone surrogate)")
+    return name
 
 
 def check_idempotency_header(headers: Mapping[str, str | bytes]) -> None:

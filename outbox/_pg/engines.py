@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg.conninfo
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from outbox._core.redact import redact
+from outbox._core.settings import check_int, check_seconds
 from outbox.config import normalize_database_url
 from outbox.errors import ConfigurationError
 
@@ -34,11 +37,36 @@ def engine_for(database: object, want_async: bool, options: dict[str, Any] | Non
             f"{'Outbox' if want_async else 'AsyncOutbox'} for it, or pass a URL"
         )
     elif isinstance(database, str):
+        if options is not None and not (
+            isinstance(options, dict) and all(isinstance(k, str) for k in options)
+        ):
+            raise ConfigurationError("engine_options must be a dict of create_engine() keywords")
+        for name in ("pool_size", "max_overflow"):
+            if name in (options or {}):
+                check_int(f"engine_options[{name!r}]", (options or {})[name], -1, 100_000)
+        for name in ("pool_timeout", "pool_recycle"):
+            if name in (options or {}):
+                check_seconds(f"engine_options[{name!r}]", (options or {})[name], zero=True)
         merged = {**DEFAULT_POOL, **(options or {})}
         url = normalize_database_url(database)
-        engine = (
-            create_async_engine(url, **merged) if want_async else sa.create_engine(url, **merged)
-        )
+        try:
+            engine = (
+                create_async_engine(url, **merged)
+                if want_async
+                else sa.create_engine(url, **merged)
+            )
+            # libpq parses the connection options without connecting: an unknown one is
+            # refused now rather than at the first unit of work.
+            options_in_url = {
+                name: value if isinstance(value, str) else ",".join(value)
+                for name, value in engine.url.query.items()
+            }
+            psycopg.conninfo.make_conninfo("", **options_in_url)
+        except (TypeError, ValueError, sa.exc.ArgumentError, psycopg.Error) as exc:
+            raise ConfigurationError(
+                "cannot build an engine from the database URL and engine_options: "
+                + redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, urls=[url])
+            ) from None
         owned = True
     else:
         raise ConfigurationError(

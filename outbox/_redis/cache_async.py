@@ -6,6 +6,11 @@ Redis failure, a slow answer or a malformed entry makes the cache step aside: th
 to PostgreSQL, which decides. After a failure the cache stays out of the way for a short while
 (``cache_retry_after``) so that a Redis outage does not add a timeout to every call.
 
+The cache trusts only entries signed with its database's key (:mod:`outbox._redis.entry`),
+which the unit of work reads from PostgreSQL once (:meth:`AsyncOutcomeCache.trust`) and again on
+every new connection of its engine (:meth:`AsyncOutcomeCache.reidentify`): until it has the
+key, the cache answers nothing and writes nothing.
+
 This asyncio module is the source; ``cache.py`` (the sync flavour) is generated from it by
 ``tools/async_to_sync.py``.
 """
@@ -22,8 +27,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from outbox._core.claim import StoredOutcome
-from outbox._redis.entry import decode_entry, encode_entry
-from outbox.config import OutboxConfig, redact_url
+from outbox._core.redact import one_line, redact, redact_url
+from outbox._core.urls import check_redis_url
+from outbox._redis.entry import Signer, decode_entry, derive_key, encode_entry
+from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError
 
 log = logging.getLogger("outbox.cache")
@@ -34,7 +41,12 @@ CachedOutcome = StoredOutcome
 
 
 def make_async_client(url: str, config: OutboxConfig) -> Redis:
-    """A redis-py client with bounded timeouts and no retries (a miss is cheaper than a wait)."""
+    """A redis-py client with bounded timeouts and no retries (a miss is cheaper than a wait).
+
+    The URL is checked first (:func:`outbox._core.urls.check_redis_url`); no connection is
+    opened here.
+    """
+    check_redis_url(url)
     try:
         return Redis.from_url(
             url,
@@ -44,8 +56,11 @@ def make_async_client(url: str, config: OutboxConfig) -> Redis:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-    except ValueError as exc:
-        raise ConfigurationError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc
+    except (ValueError, TypeError, RedisError) as exc:
+        # redis-py's message may quote parts of the URL: hide its secrets, drop the cause.
+        raise ConfigurationError(
+            f"invalid Redis URL {redact_url(url)!r}: {redact(str(exc), urls=[url])}"
+        ) from None
 
 
 class AsyncOutcomeCache:
@@ -58,6 +73,9 @@ class AsyncOutcomeCache:
         self._retry_after = config.cache_retry_after
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self._signer: Signer | None = None
+        self._generation = 0
+        self._untrusted_warned = False
 
     @property
     def client(self) -> Redis:
@@ -71,43 +89,103 @@ class AsyncOutcomeCache:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
+    # -- the database's key ------------------------------------------------------------------
+
+    @property
+    def trusted(self) -> bool:
+        """True once the key of the database's entries is known (see :meth:`trust`)."""
+        return self._signer is not None
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever :meth:`forget` is called; read it before reading the identity."""
+        return self._generation
+
+    def trust(
+        self, generation: int, secret: bytes, database_oid: int, keys_oid: int | None
+    ) -> None:
+        """Sign and accept entries with the key of this identity (read by
+        :mod:`outbox._pg.identity`) -- unless the identity changed since ``generation`` was
+        read, in which case this one may be a previous database's."""
+        signer = Signer(derive_key(secret, database_oid, keys_oid))
+        with self._lock:
+            if generation == self._generation:
+                self._signer = signer
+
+    def reidentify(self, secret: bytes, database_oid: int, keys_oid: int | None) -> None:
+        """The identity read on a connection just opened: from now on, the only one trusted."""
+        signer = Signer(derive_key(secret, database_oid, keys_oid))
+        with self._lock:
+            self._generation += 1
+            self._signer = signer
+
+    def forget(self) -> None:
+        """Trust nothing until the identity is read again."""
+        with self._lock:
+            self._generation += 1
+            self._signer = None
+
+    def untrusted(self, exc: Exception) -> None:
+        """The identity could not be read: step aside for ``cache_retry_after`` seconds."""
+        with self._lock:
+            self._down_until = time.monotonic() + self._retry_after
+            warned, self._untrusted_warned = self._untrusted_warned, True
+        (log.debug if warned else log.warning)(
+            "the cache's key could not be read from PostgreSQL (%s); fast path skipped for "
+            "%.1fs -- is the database migrated (outbox migrate)?",
+            one_line(exc),
+            self._retry_after,
+        )
+
+    # -- entries -----------------------------------------------------------------------------
+
     def _failed(self, op: str, exc: Exception) -> None:
         with self._lock:
             first = self.available()
             self._down_until = time.monotonic() + self._retry_after
         if first:
             log.warning(
-                "redis %s failed (%s: %s); fast path skipped for %.1fs",
+                "redis %s failed (%s); fast path skipped for %.1fs",
                 op,
-                type(exc).__name__,
-                exc,
+                one_line(exc),
                 self._retry_after,
             )
 
     async def get(self, scope: str, key: str) -> CachedOutcome | None:
-        """The cached outcome, or ``None`` on a miss, a Redis failure or a malformed entry."""
-        if not self.available():
+        """The cached outcome, or ``None`` on a miss, a Redis failure or an entry that is
+        malformed, forged, of another database or expired."""
+        signer = self._signer
+        if signer is None or time.monotonic() < self._down_until:
             return None
+        redis_key = self.redis_key(scope, key)
         try:
-            raw = await self._client.get(self.redis_key(scope, key))
+            raw = await self._client.get(redis_key)
         except (RedisError, OSError) as exc:
+            self._failed("GET", exc)
+            return None
+        except Exception as exc:  # a client's own failure (a bad setting, undecodable bytes...)
             self._failed("GET", exc)
             return None
         if raw is None:
             return None
-        return decode_entry(raw)
+        return decode_entry(raw, signer, redis_key, int(time.time() * 1000))
 
     async def put(
         self, scope: str, key: str, outcome: CachedOutcome, ttl: float | None = None
     ) -> None:
         """Remember an outcome for ``ttl`` seconds (default ``cache_ttl``); call only after the
         PostgreSQL commit that made it final."""
-        if not self.available():
+        signer = self._signer
+        if signer is None or not self.available():
+            return
+        px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))
+        redis_key = self.redis_key(scope, key)
+        entry = encode_entry(outcome, signer, redis_key, int(time.time() * 1000) + px)
+        if entry is None:
             return
         try:
-            px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))
-            await self._client.set(self.redis_key(scope, key), encode_entry(outcome), px=px)
-        except (RedisError, OSError) as exc:
+            await self._client.set(redis_key, entry, px=px)
+        except Exception as exc:  # after the commit: the outcome stands, whatever Redis does
             self._failed("SET", exc)
 
     async def close(self) -> None:

@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from outbox.cli._common import run
+from outbox.cli._common import Parser, run
 
 # name -> (module defining `register(subparsers)`, one-line help for `outbox --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -40,7 +40,7 @@ def _chosen(argv: Sequence[str]) -> str | None:
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``outbox`` parser; the command named in ``argv`` gets its full set of flags."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="outbox", description="outbox-kit: migrations, parked rows, consumers, operations"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -3,19 +3,28 @@
 Every flag that an environment variable can set is declared once in :data:`FLAGS`. A command
 adds the flags it takes with :func:`add_flags`; after parsing, :func:`resolve_flags` fills each
 flag the command line left out from its variable (converted like the flag, with an error that
-names the variable when it is malformed), then from its default. ``--help`` names the variable.
+names the variable when it is malformed), then from its default, and checks every value with
+the flag's check from :mod:`outbox._core` -- before the command opens any connection.
+``--help`` names the variable.
+
+Bad usage of any kind -- an unknown flag, a malformed value, a setting the core refuses --
+exits with :data:`EXIT_USAGE` and one line on stderr, secrets redacted.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from outbox._core.redact import redact
+from outbox._core import settings as _settings, validate as _validate
+from outbox._core.durations import parse_duration
+from outbox._core.redact import redact, redact_text
+from outbox._core.urls import check_database_url, check_redis_url
 from outbox.config import (
     ENV_CACHE_TTL,
     ENV_CONSUMER_GROUP,
@@ -35,9 +44,11 @@ from outbox.config import (
     ENV_RELAY_REBALANCE_INTERVAL,
     ENV_RETENTION,
     ENV_SCHEMA,
+    MAX_LANES,
     env,
 )
-from outbox.errors import ConfigurationError, OutboxError
+from outbox.errors import ConfigurationError, OutboxError, ValidationError
+from outbox.schema import validate_schema_name
 
 # Exit codes of every command, defined once.
 EXIT_OK = 0
@@ -59,6 +70,9 @@ class Flag:
     default_text: str | None = None  # how --help shows the default, when not str(default)
     metavar: str | None = None
     choices: Sequence[str] | None = None
+    # Checks a converted value before any I/O: check(name, value) raises ConfigurationError
+    # (``name`` is the flag, or the variable the value came from).
+    check: Callable[[str, Any], object] | None = None
 
     @property
     def dest(self) -> str:
@@ -74,12 +88,56 @@ class Flag:
         return f"{self.help} ({'; '.join(notes)})" if notes else self.help
 
 
+class Parser(argparse.ArgumentParser):
+    """``argparse`` with the toolkit's usage errors: one line, secrets redacted, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {redact_text(message)} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
 def _int(value: str) -> int:
-    return int(value)
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_validate.shown(value)} is not an integer") from None
 
 
 def _float(value: str) -> float:
-    return float(value)
+    try:
+        number = float(value.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_validate.shown(value)} is not a number") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{_validate.shown(value)} is not a finite number")
+    return number
+
+
+def _ranged(low: int, high: int) -> Callable[[str, Any], object]:
+    return lambda name, value: _settings.check_int(name, value, low, high)
+
+
+def _seconds(name: str, value: Any) -> object:
+    return _settings.check_seconds(name, value, _settings.MAX_TIMEOUT)
+
+
+def _duration(name: str, value: Any) -> object:
+    try:
+        return parse_duration(value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{name}: {exc}") from None
+
+
+def _schema(name: str, value: Any) -> object:
+    return validate_schema_name(value)
+
+
+def _group(name: str, value: Any) -> object:
+    _settings.check_text_setting(name, value, limit=255)
+    try:
+        return _validate.check_scope(value)
+    except ValidationError as exc:
+        raise ConfigurationError(f"{name}: {exc}") from None
 
 
 FLAGS: Mapping[str, Flag] = {
@@ -89,18 +147,26 @@ FLAGS: Mapping[str, Flag] = {
             "--database-url",
             ENV_DATABASE_URL,
             "PostgreSQL URL, postgresql+psycopg://user:pass@host/db",
+            check=lambda _name, value: check_database_url(value),
         ),
         Flag(
             "--schema",
             ENV_SCHEMA,
             "PostgreSQL schema of the outbox tables",
             default_text="public",
+            check=_schema,
         ),
-        Flag("--redis-url", ENV_REDIS_URL, "Redis URL for the duplicate fast path (optional)"),
+        Flag(
+            "--redis-url",
+            ENV_REDIS_URL,
+            "Redis URL for the duplicate fast path (optional)",
+            check=lambda _name, value: check_redis_url(value),
+        ),
         Flag(
             "--bootstrap-servers",
             ENV_KAFKA_BOOTSTRAP,
             "Kafka bootstrap servers, host:port[,host:port]",
+            check=lambda name, value: _settings.check_bootstrap_servers(value, name),
         ),
         Flag(
             "--log-level",
@@ -114,6 +180,7 @@ FLAGS: Mapping[str, Flag] = {
             "--group",
             ENV_CONSUMER_GROUP,
             "Kafka consumer group, also the idempotency scope",
+            check=_group,
         ),
         Flag(
             "--batch-size",
@@ -121,6 +188,7 @@ FLAGS: Mapping[str, Flag] = {
             "rows claimed per batch",
             type=_int,
             kind="an integer",
+            check=_ranged(1, 100_000),
         ),
         Flag(
             "--poll-interval",
@@ -128,6 +196,7 @@ FLAGS: Mapping[str, Flag] = {
             "seconds between polls when no wake-up arrives",
             type=_float,
             kind="a number",
+            check=_seconds,
         ),
         Flag(
             "--lanes",
@@ -135,6 +204,7 @@ FLAGS: Mapping[str, Flag] = {
             "number of lanes; must be the same for every relay",
             type=_int,
             kind="an integer",
+            check=_ranged(1, MAX_LANES),
         ),
         Flag(
             "--max-attempts",
@@ -142,6 +212,7 @@ FLAGS: Mapping[str, Flag] = {
             "failed deliveries before a row is parked",
             type=_int,
             kind="an integer",
+            check=_ranged(1, 1_000_000),
         ),
         Flag(
             "--rebalance-interval",
@@ -149,6 +220,7 @@ FLAGS: Mapping[str, Flag] = {
             "seconds between lane rebalances",
             type=_float,
             kind="a number",
+            check=_seconds,
         ),
         Flag(
             "--metrics-port",
@@ -157,12 +229,14 @@ FLAGS: Mapping[str, Flag] = {
             type=_int,
             kind="an integer",
             default_text="off",
+            check=_ranged(0, _settings.MAX_PORT),
         ),
         Flag(
             "--older-than",
             ENV_RETENTION,
             "delete keys last updated longer ago than this, e.g. 7d, 36h, 90m (required)",
             metavar="DURATION",
+            check=_duration,
         ),
         Flag(
             "--cache-ttl",
@@ -170,12 +244,14 @@ FLAGS: Mapping[str, Flag] = {
             "the applications' Redis cache TTL (OutboxConfig.cache_ttl); --older-than must "
             "be longer",
             metavar="DURATION",
+            check=_duration,
         ),
         Flag(
             "--min-redelivery-window",
             ENV_MIN_REDELIVERY_WINDOW,
             "how late a broker may redeliver a message; --older-than must be at least this",
             metavar="DURATION",
+            check=_duration,
         ),
     )
 }
@@ -188,12 +264,24 @@ CONSUMER_METRICS_PORT = Flag(
     type=_int,
     kind="an integer",
     default_text="off",
+    check=_ranged(0, _settings.MAX_PORT),
 )
 GC_BATCH_SIZE = Flag(
-    "--batch-size", ENV_GC_BATCH_SIZE, "keys deleted per transaction", type=_int, kind="an integer"
+    "--batch-size",
+    ENV_GC_BATCH_SIZE,
+    "keys deleted per transaction",
+    type=_int,
+    kind="an integer",
+    check=None,  # the range is the gc command's (admin.MAX_GC_BATCH_SIZE)
 )
 
+# For flags a command declares itself (add_argument): the same converters and checks.
+integer = _int
+number = _float
+ranged = _ranged
+
 _RESOLVE = "_outbox_flags"
+_RESOLVED = "_outbox_flags_resolved"
 _KAFKA = "_outbox_kafka_config"
 
 
@@ -236,42 +324,62 @@ def add_kafka_config(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_flags(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill every declared flag left out on the command line from its variable or default."""
+    """Fill every declared flag left out on the command line from its variable or default,
+    then check every value (from the command line, a variable or a default) before any I/O."""
+    if getattr(args, _RESOLVED, False):
+        return args
     for flag in getattr(args, _RESOLVE, None) or ():
-        if getattr(args, flag.dest) is not None:
-            continue
-        raw = env(flag.env) if flag.env else None
-        value = flag.default
-        if raw is not None:
-            try:
-                value = flag.type(raw)
-            except ValueError as exc:
-                raise ConfigurationError(f"{flag.env}={raw!r} is not {flag.kind}") from exc
-            if flag.choices is not None and value not in flag.choices:
-                raise ConfigurationError(
-                    f"{flag.env}={raw!r} is not one of {', '.join(flag.choices)}"
-                )
-        setattr(args, flag.dest, value)
+        name = flag.option
+        if getattr(args, flag.dest) is None:
+            raw = env(flag.env) if flag.env else None
+            value = flag.default
+            if raw is not None:
+                name = flag.env or flag.option
+                try:
+                    value = flag.type(raw)
+                except (ValueError, argparse.ArgumentTypeError):
+                    shown = "(hidden)" if flag.dest.endswith("_url") else _validate.shown(raw)
+                    raise ConfigurationError(f"{flag.env}={shown} is not {flag.kind}") from None
+                if flag.choices is not None and value not in flag.choices:
+                    raise ConfigurationError(
+                        f"{flag.env}={_validate.shown(raw)} is not one of {', '.join(flag.choices)}"
+                    )
+            setattr(args, flag.dest, value)
+        value = getattr(args, flag.dest)
+        if value is not None and flag.check is not None:
+            flag.check(name, value)
     if getattr(args, _KAFKA, False) and isinstance(args.kafka_config, list):
         args.kafka_config = parse_kafka_config(args.kafka_config, env(ENV_KAFKA_CONFIG))
+    setattr(args, _RESOLVED, True)
     return args
 
 
 def parse_kafka_config(pairs: Sequence[str], env_value: str | None = None) -> dict[str, str]:
-    """Parse ``KEY=VALUE`` pairs (flags win over the environment) into a librdkafka dict."""
-    items: list[str] = []
+    """Parse ``KEY=VALUE`` pairs (flags win over the environment) into a librdkafka dict.
+
+    A malformed pair is refused without being quoted: it may be a secret typed without its
+    name. Names and values are checked like every Kafka setting
+    (:func:`outbox._core.settings.check_kafka_config`).
+    """
+    items: list[tuple[str, str]] = []
     if env_value:
-        items.extend(p for chunk in env_value.splitlines() for p in chunk.split(",") if p.strip())
-    items.extend(pairs)
+        items.extend(
+            (ENV_KAFKA_CONFIG, p)
+            for chunk in env_value.splitlines()
+            for p in chunk.split(",")
+            if p.strip()
+        )
+    items.extend(("--kafka-config", p) for p in pairs)
     config: dict[str, str] = {}
-    for item in items:
+    for number, (source, item) in enumerate(items, 1):
         key, sep, value = item.strip().partition("=")
-        if not sep or not key.strip():
+        if not sep or not key.strip() or not value.strip():
             raise ConfigurationError(
-                f"invalid --kafka-config {item!r}: expected KEY=VALUE, e.g. acks=all"
+                f"invalid {source} entry #{number} (not shown): expected KEY=VALUE with both "
+                "parts, e.g. acks=all"
             )
         config[key.strip()] = value.strip()
-    return config
+    return _settings.check_kafka_config(config, "--kafka-config")
 
 
 def require(args: argparse.Namespace, dest: str) -> str:
@@ -298,25 +406,27 @@ def configure_logging(level: str) -> None:
 
 def run(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a command, turning errors into one clear, secret-free line on stderr and an exit
-    code: :data:`EXIT_USAGE` for configuration errors, :data:`EXIT_FAILURE` otherwise."""
+    code: :data:`EXIT_USAGE` for configuration errors and refused input, :data:`EXIT_FAILURE`
+    otherwise."""
 
     def clean(text: str) -> str:
         urls = [getattr(args, "database_url", None), getattr(args, "redis_url", None)]
         secrets = getattr(args, "kafka_config", None)
-        return redact(text, urls=urls, kafka_config=secrets if isinstance(secrets, dict) else None)
+        text = redact(text, urls=urls, kafka_config=secrets if isinstance(secrets, dict) else None)
+        lines = redact_text(text).splitlines()
+        return lines[0] if lines else ""
 
     try:
         resolve_flags(args)
         configure_logging(getattr(args, "log_level", None) or "INFO")
         return func(args)
-    except ConfigurationError as exc:
+    except (ConfigurationError, ValidationError) as exc:
         print(f"{prog}: error: {clean(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except OutboxError as exc:
         print(f"{prog}: error: {clean(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as exc:  # driver errors: one line, password-free
-        lines = str(exc).splitlines()
-        message = clean(lines[0]) if lines else type(exc).__name__
+        message = clean(str(exc)) or type(exc).__name__
         print(f"{prog}: error: {type(exc).__name__}: {message}", file=sys.stderr)
         return EXIT_FAILURE

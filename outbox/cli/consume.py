@@ -11,13 +11,16 @@ from typing import Any
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
 from outbox._core.redact import redact_url
+from outbox._core.settings import check_handler_reference
 from outbox._core.stopping import stop_on_signals
 from outbox.cli._common import (
     CONSUMER_METRICS_PORT,
     EXIT_OK,
     add_flags,
     add_kafka_config,
+    integer,
     require,
+    resolve_flags,
 )
 from outbox.config import ConsumerConfig
 from outbox.consumer import ConsumerRunner, Handler, serve_metrics
@@ -53,7 +56,7 @@ def register(subparsers: Any) -> None:
         help=f"header that carries the idempotency key (default {IDEMPOTENCY_HEADER})",
     )  # fmt: skip
     p.add_argument(
-        "--max-attempts", type=int, default=5,
+        "--max-attempts", type=integer, default=5,
         help="attempts before a failing message is dead-lettered (default 5)",
     )  # fmt: skip
     p.add_argument(
@@ -64,24 +67,30 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=command)
 
 
-def command(args: argparse.Namespace) -> int:
-    database_url = require(args, "database_url")
-    group = require(args, "group")
-    bootstrap = require(args, "bootstrap_servers")
-    # Like `python -m`: handler modules next to where the command runs are importable.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    handler = load_handler(args.handler)
-    config = ConsumerConfig(
+def config_from_args(args: argparse.Namespace) -> ConsumerConfig:
+    """The runner's settings from flags and ``OUTBOX_*`` variables, checked (no I/O)."""
+    resolve_flags(args)
+    require(args, "database_url")
+    check_handler_reference(args.handler)
+    return ConsumerConfig(
         topics=tuple(args.topics),
-        group=group,
+        group=require(args, "group"),
         scope=args.scope,
-        bootstrap_servers=bootstrap,
+        bootstrap_servers=require(args, "bootstrap_servers"),
         kafka_config=args.kafka_config,
         key_header=args.key_header,
         max_attempts=args.max_attempts,
         dlq_topic_suffix=args.dlq_suffix,
     ).validate()
+
+
+def command(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    database_url = require(args, "database_url")
+    # Like `python -m`: handler modules next to where the command runs are importable.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    handler = load_handler(args.handler)
     ob = Outbox(database_url, redis_url=args.redis_url, schema=args.schema)
     try:
         runner = ConsumerRunner(ob, handler, config)
@@ -107,11 +116,8 @@ def command(args: argparse.Namespace) -> int:
 
 def load_handler(ref: str) -> Handler:
     """Import ``module:attribute`` (attribute may be dotted) and check that it is callable."""
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigurationError(
-            f"invalid handler {ref!r}: expected module:function, e.g. myapp.consumers:handle"
-        )
+    module_name, parts = check_handler_reference(ref)
+    attr = ".".join(parts)
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
@@ -119,7 +125,7 @@ def load_handler(ref: str) -> Handler:
             f"cannot import handler module {module_name!r}: {exc} (run from the directory that "
             "contains it, or put it on PYTHONPATH)"
         ) from exc
-    for part in attr.split("."):
+    for part in parts:
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:

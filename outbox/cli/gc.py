@@ -10,12 +10,14 @@ from typing import IO, Any
 
 from outbox import admin
 from outbox._core.durations import format_duration, parse_duration
+from outbox._core.validate import check_scope
 from outbox.cli._common import (
     EXIT_OK,
     EXIT_RETENTION_REFUSED,
     FLAGS,
     GC_BATCH_SIZE,
     add_flags,
+    ranged,
 )
 from outbox.cli._database import command_engine
 from outbox.config import DEFAULT_CACHE_TTL_SECONDS
@@ -46,7 +48,10 @@ def register(subparsers: Any) -> None:
             "default_text": format_duration(admin.DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS)
             + ", Kafka's default retention"
         },
-        batch_size={"default_text": str(admin.DEFAULT_GC_BATCH_SIZE)},
+        batch_size={
+            "default_text": str(admin.DEFAULT_GC_BATCH_SIZE),
+            "check": ranged(1, admin.MAX_GC_BATCH_SIZE),
+        },
     )
     p.add_argument("--scope", default=None, help="only keys of this scope (default: all)")
     p.add_argument(
@@ -75,6 +80,8 @@ def command(args: argparse.Namespace) -> int:
     older_than = _duration(args, "older_than", None)
     cache_ttl = _duration(args, "cache_ttl", DEFAULT_CACHE_TTL_SECONDS)
     window = _duration(args, "min_redelivery_window", admin.DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS)
+    if args.scope is not None:
+        check_scope(args.scope)
     batch_size = admin.check_gc_batch_size(
         args.batch_size if args.batch_size is not None else admin.DEFAULT_GC_BATCH_SIZE
     )

@@ -30,6 +30,7 @@ def register(subparsers: Any) -> None:
 
 def command(args: argparse.Namespace) -> int:
     url = require(args, "database_url")
+    migrate.check_revision(args.revision_down or args.revision)
     if args.revision_down:
         migrate.downgrade(url, args.revision_down, schema=args.schema)
         print(f"downgraded {redact_url(url)} to {args.revision_down}")

@@ -8,7 +8,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from outbox.cli._common import EXIT_FAILURE, EXIT_OK, add_flags
+from outbox._core.validate import check_topic, shown
+from outbox.cli._common import EXIT_FAILURE, EXIT_OK, add_flags, integer, ranged
 from outbox.cli._database import command_engine
 from outbox.errors import ConfigurationError
 from outbox.parked import discard_parked, list_parked, retry_parked
@@ -19,14 +20,24 @@ def _event_ids(values: Sequence[str]) -> list[uuid.UUID]:
     for value in values:
         try:
             ids.append(uuid.UUID(value))
-        except ValueError as exc:
+        except ValueError:
             raise ConfigurationError(
-                f"--event-id {value!r} is not a UUID: copy it from `outbox parked list`"
-            ) from exc
+                f"--event-id {shown(value)} is not a UUID: copy it from `outbox parked list`"
+            ) from None
     return ids
 
 
+MAX_LIMIT = 100_000
+
+
+def _check_topic(args: argparse.Namespace) -> None:
+    if args.topic is not None:
+        check_topic(args.topic)
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
+    ranged(1, MAX_LIMIT)("--limit", args.limit)
+    _check_topic(args)
     engine = command_engine(args)
     try:
         with engine.connect() as conn:
@@ -74,6 +85,7 @@ def _cmd_change(args: argparse.Namespace) -> int:
     if args.event_id and args.all:
         raise ConfigurationError("use either --event-id or --all, not both")
     ids = _event_ids(args.event_id)
+    _check_topic(args)
     action = retry_parked if args.action == "retry" else discard_parked
     engine = command_engine(args)
     try:
@@ -97,7 +109,9 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("list", help="parked rows with event id, topic, key and error")
     add_flags(p, "database_url", "schema", "log_level")
     p.add_argument("--topic", help="only rows of this topic")
-    p.add_argument("--limit", type=int, default=100, help="at most this many rows (default 100)")
+    p.add_argument(
+        "--limit", type=integer, default=100, help="at most this many rows (default 100)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_list)
 

@@ -12,9 +12,11 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from outbox._core.stopping import stop_on_signals
+from outbox._kafka.config import producer_config
 from outbox.cli._common import (
     EXIT_FAILURE,
     EXIT_OK,
+    Parser,
     add_flags,
     add_kafka_config,
     require,
@@ -33,7 +35,7 @@ EXIT_CODES: Mapping[RunResult, int] = {RunResult.FINISHED: EXIT_OK}
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``outbox-relay`` parser: every setting also reads its ``OUTBOX_*`` variable."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=PROG,
         description="Relay committed outbox rows to Kafka: no loss, per-key order, many relays.",
     )
@@ -87,6 +89,9 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
 
 def command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    # The producer's settings are checked now, before the first connection, not when the
+    # relay builds its producer after claiming its first batch.
+    producer_config(config.bootstrap_servers, config.kafka_config)
     relay = Relay(config)
     if args.check:
         problems = relay.check()

@@ -8,10 +8,10 @@ from typing import Any
 
 from outbox import admin
 from outbox._core.environment import ENV_RELAY_LANES
-from outbox._core.lanes import DEFAULT_LANES
-from outbox.cli._common import EXIT_OK, add_flags
+from outbox._core.lanes import DEFAULT_LANES, MAX_LANES
+from outbox.cli._common import EXIT_OK, add_flags, integer, ranged
 from outbox.cli._database import command_engine
-from outbox.config import env
+from outbox.config import env, env_int
 
 
 def register(subparsers: Any) -> None:
@@ -26,7 +26,7 @@ def register(subparsers: Any) -> None:
     # the lane count came from (flag, variable, live relays or default).
     p.add_argument(
         "--lanes",
-        type=int,
+        type=integer,
         default=None,
         help=f"lane count to split the backlog by (env {ENV_RELAY_LANES}, the relay's; "
         f"default: what live relays use, else {DEFAULT_LANES})",
@@ -36,6 +36,12 @@ def register(subparsers: Any) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
+    lanes_env = env(ENV_RELAY_LANES)
+    # Checked here, before the database is opened (read_status decides between them).
+    if args.lanes is not None:
+        ranged(1, MAX_LANES)("--lanes", args.lanes)
+    elif lanes_env is not None:
+        ranged(1, MAX_LANES)(ENV_RELAY_LANES, env_int(ENV_RELAY_LANES, None))
     engine = command_engine(args, "outbox status")
     try:
         # One snapshot, read-only: every number in the report is from the same moment.
@@ -43,7 +49,7 @@ def command(args: argparse.Namespace) -> int:
             isolation_level="REPEATABLE READ", postgresql_readonly=True
         ) as conn:
             status = admin.read_status(
-                conn, args.schema, lanes_flag=args.lanes, lanes_env=env(ENV_RELAY_LANES)
+                conn, args.schema, lanes_flag=args.lanes, lanes_env=lanes_env
             )
             conn.rollback()
     finally:
