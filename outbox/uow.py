@@ -48,6 +48,7 @@ from outbox._pg.statements import (
     idempotency_key_complete,
     idempotency_key_complete_joined,
     joined_statements,
+    outbox_insert,
     statements,
 )
 from outbox._pg.transaction import Transaction, install_guard
@@ -335,13 +336,14 @@ class Outbox:
             session, connection = None, transaction
         _check_joinable(session, connection, required=True)
         params: dict[str, Any] = {}
-        event_params([event], params)
+        _size, locks = event_params([event], params, self.config.schema)
+        insert = outbox_insert(self.config.schema, locks)
         if session is not None:
-            session.execute(self._joined_sql.outbox_insert, params)
+            session.execute(insert, params)
             target: Any = session
         else:
             assert connection is not None
-            connection.execute(self._joined_sql.outbox_insert, params)
+            connection.execute(insert, params)
             target = connection
             assert target is not None
         if self.config.wake_relays:
@@ -422,8 +424,8 @@ class Outbox:
                 "fingerprint": uow.fingerprint,
                 "result": result_json,
             }
-            size = event_params(events, params)
-            statement = idempotency_key_complete(self.config.schema, len(events))
+            size, locks = event_params(events, params, self.config.schema)
+            statement = idempotency_key_complete(self.config.schema, len(events), locks)
             if size <= _INLINE_LIMIT and len(events) <= _INLINE_EVENTS:
                 tx.commit_with(statement, params)
             else:
@@ -574,8 +576,8 @@ class Outbox:
                 "fingerprint": uow.fingerprint,
                 "result": result_json,
             }
-            event_params(events, params)
-            statement = idempotency_key_complete_joined(self.config.schema, len(events))
+            _size, locks = event_params(events, params, self.config.schema)
+            statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
             joined.connection.execute(statement, params)
             joined.savepoint.commit()
         except BaseException as exc:

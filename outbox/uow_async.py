@@ -46,6 +46,7 @@ from outbox._pg.statements import (
     idempotency_key_complete,
     idempotency_key_complete_joined,
     joined_statements,
+    outbox_insert,
     statements,
 )
 from outbox._pg.transaction_async import AsyncTransaction, install_guard
@@ -333,13 +334,14 @@ class AsyncOutbox:
             session, connection = None, transaction
         _check_joinable(session, connection, required=True)
         params: dict[str, Any] = {}
-        event_params([event], params)
+        _size, locks = event_params([event], params, self.config.schema)
+        insert = outbox_insert(self.config.schema, locks)
         if session is not None:
-            await session.execute(self._joined_sql.outbox_insert, params)
+            await session.execute(insert, params)
             target: Any = session.sync_session
         else:
             assert connection is not None
-            await connection.execute(self._joined_sql.outbox_insert, params)
+            await connection.execute(insert, params)
             target = connection.sync_connection
             assert target is not None
         if self.config.wake_relays:
@@ -420,8 +422,8 @@ class AsyncOutbox:
                 "fingerprint": uow.fingerprint,
                 "result": result_json,
             }
-            size = event_params(events, params)
-            statement = idempotency_key_complete(self.config.schema, len(events))
+            size, locks = event_params(events, params, self.config.schema)
+            statement = idempotency_key_complete(self.config.schema, len(events), locks)
             if size <= _INLINE_LIMIT and len(events) <= _INLINE_EVENTS:
                 await tx.commit_with(statement, params)
             else:
@@ -574,8 +576,8 @@ class AsyncOutbox:
                 "fingerprint": uow.fingerprint,
                 "result": result_json,
             }
-            event_params(events, params)
-            statement = idempotency_key_complete_joined(self.config.schema, len(events))
+            _size, locks = event_params(events, params, self.config.schema)
+            statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
             await joined.connection.execute(statement, params)
             await joined.savepoint.commit()
         except BaseException as exc:
