@@ -13,10 +13,12 @@ Per-key order rests on two rules:
    claim query (:mod:`outbox._pg.relay`) leaves out keys blocked by a parked row and reports the
    rows it skipped; :func:`outbox._core.delivery.drop_blocked` drops every claimed row that has
    a skipped row of its key before it.
-2. **Round rule.** Within a batch, the ``n``-th row of a key is produced only after Kafka
-   confirmed its ``n-1``-th row (rows go out in *rounds*: round ``r`` carries the ``r``-th row of
-   every key; many keys share one round, so a batch costs a few round trips). A failed row stops
-   its key for the rest of the batch (:func:`outbox._core.delivery.deliver_in_rounds`).
+2. **Round rule.** Within a batch a key's rows for one topic go out together, in id order (one
+   partition: the idempotent producer keeps their order, and the Kafka adapter keeps a failed
+   record from being followed by a delivered one); a row for another topic than its key's
+   previous row waits until Kafka confirmed the rows before it. A failed row stops its key for
+   the rest of the batch (:func:`outbox._core.delivery.deliver_in_rounds`). Most batches are a
+   single round, however hot their keys.
 
 Together: whenever a record of a key reaches Kafka for the first time, every earlier record of
 that key already reached Kafka. Re-sends can repeat records (a relay killed after the broker
@@ -71,7 +73,7 @@ from outbox._pg.relay import (
 )
 from outbox._pg.wakeup import Listener
 from outbox.config import RelayConfig as RelayConfig, normalize_database_url
-from outbox.errors import ConfigurationError, FatalProducerError, PublishError
+from outbox.errors import ConfigurationError, PublishError
 from outbox.metrics import RelayMetrics
 
 log = logging.getLogger("outbox.relay")
@@ -257,16 +259,27 @@ class Relay:
             unsendable = {i: Outcome(error=e, permanent=True) for i, e in broken.items()}
         producer = self._producer_or_new()
 
-        def send(todo: list[int]) -> list[Outcome]:
+        def send(todo: list[int]) -> list[Outcome | None]:
+            batch = records if len(todo) == len(records) else [records[i] for i in todo]
             return producer.send(
-                [records[i] for i in todo],  # type: ignore[misc]  # unsendable rows are not in todo
+                batch,  # type: ignore[arg-type]  # unsendable rows are never in todo
                 self.stop_event,
                 self.config.shutdown_grace,
             )
 
-        outcomes, result.sent = deliver_in_rounds(
-            [r[KEY] for r in rows], send, failed=unsendable, stopping=self.stop_event.is_set
+        outcomes, result.sent, gaps = deliver_in_rounds(
+            [r[KEY] for r in rows],
+            [r[TOPIC] for r in rows],
+            send,
+            failed=unsendable,
+            stopping=self.stop_event.is_set,
         )
+        if gaps:
+            log.error(
+                "event=order_gap rows=%d: Kafka confirmed rows after a failed row of their key "
+                "(the producer settings that prevent this were changed?)",
+                gaps,
+            )
         verdict = settle(
             [r[ID] for r in rows], [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts
         )
@@ -379,12 +392,6 @@ class Relay:
                 result = self.process_batch(conn)
             except ConfigurationError:
                 raise
-            except FatalProducerError as exc:
-                log.error("event=producer_rebuilt reason=%r", str(exc))
-                self._rollback()
-                self._close_producer()
-                self._sleep(self._kafka_backoff.failed())
-                continue
             except Exception as exc:
                 if not (is_database_error(exc) or isinstance(exc, OSError)):
                     raise
@@ -392,8 +399,9 @@ class Relay:
                 continue
             self._db_backoff.succeeded()
             if result.stale_producer or result.outage:
-                # A fresh producer after an outage or a broken idempotence state: message
-                # timeouts make librdkafka bump its epoch, which some brokers refuse for good.
+                # A fresh producer after an outage, a purge or a broken idempotence state.
+                if result.stale_producer and not result.outage:
+                    log.warning("event=producer_rebuilt reason=%r", result.error)
                 self._close_producer()
             if result.outage:
                 delay = self._kafka_backoff.failed()
