@@ -47,6 +47,7 @@ from outbox._core.delivery import (
     EVENT_ID,
     ID,
     KEY,
+    SKIPPED,
     TOPIC,
     ClaimedRow,
     Settlement,
@@ -133,6 +134,9 @@ class Relay:
         self._next_rebalance = 0.0
         self._next_stats = 0.0
         self._kafka_backoff = Backoff(config.backoff_initial, config.backoff_max)
+        # Claim without skipping until another transaction's lock gets in the way; then claim
+        # the careful way until a claim skips nothing again (outbox._pg.relay).
+        self._contended = False
         self._db_backoff = Backoff(config.backoff_initial, config.backoff_max)
 
     # ------------------------------------------------------------------------------ control
@@ -232,19 +236,30 @@ class Relay:
             self._producer = self._producer_factory()
         return self._producer
 
+    def _claim(self, conn: sa.Connection, *, uncontended: bool) -> list[ClaimedRow] | None:
+        return outbox_claim_batch(
+            conn,
+            self.sql,
+            lanes=self.config.lanes,
+            owned=sorted(self.owned),
+            batch_size=self.config.batch_size,
+            uncontended=uncontended,
+        )
+
     def process_batch(self, conn: sa.Connection) -> BatchResult:
         """Claim, produce, confirm, delete and commit one batch of the owned lanes."""
         result = BatchResult()
         if not self.owned:
             return result
         started = time.monotonic()
-        fetched = outbox_claim_batch(
-            conn,
-            self.sql,
-            lanes=self.config.lanes,
-            owned=sorted(self.owned),
-            batch_size=self.config.batch_size,
-        )
+        fetched = None
+        if not self._contended:
+            fetched = self._claim(conn, uncontended=True)
+            self._contended = fetched is None
+        if fetched is None:
+            fetched = self._claim(conn, uncontended=False)
+            assert fetched is not None
+            self._contended = any(r[SKIPPED] for r in fetched)
         claimed, rows = split_claim(fetched)
         if not rows:
             conn.commit()
