@@ -108,13 +108,18 @@ def check_topic(topic: object) -> str:
     return topic
 
 
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
 def dumps_json(value: Any, what: str) -> str:
     """Strict JSON (no NaN/Infinity, no NUL characters) that PostgreSQL's jsonb accepts."""
     try:
         text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise SerializationError(f"{what} is not JSON-serializable: {exc}") from exc
-    if "\\u0000" in text:
+    # json.dumps writes the NUL character as \u0000 and a backslash as \\: an escape is a NUL
+    # only after an even number of backslashes (a string holding "\u0000" as text is fine).
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
         raise SerializationError(f"{what} contains a NUL character, which jsonb cannot store")
     return text
 
