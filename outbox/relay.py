@@ -1,10 +1,14 @@
 """The relay: move committed outbox rows to Kafka without loss and in per-key order.
 
 One loop: wait for (a wake-up notification | the poll timer | stop); rebalance lanes when due;
-claim a batch of the lanes this relay owns with ``FOR UPDATE SKIP LOCKED``; produce it; wait for
-every delivery report; delete the confirmed rows in one statement, record failures in another;
-commit. A row is deleted only after Kafka confirmed it, so a crash at any point re-sends (at
-least once), never loses.
+claim a batch of the lanes this relay owns (``FOR UPDATE NOWAIT``, or ``SKIP LOCKED`` once
+another transaction's lock got in the way); produce it; wait for every delivery report; delete
+the confirmed rows in one statement, record failures in another; commit. While Kafka confirms a
+batch, its rows are deleted in a savepoint and the next batch is claimed, so that the database
+works while the broker does; the transaction commits as it is only when every row was
+confirmed, else it rolls back to the savepoint and settles row by row. A row leaves the outbox
+only with a commit that follows its delivery report, so a crash at any point re-sends (at least
+once), never loses.
 
 Per-key order rests on two rules:
 
@@ -53,6 +57,7 @@ from outbox._core.delivery import (
     Settlement,
     deliver_in_rounds,
     settle,
+    single_round,
     split_claim,
 )
 from outbox._core.durations import format_ranges
@@ -69,6 +74,8 @@ from outbox._pg.relay import (
     outbox_claim_batch,
     outbox_delete_confirmed,
     outbox_record_failures,
+    outbox_rollback_to,
+    outbox_savepoint,
     outbox_stats,
     relay_engine,
 )
@@ -98,6 +105,29 @@ class BatchResult:
     outage: bool = False
     stale_producer: bool = False
     error: str | None = None
+
+
+@dataclass
+class _Batch:
+    """A claimed batch: the rows it locked, those it may send now (the claim rule), their
+    records, and the rows that cannot become records (by index into ``rows``)."""
+
+    claimed: list[ClaimedRow]
+    rows: list[ClaimedRow]
+    records: Sequence[RecordTuple | None]
+    unsendable: dict[int, Outcome]
+
+    @classmethod
+    def of(cls, fetched: Sequence[ClaimedRow]) -> _Batch:
+        claimed, rows = split_claim(fetched)
+        records: Sequence[RecordTuple | None]
+        unsendable: dict[int, Outcome] = {}
+        try:
+            records = build_records(rows)
+        except Exception:
+            records, broken = build_records_checked(rows)
+            unsendable = {i: Outcome(error=e, permanent=True) for i, e in broken.items()}
+        return cls(claimed, rows, records, unsendable)
 
 
 class Relay:
@@ -137,6 +167,8 @@ class Relay:
         # Claim without skipping until another transaction's lock gets in the way; then claim
         # the careful way until a claim skips nothing again (outbox._pg.relay).
         self._contended = False
+        # The next batch, claimed while Kafka confirmed the previous one (see process_batch).
+        self._ahead: _Batch | None = None
         self._db_backoff = Backoff(config.backoff_initial, config.backoff_max)
 
     # ------------------------------------------------------------------------------ control
@@ -177,6 +209,7 @@ class Relay:
         return conn
 
     def _drop_connection(self) -> None:
+        self._ahead = None
         conn, self._conn = self._conn, None
         self.owned = set()
         self.metrics.lanes_owned.set(0)
@@ -236,7 +269,9 @@ class Relay:
             self._producer = self._producer_factory()
         return self._producer
 
-    def _claim(self, conn: sa.Connection, *, uncontended: bool) -> list[ClaimedRow] | None:
+    def _claim(
+        self, conn: sa.Connection, *, uncontended: bool, savepoint: str | None = None
+    ) -> list[ClaimedRow] | None:
         return outbox_claim_batch(
             conn,
             self.sql,
@@ -244,14 +279,11 @@ class Relay:
             owned=sorted(self.owned),
             batch_size=self.config.batch_size,
             uncontended=uncontended,
+            savepoint=savepoint,
         )
 
-    def process_batch(self, conn: sa.Connection) -> BatchResult:
-        """Claim, produce, confirm, delete and commit one batch of the owned lanes."""
-        result = BatchResult()
-        if not self.owned:
-            return result
-        started = time.monotonic()
+    def _claim_batch(self, conn: sa.Connection) -> _Batch:
+        """Claim a batch (the uncontended claim unless a lock got in the way lately)."""
         fetched = None
         if not self._contended:
             fetched = self._claim(conn, uncontended=True)
@@ -260,34 +292,69 @@ class Relay:
             fetched = self._claim(conn, uncontended=False)
             assert fetched is not None
             self._contended = any(r[SKIPPED] for r in fetched)
-        claimed, rows = split_claim(fetched)
+        return _Batch.of(fetched)
+
+    def _claim_ahead(self, conn: sa.Connection) -> _Batch | None:
+        """While Kafka confirms the batch in hand: claim the next one in the same transaction
+        (the batch in hand is already deleted there, so the claim passes over it), or nothing
+        when a lock gets in the way, a rebalance is due or the relay stops."""
+        if self._contended or self.stop_event.is_set() or time.monotonic() >= self._next_rebalance:
+            return None
+        outbox_savepoint(conn, "outbox_ahead")
+        fetched = self._claim(conn, uncontended=True, savepoint="outbox_ahead")
+        if fetched is None:
+            self._contended = True
+            return None
+        return _Batch.of(fetched)
+
+    def process_batch(self, conn: sa.Connection) -> BatchResult:
+        """Claim (or take the batch claimed ahead), produce, confirm, delete and commit one
+        batch of the owned lanes.
+
+        A batch that goes out in one round (the usual case) overlaps its database work with
+        Kafka's: once its records are handed to the producer, its rows are deleted in a
+        savepoint and, when it was full, the next batch is claimed, while the broker confirms.
+        Only if Kafka confirmed every row does the transaction commit as it is; otherwise it
+        rolls back to the savepoint and settles row by row. Either way a row leaves the outbox
+        with the COMMIT that follows its delivery report (DESIGN.md I6). The batch claimed
+        ahead is sent next; its rows are locked again by that batch's own delete.
+        """
+        result = BatchResult()
+        batch, self._ahead = self._ahead, None
+        if not self.owned:
+            return result
+        started = time.monotonic()
+        if batch is None:
+            batch = self._claim_batch(conn)
+        rows = batch.rows
         if not rows:
             conn.commit()
             return result
-        result.claimed = len(claimed)
-        records: Sequence[RecordTuple | None]
-        unsendable: dict[int, Outcome] = {}
-        try:
-            records = build_records(rows)
-        except Exception:
-            records, broken = build_records_checked(rows)
-            unsendable = {i: Outcome(error=e, permanent=True) for i, e in broken.items()}
+        result.claimed = len(batch.claimed)
+        keys = [r[KEY] for r in rows]
+        topics = [r[TOPIC] for r in rows]
+        ids = [r[ID] for r in rows]
+        records = batch.records
         producer = self._producer_or_new()
+        overlap = not batch.unsendable and single_round(keys, topics)
+        full = result.claimed >= self.config.batch_size
+        ahead: _Batch | None = None
+        optimistic = False
 
         def send(todo: list[int]) -> list[Outcome | None]:
-            batch = records if len(todo) == len(records) else [records[i] for i in todo]
-            return producer.send(
-                batch,  # type: ignore[arg-type]  # unsendable rows are never in todo
-                self.stop_event,
-                self.config.shutdown_grace,
-            )
+            nonlocal ahead, optimistic
+            chosen = records if len(todo) == len(records) else [records[i] for i in todo]
+            sending = producer.start(chosen)  # type: ignore[arg-type]  # no unsendable in todo
+            if overlap:
+                optimistic = True
+                outbox_savepoint(conn, "outbox_sent")
+                outbox_delete_confirmed(conn, self.sql, ids)
+                if full:
+                    ahead = self._claim_ahead(conn)
+            return producer.finish(sending, self.stop_event, self.config.shutdown_grace)
 
         outcomes, result.sent, gaps = deliver_in_rounds(
-            [r[KEY] for r in rows],
-            [r[TOPIC] for r in rows],
-            send,
-            failed=unsendable,
-            stopping=self.stop_event.is_set,
+            keys, topics, send, failed=batch.unsendable, stopping=self.stop_event.is_set
         )
         if gaps:
             log.error(
@@ -295,16 +362,21 @@ class Relay:
                 "(the producer settings that prevent this were changed?)",
                 gaps,
             )
-        verdict = settle(
-            [r[ID] for r in rows], [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts
-        )
-        if verdict.delete:
-            outbox_delete_confirmed(conn, self.sql, verdict.delete)
-        if verdict.fail_ids:
-            outbox_record_failures(
-                conn, self.sql, verdict.fail_ids, verdict.fail_errors, verdict.fail_park
-            )
-        conn.commit()
+        verdict = settle(ids, [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts)
+        if optimistic and len(verdict.delete) == len(ids):
+            conn.commit()  # every row confirmed: the delete in the savepoint stands
+            if not self.stop_event.is_set():
+                self._ahead = ahead
+        else:
+            if optimistic:
+                outbox_rollback_to(conn, "outbox_sent")  # and the claim ahead with it
+            if verdict.delete:
+                outbox_delete_confirmed(conn, self.sql, verdict.delete)
+            if verdict.fail_ids:
+                outbox_record_failures(
+                    conn, self.sql, verdict.fail_ids, verdict.fail_errors, verdict.fail_park
+                )
+            conn.commit()
         result.confirmed = len(verdict.delete)
         result.parked = verdict.parked
         result.failed = verdict.failed
@@ -398,6 +470,7 @@ class Relay:
                 conn = self._conn
                 now = time.monotonic()
                 if now >= self._next_rebalance:
+                    self._ahead = None  # its rows are no longer locked; lanes may move
                     self._rebalance(conn)
                     self._next_rebalance = now + self.config.rebalance_interval
                 if not once and now >= self._next_stats:
@@ -466,6 +539,7 @@ class Relay:
 
     def _rollback(self) -> bool:
         """Roll back the transaction in hand; false when the session did not survive."""
+        self._ahead = None
         if self._conn is None:
             return False
         try:

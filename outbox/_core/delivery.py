@@ -123,6 +123,11 @@ def delivery_rounds(keys: Sequence[bytes | None], topics: Sequence[str]) -> list
     return rounds
 
 
+def single_round(keys: Sequence[bytes | None], topics: Sequence[str]) -> bool:
+    """Whether the batch goes out in one round (:func:`delivery_rounds`)."""
+    return len(set(topics)) <= 1 or len(delivery_rounds(keys, topics)) <= 1
+
+
 def deliver_in_rounds(
     keys: Sequence[bytes | None],
     topics: Sequence[str],

@@ -206,6 +206,15 @@ def _outcome(err: KafkaError) -> Outcome:
     )
 
 
+@dataclass(slots=True)
+class Sending:
+    """Records handed to :meth:`KafkaProducer.start`, waiting for :meth:`KafkaProducer.finish`."""
+
+    records: Sequence[RecordTuple]
+    outcomes: list[Outcome | None]
+    deadline: float
+
+
 class KafkaProducer:
     """A confluent-kafka producer that sends groups of records and reports each one's fate."""
 
@@ -249,19 +258,18 @@ class KafkaProducer:
         stop: threading.Event,
         grace: float = 5.0,
     ) -> list[Outcome | None]:
-        """Produce ``records`` in order and wait until each one's fate is known.
+        """Produce ``records`` in order and wait until each one's fate is known: :meth:`start`
+        then :meth:`finish`."""
+        return self.finish(self.start(records), stop, grace)
 
-        Returns one :class:`Outcome` per record, in order, or ``None`` for a record that was not
-        produced because ``produce()`` refused an earlier record of its key. Records refused
-        inside ``produce()`` (too large, invalid topic) get their error at once; the others are
-        batched by librdkafka and confirmed by the broker. When the send has not completed
-        within ``message.timeout.ms``, every outstanding record is purged and failed (retriable,
-        and the producer is to be rebuilt). When ``stop`` is set the wait is cut to ``grace``
-        seconds; records still outstanding then are purged and reported as not sent (the caller
-        keeps their rows, so at worst they are sent again).
+    def start(self, records: Sequence[RecordTuple]) -> Sending:
+        """Produce ``records`` in order and return at once; librdkafka sends them meanwhile
+        (the caller can do other work before :meth:`finish`).
+
+        A record that ``produce()`` refuses (too large, invalid topic) gets its error at once,
+        and no later record of its key is produced.
         """
-        failures = self._failures
-        failures.clear()
+        self._failures.clear()
         outcomes: list[Outcome | None] = [CONFIRMED] * len(records)
         refused: set[bytes] = set()
         produce = self._producer.produce
@@ -280,9 +288,25 @@ class KafkaProducer:
                     if key is not None:
                         refused.add(key)  # no gap: its later records must not go out
                     break
-        complete, purged_as = self._wait(stop, grace)
-        if failures:
-            self._assign(records, outcomes, purged_as)
+        return Sending(records, outcomes, time.monotonic() + self.message_timeout)
+
+    def finish(
+        self, sending: Sending, stop: threading.Event, grace: float = 5.0
+    ) -> list[Outcome | None]:
+        """Wait until the fate of every record of ``sending`` is known.
+
+        Returns one :class:`Outcome` per record, in order, or ``None`` for a record that was
+        not produced because ``produce()`` refused an earlier record of its key. When the send
+        has not completed within ``message.timeout.ms`` of :meth:`start`, every outstanding
+        record is purged and failed (retriable, and the producer is to be rebuilt). When
+        ``stop`` is set the wait is cut to ``grace`` seconds; records still outstanding then
+        are purged and reported as not sent (the caller keeps their rows, so at worst they are
+        sent again).
+        """
+        outcomes = sending.outcomes
+        complete, purged_as = self._wait(sending.deadline, stop, grace)
+        if self._failures:
+            self._assign(sending.records, outcomes, purged_as)
         if not complete:
             # Some record's fate stayed unknown even after the purge: none of them may count
             # as confirmed (at worst they are sent again).
@@ -297,12 +321,13 @@ class KafkaProducer:
             stale_producer=True,
         )
 
-    def _wait(self, stop: threading.Event, grace: float) -> tuple[bool, Outcome | None]:
+    def _wait(
+        self, deadline: float, stop: threading.Event, grace: float
+    ) -> tuple[bool, Outcome | None]:
         """Serve reports until nothing is outstanding. At the deadline, on a fatal error or
         after the stop's grace, purge what is left (see module). Returns whether every record's
         fate is known, and the outcome that purged records get (``None``: their own error)."""
         flush = self._producer.flush
-        deadline = time.monotonic() + self.message_timeout
         stop_deadline: float | None = None
         while True:
             now = time.monotonic()

@@ -201,12 +201,14 @@ def outbox_claim_batch(
     owned: Sequence[int],
     batch_size: int,
     uncontended: bool = False,
+    savepoint: str | None = None,
 ) -> list[ClaimedRow] | None:
     """Claim up to ``batch_size`` rows of the ``owned`` lanes (and report the skipped ones) in a
     transaction that stays open: the caller deletes or updates the rows and commits.
 
-    With ``uncontended``, the cheaper claim that never skips a row: it returns ``None`` (and
-    rolls back) when another transaction holds a row it would have taken.
+    With ``uncontended``, the cheaper claim that never skips a row: it returns ``None`` when
+    another transaction holds a row it would have taken, after rolling back the transaction,
+    or only back to ``savepoint`` when one is named (set by :func:`outbox_savepoint`).
     """
     # Beginning the transaction through SQLAlchemy first keeps its commit() and rollback() in
     # charge of the work done on the driver's cursor.
@@ -218,12 +220,31 @@ def outbox_claim_batch(
             try:
                 cur.execute(sql.claim_uncontended, params)
             except psycopg.errors.LockNotAvailable:
-                conn.rollback()
+                if savepoint is None:
+                    conn.rollback()
+                else:
+                    outbox_rollback_to(conn, savepoint)
                 return None
         else:
             cur.execute(sql.claim, params)
         rows: list[ClaimedRow] = cur.fetchall()
     return rows
+
+
+# Savepoints of the relay's batch transaction (constant names, never input).
+SAVEPOINTS = frozenset({"outbox_sent", "outbox_ahead"})
+
+
+def outbox_savepoint(conn: sa.Connection, name: str) -> None:
+    """``SAVEPOINT name`` in the batch's transaction."""
+    assert name in SAVEPOINTS
+    _driver(conn).execute(f"SAVEPOINT {name}")
+
+
+def outbox_rollback_to(conn: sa.Connection, name: str) -> None:
+    """Undo the batch transaction's work since ``SAVEPOINT name`` (and release its locks)."""
+    assert name in SAVEPOINTS
+    _driver(conn).execute(f"ROLLBACK TO SAVEPOINT {name}")
 
 
 def outbox_delete_confirmed(conn: sa.Connection, sql: OutboxStatements, ids: Sequence[int]) -> None:
