@@ -169,6 +169,9 @@ class Relay:
         self._contended = False
         # The next batch, claimed while Kafka confirmed the previous one (see process_batch).
         self._ahead: _Batch | None = None
+        # Waiting for work, announced to writers (see _announce_idle): to announce, announced,
+        # draining (to give the announcement back).
+        self._announce = self._announced = self._draining = False
         self._db_backoff = Backoff(config.backoff_initial, config.backoff_max)
 
     # ------------------------------------------------------------------------------ control
@@ -210,6 +213,7 @@ class Relay:
 
     def _drop_connection(self) -> None:
         self._ahead = None
+        self._announce = self._announced = False  # the lock went with the session
         conn, self._conn = self._conn, None
         self.owned = set()
         self.metrics.lanes_owned.set(0)
@@ -311,9 +315,9 @@ class Relay:
         """Claim (or take the batch claimed ahead), produce, confirm, delete and commit one
         batch of the owned lanes.
 
-        A batch that goes out in one round (the usual case) overlaps its database work with
-        Kafka's: once its records are handed to the producer, its rows are deleted in a
-        savepoint and, when it was full, the next batch is claimed, while the broker confirms.
+        A full batch that goes out in one round (the usual case while draining) overlaps its
+        database work with Kafka's: once its records are handed to the producer, its rows are
+        deleted in a savepoint and the next batch is claimed, while the broker confirms.
         Only if Kafka confirmed every row does the transaction commit as it is; otherwise it
         rolls back to the savepoint and settles row by row. Either way a row leaves the outbox
         with the COMMIT that follows its delivery report (DESIGN.md I6). The batch claimed
@@ -336,8 +340,10 @@ class Relay:
         ids = [r[ID] for r in rows]
         records = batch.records
         producer = self._producer_or_new()
-        overlap = not batch.unsendable and single_round(keys, topics)
+        # Overlap while draining (a full batch, more rows likely waiting); a small batch goes
+        # straight to Kafka, its database work after: latency matters more than throughput.
         full = result.claimed >= self.config.batch_size
+        overlap = full and not batch.unsendable and single_round(keys, topics)
         ahead: _Batch | None = None
         optimistic = False
 
@@ -349,8 +355,7 @@ class Relay:
                 optimistic = True
                 outbox_savepoint(conn, "outbox_sent")
                 outbox_delete_confirmed(conn, self.sql, ids)
-                if full:
-                    ahead = self._claim_ahead(conn)
+                ahead = self._claim_ahead(conn)
             return producer.finish(sending, self.stop_event, self.config.shutdown_grace)
 
         outcomes, result.sent, gaps = deliver_in_rounds(
@@ -476,6 +481,7 @@ class Relay:
                 if not once and now >= self._next_stats:
                     self._refresh_stats(conn)
                     self._next_stats = now + self.config.stats_interval
+                self._announce_idle(conn)
                 self.kick.clear()
                 result = self.process_batch(conn)
             except ConfigurationError:
@@ -506,7 +512,10 @@ class Relay:
                 log.info("event=kafka_recovered after_failures=%d", self._kafka_backoff.failures)
                 self._kafka_backoff.succeeded()
             full = result.claimed >= self.config.batch_size and result.sent > 0
-            if full or (result.sent and result.failed):
+            if full:
+                self._draining = True  # draining: writers need not wake this relay meanwhile
+                continue
+            if result.sent and result.failed:
                 continue
             if once:
                 if not self.owned and self._conn is not None:
@@ -515,7 +524,9 @@ class Relay:
                 if result.sent == 0:
                     return RunResult.FINISHED
                 continue
-            if not self.kick.is_set():
+            if not self._announced:
+                self._announce = True  # then one more claim before waiting
+            elif not self.kick.is_set():
                 timeout = min(
                     self.config.poll_interval, max(0.0, self._next_rebalance - time.monotonic())
                 )
@@ -523,6 +534,19 @@ class Relay:
                 self.kick.wait(timeout)
                 self.idle.clear()
         return RunResult.FINISHED
+
+    def _announce_idle(self, conn: sa.Connection) -> None:
+        """Writers wake relays only while one waits for work (the ``idle`` lock, see
+        :func:`outbox._pg.lanes.announce_idle`): take it before the last claim ahead of a
+        wait, and keep it while batches stay small (each commit then wakes the relay at once);
+        give it back while draining full batches, when wake-ups would only cost the writers."""
+        if self._announce:
+            pg_lanes.announce_idle(conn, self.config.schema, True)
+            self._announce, self._announced = False, True
+        elif self._announced and self._draining:
+            pg_lanes.announce_idle(conn, self.config.schema, False)
+            self._announced = False
+        self._draining = False
 
     def _database_failed(self, exc: Exception) -> None:
         """PostgreSQL unreachable or the session lost: reconnect (the lanes go with the session).

@@ -275,9 +275,10 @@ class AsyncOutbox:
         self._sql: Statements = statements(self.config.schema)
         self._joined_sql: JoinedStatements = joined_statements(self.config.schema)
         install_guard(self.engine)
+        self._wakes = self.config.wake_relays
         self._notify = (
             make_notifier(notifier_engine(self.engine), client, self.config.schema)
-            if self.config.wake_relays
+            if self._wakes
             else noop
         )
 
@@ -412,6 +413,7 @@ class AsyncOutbox:
         tx = uow._tx
         assert tx is not None
         events = uow._events
+        relay_idle = None
         try:
             result_json = _validate.dumps_json(uow._result, "uow.result")
             if uow._session is not None:
@@ -425,7 +427,8 @@ class AsyncOutbox:
             size, locks = event_params(events, params, self.config.schema)
             statement = idempotency_key_complete(self.config.schema, len(events), locks)
             if size <= _INLINE_LIMIT and len(events) <= _INLINE_EVENTS:
-                await tx.commit_with(statement, params)
+                probe = self._sql.relay_idle_probe if events and self._wakes else None
+                relay_idle = await tx.commit_with(statement, params, probe)
             else:
                 # Large values go as binary parameters rather than quoted literals.
                 await tx.execute(statement.direct, params)
@@ -444,7 +447,7 @@ class AsyncOutbox:
                 uow.key,
                 StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None),
             )
-        if events:
+        if events and relay_idle is not False:  # a relay waits, or no probe was made
             self._notify()
 
     async def _abort(self, uow: AsyncUnitOfWork, exc: BaseException) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
+from outbox._core.lanes import idle_probe_sql
 from outbox.schema import IDEMPOTENCY_KEYS, OUTBOX, validate_schema_name
 
 _preparer = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
@@ -43,6 +44,7 @@ class Prepared:
 class Statements:
     idempotency_key_claim_prepared: Prepared
     idempotency_key_fail: str
+    relay_idle_probe: str
 
 
 @functools.cache
@@ -79,6 +81,9 @@ def statements(schema: str | None) -> Statements:
             f"VALUES (%(scope)s, %(key)s, 'failed', %(fingerprint)s, %(error)s) "
             f"ON CONFLICT (scope, key) DO NOTHING"
         ),
+        # After the COMMIT of a unit of work that appended events, in the same message: is a
+        # relay waiting for work? Only then is a wake-up sent (outbox._pg.wakeup).
+        relay_idle_probe=idle_probe_sql(schema),
     )
 
 
