@@ -44,7 +44,7 @@ class Prepared:
 class Statements:
     idempotency_key_claim_prepared: Prepared
     idempotency_key_fail: str
-    relay_idle_probe: str
+    relay_idle_probe: Prepared
 
 
 @functools.cache
@@ -83,7 +83,7 @@ def statements(schema: str | None) -> Statements:
         ),
         # After the COMMIT of a unit of work that appended events, in the same message: is a
         # relay waiting for work? Only then is a wake-up sent (outbox._pg.wakeup).
-        relay_idle_probe=idle_probe_sql(schema),
+        relay_idle_probe=_prepared("outbox_relay_idle", schema, idle_probe_sql(schema), [], []),
     )
 
 
@@ -147,6 +147,8 @@ def _prepared(
     direct = body
     for n in range(len(args), 0, -1):  # $10 before $1
         direct = direct.replace(f"${n}", args[n - 1])
+    if not args:
+        return Prepared(name, f"PREPARE {name} AS {body}", f"EXECUTE {name}", direct)
     return Prepared(
         name,
         f"PREPARE {name} ({', '.join(types)}) AS {body}",

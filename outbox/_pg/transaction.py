@@ -229,16 +229,19 @@ class Transaction:
         self.connection.info[_GUARDED] = False
         self.connection.commit()
 
-    def commit_with(self, final: Prepared, params: dict[str, Any], after: str | None = None) -> Any:
+    def commit_with(
+        self, final: Prepared, params: dict[str, Any], after: Prepared | None = None
+    ) -> Any:
         """Run ``final`` and COMMIT in the same round trip (after :meth:`begin_with`); then
-        ``after``, a statement of its own after the COMMIT, in the same message, whose value
-        is returned (``None`` when it did not run).
+        ``after`` (a prepared statement without parameters), a statement of its own after the
+        COMMIT, in the same message, whose value is returned (``None`` when it did not run).
 
         A statement that this connection has not PREPAREd yet goes the ordinary way this time
         (PREPARE inside the transaction could fail it) and is PREPAREd at the next
-        :meth:`begin_with`. If the statement fails, the server skips the COMMIT of the same
-        message (and ``after``) and the transaction is rolled back by :meth:`close`. ``after``
-        must be a statement that cannot fail: its error would read as a failed commit.
+        :meth:`begin_with`; so is ``after``, which is left out until then. If the statement
+        fails, the server skips the COMMIT of the same message (and ``after``) and the
+        transaction is rolled back by :meth:`close`. ``after`` must be a statement that cannot
+        fail: its error would read as a failed commit.
         """
         driver = self._driver
         if driver.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
@@ -247,14 +250,18 @@ class Transaction:
                 "body); nothing was committed by the unit of work"
             )
         self.connection.info[_GUARDED] = False
-        if final.name not in _prepared.get(driver, ()):
+        known = _prepared.get(driver, ())
+        if after is not None and after.name not in known:
+            _wanted.setdefault(driver, set()).add(after)
+            after = None
+        if final.name not in known:
             _wanted.setdefault(driver, set()).add(final)
             self.execute(final.direct, params)
             self.connection.commit()
             return None
         message = _execute_text(driver, final, params) + b"; COMMIT"
         if after is not None:
-            message += b"; " + after.encode()
+            message += b"; " + after.execute.encode()
         cursor = driver.cursor()
         try:
             cursor.execute(message)
