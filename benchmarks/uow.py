@@ -4,12 +4,18 @@
     python benchmarks/uow.py --async [--tasks 1,16,64]
 
 For 1, 4 and 16 concurrent worker processes it measures units of work per second and p50/p99
-latency, next to a *bare* transaction doing the same business insert + outbox insert without the
-idempotency layer, in the same run, and units of work with the relays' wake-up notifier switched
-off (``OutboxConfig(wake_relays=False)``), which separates the layer's cost from the
-wake-up's. Then it measures the answer time of ``KeyInProgress`` and
-duplicates answered through the Redis fast path against the PostgreSQL path (and counts the
-PostgreSQL statements the fast path issues). It prints a table.
+latency against two baselines measured in the same run:
+
+* **bare**: the same business insert + outbox insert in a plain transaction, no idempotency;
+* **floor**: bare plus one primary-key-only row for the key -- what any idempotency scheme must
+  write at the least.
+
+The unit of work runs as deployed (Redis fast path on, relays' wake-up on), and again without
+Redis, without the wake-up (``OutboxConfig(wake_relays=False)``) and joined to the caller's
+transaction, which separates the layer's own cost from the cache's and the wake-up's. Then it
+measures the answer time of ``KeyInProgress`` and duplicates answered through the Redis fast
+path against the PostgreSQL path (and counts the PostgreSQL statements the fast path issues).
+It prints tables of rates and ratios.
 
 The database named by ``--database-url`` is created (and dropped afterwards) by the benchmark.
 """
@@ -40,6 +46,8 @@ BUSINESS_DDL = (
     "customer text NOT NULL, amount integer NOT NULL, created_at timestamptz DEFAULT now())"
 )
 BUSINESS_INSERT = sa.text("INSERT INTO bench_orders (customer, amount) VALUES (:customer, :amount)")
+FLOOR_DDL = "CREATE TABLE IF NOT EXISTS bench_keys (scope text, key text, PRIMARY KEY (scope, key))"
+FLOOR_KEY_INSERT = sa.text("INSERT INTO bench_keys (scope, key) VALUES (:scope, :key)")
 BARE_OUTBOX_INSERT = sa.text(
     "INSERT INTO outbox (event_id, topic, key, value, headers, key_hash) "
     "VALUES (:event_id, :topic, :key, :value, CAST(:headers AS jsonb), :key_hash)"
@@ -54,10 +62,24 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _worker(mode: str, url: str, seconds: float, start: Any, out: Any, wid: int) -> None:
+# mode -> (Redis fast path, relays' wake-up); "bare" and "floor" use no Outbox at all.
+MODES: dict[str, tuple[bool, bool]] = {
+    "uow": (True, True),
+    "uow-no-redis": (False, True),
+    "uow-no-wakeup": (True, False),
+    "joined": (True, True),
+}
+
+
+def _worker(
+    mode: str, url: str, redis_url: str, seconds: float, start: Any, out: Any, wid: int
+) -> None:
     engine = sa.create_engine(url, pool_size=1, max_overflow=0)
-    config = outbox.OutboxConfig(wake_relays=mode in ("uow", "joined"))
-    ob = outbox.Outbox(engine, config=config) if mode != "bare" else None
+    ob = None
+    if mode in MODES:
+        use_redis, wake = MODES[mode]
+        config = outbox.OutboxConfig(wake_relays=wake, cache_prefix=f"bench-{uuid.uuid4().hex}")
+        ob = outbox.Outbox(engine, redis_url=redis_url if use_redis else None, config=config)
     latencies: list[float] = []
     start.wait()
     deadline = time.perf_counter() + seconds
@@ -83,6 +105,8 @@ def _worker(mode: str, url: str, seconds: float, start: Any, out: Any, wid: int)
                         "key_hash": _codec.key_hash(prefix.encode(), event_id.bytes),
                     },
                 )
+                if mode == "floor":
+                    conn.execute(FLOOR_KEY_INSERT, {"scope": "bench", "key": f"{prefix}-{n}"})
         elif mode == "joined":
             with (
                 engine.begin() as conn,
@@ -98,15 +122,19 @@ def _worker(mode: str, url: str, seconds: float, start: Any, out: Any, wid: int)
                 uow.result = {"order": n}
         latencies.append(time.perf_counter() - t0)
     out.put(latencies)
+    if ob is not None:
+        ob.close()
     engine.dispose()
 
 
-def run_phase(mode: str, url: str, workers: int, seconds: float) -> tuple[float, float, float]:
+def run_phase(
+    mode: str, url: str, redis_url: str, workers: int, seconds: float
+) -> tuple[float, float, float]:
     ctx = mp.get_context("fork")
     start = ctx.Event()
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(mode, url, seconds, start, out, i))
+        ctx.Process(target=_worker, args=(mode, url, redis_url, seconds, start, out, i))
         for i in range(workers)
     ]
     for p in procs:
@@ -123,7 +151,7 @@ def run_phase(mode: str, url: str, workers: int, seconds: float) -> tuple[float,
 
 def truncate(engine: sa.Engine) -> None:
     with engine.begin() as conn:
-        conn.execute(sa.text("TRUNCATE bench_orders, outbox, idempotency_keys"))
+        conn.execute(sa.text("TRUNCATE bench_orders, bench_keys, outbox, idempotency_keys"))
         conn.execute(sa.text("CHECKPOINT"))
 
 
@@ -307,6 +335,7 @@ def main() -> int:
     engine = sa.create_engine(url_s)
     with engine.begin() as conn:
         conn.execute(sa.text(BUSINESS_DDL))
+        conn.execute(sa.text(FLOOR_DDL))
 
     if args.use_async:
         asyncio.run(async_benchmark(url_s, engine, args))
@@ -317,30 +346,33 @@ def main() -> int:
 
     print(
         f"outbox-kit unit-of-work benchmark ({args.seconds:g}s per phase, "
-        f"best of {args.rounds} alternating rounds)",
+        f"best of {args.rounds} alternating rounds; units of work with Redis and wake-up on "
+        "unless the column says otherwise)",
         flush=True,
     )
     print()
+    modes = ("bare", "floor", "uow", "uow-no-redis", "uow-no-wakeup", "joined")
     header = (
-        f"{'workers':>7} | {'bare tx/s':>10} {'p50 ms':>7} {'p99 ms':>7} | "
-        f"{'uow/s':>10} {'p50 ms':>7} {'p99 ms':>7} | {'uow/bare':>8} | "
-        f"{'no wake-up/s':>12} {'/bare':>6} | {'joined/s':>9} {'/owned':>6}"
+        f"{'workers':>7} | {'bare/s':>7} {'floor/s':>7} | {'uow/s':>7} {'p50 ms':>6} "
+        f"{'p99 ms':>6} | {'/bare':>5} {'/floor':>6} | {'no Redis':>8} {'/floor':>6} | "
+        f"{'no wake':>7} {'/floor':>6} | {'joined':>7} {'/floor':>6}"
     )
     print(header)
     print("-" * len(header))
     for workers in [int(w) for w in args.workers.split(",")]:
         best: dict[str, tuple[float, float, float]] = {}
         for _ in range(args.rounds):
-            for mode in ("bare", "uow", "uow-no-wakeup", "joined"):
+            for mode in modes:
                 truncate(engine)
-                res = run_phase(mode, url_s, workers, args.seconds)
+                res = run_phase(mode, url_s, args.redis_url, workers, args.seconds)
                 if mode not in best or res[0] > best[mode][0]:
                     best[mode] = res
-        b, u, q, j = best["bare"], best["uow"], best["uow-no-wakeup"], best["joined"]
+        b, f, u = best["bare"][0], best["floor"][0], best["uow"]
+        r, w, j = best["uow-no-redis"][0], best["uow-no-wakeup"][0], best["joined"][0]
         print(
-            f"{workers:>7} | {b[0]:>10.0f} {b[1] * 1e3:>7.2f} {b[2] * 1e3:>7.2f} | "
-            f"{u[0]:>10.0f} {u[1] * 1e3:>7.2f} {u[2] * 1e3:>7.2f} | {u[0] / b[0]:>8.2f} | "
-            f"{q[0]:>12.0f} {q[0] / b[0]:>6.2f} | {j[0]:>9.0f} {j[0] / u[0]:>6.2f}",
+            f"{workers:>7} | {b:>7.0f} {f:>7.0f} | {u[0]:>7.0f} {u[1] * 1e3:>6.2f} "
+            f"{u[2] * 1e3:>6.2f} | {u[0] / b:>5.2f} {u[0] / f:>6.2f} | {r:>8.0f} {r / f:>6.2f} | "
+            f"{w:>7.0f} {w / f:>6.2f} | {j:>7.0f} {j / f:>6.2f}",
             flush=True,
         )
     truncate(engine)

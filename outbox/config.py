@@ -81,8 +81,8 @@ class OutboxConfig:
     cache_retry_after: float = 5.0
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     permanent_errors: tuple[type[BaseException], ...] = field(default_factory=tuple)
-    # After a commit that appended events, wake idle relays with a pg_notify sent from a
-    # background thread (outbox._pg.wakeup). Off: relays find new rows at their next poll.
+    # After a commit that appended events, wake relays that wait for work with a pg_notify sent
+    # from a background thread (outbox._pg.wakeup). Off: relays find new rows at their next poll.
     wake_relays: bool = True
 
     def __post_init__(self) -> None:

@@ -1,10 +1,14 @@
 """The relay: move committed outbox rows to Kafka without loss and in per-key order.
 
 One loop: wait for (a wake-up notification | the poll timer | stop); rebalance lanes when due;
-claim a batch of the lanes this relay owns with ``FOR UPDATE SKIP LOCKED``; produce it; wait for
-every delivery report; delete the confirmed rows in one statement, record failures in another;
-commit. A row is deleted only after Kafka confirmed it, so a crash at any point re-sends (at
-least once), never loses.
+claim a batch of the lanes this relay owns (``FOR UPDATE NOWAIT``, or ``SKIP LOCKED`` once
+another transaction's lock got in the way); produce it; wait for every delivery report; delete
+the confirmed rows in one statement, record failures in another; commit. While Kafka confirms a
+batch, its rows are deleted in a savepoint and the next batch is claimed, so that the database
+works while the broker does; the transaction commits as it is only when every row was
+confirmed, else it rolls back to the savepoint and settles row by row. A row leaves the outbox
+only with a commit that follows its delivery report, so a crash at any point re-sends (at least
+once), never loses.
 
 Per-key order rests on two rules:
 
@@ -13,10 +17,12 @@ Per-key order rests on two rules:
    claim query (:mod:`outbox._pg.relay`) leaves out keys blocked by a parked row and reports the
    rows it skipped; :func:`outbox._core.delivery.drop_blocked` drops every claimed row that has
    a skipped row of its key before it.
-2. **Round rule.** Within a batch, the ``n``-th row of a key is produced only after Kafka
-   confirmed its ``n-1``-th row (rows go out in *rounds*: round ``r`` carries the ``r``-th row of
-   every key; many keys share one round, so a batch costs a few round trips). A failed row stops
-   its key for the rest of the batch (:func:`outbox._core.delivery.deliver_in_rounds`).
+2. **Round rule.** Within a batch a key's rows for one topic go out together, in id order (one
+   partition: the idempotent producer keeps their order, and the Kafka adapter keeps a failed
+   record from being followed by a delivered one); a row for another topic than its key's
+   previous row waits until Kafka confirmed the rows before it. A failed row stops its key for
+   the rest of the batch (:func:`outbox._core.delivery.deliver_in_rounds`). Most batches are a
+   single round, however hot their keys.
 
 Together: whenever a record of a key reaches Kafka for the first time, every earlier record of
 that key already reached Kafka. Re-sends can repeat records (a relay killed after the broker
@@ -45,11 +51,13 @@ from outbox._core.delivery import (
     EVENT_ID,
     ID,
     KEY,
+    SKIPPED,
     TOPIC,
     ClaimedRow,
     Settlement,
     deliver_in_rounds,
     settle,
+    single_round,
     split_claim,
 )
 from outbox._core.durations import format_ranges
@@ -66,12 +74,14 @@ from outbox._pg.relay import (
     outbox_claim_batch,
     outbox_delete_confirmed,
     outbox_record_failures,
+    outbox_rollback_to,
+    outbox_savepoint,
     outbox_stats,
     relay_engine,
 )
 from outbox._pg.wakeup import Listener
 from outbox.config import RelayConfig as RelayConfig, normalize_database_url
-from outbox.errors import ConfigurationError, FatalProducerError, PublishError
+from outbox.errors import ConfigurationError, PublishError
 from outbox.metrics import RelayMetrics
 
 log = logging.getLogger("outbox.relay")
@@ -95,6 +105,29 @@ class BatchResult:
     outage: bool = False
     stale_producer: bool = False
     error: str | None = None
+
+
+@dataclass
+class _Batch:
+    """A claimed batch: the rows it locked, those it may send now (the claim rule), their
+    records, and the rows that cannot become records (by index into ``rows``)."""
+
+    claimed: list[ClaimedRow]
+    rows: list[ClaimedRow]
+    records: Sequence[RecordTuple | None]
+    unsendable: dict[int, Outcome]
+
+    @classmethod
+    def of(cls, fetched: Sequence[ClaimedRow]) -> _Batch:
+        claimed, rows = split_claim(fetched)
+        records: Sequence[RecordTuple | None]
+        unsendable: dict[int, Outcome] = {}
+        try:
+            records = build_records(rows)
+        except Exception:
+            records, broken = build_records_checked(rows)
+            unsendable = {i: Outcome(error=e, permanent=True) for i, e in broken.items()}
+        return cls(claimed, rows, records, unsendable)
 
 
 class Relay:
@@ -131,6 +164,14 @@ class Relay:
         self._next_rebalance = 0.0
         self._next_stats = 0.0
         self._kafka_backoff = Backoff(config.backoff_initial, config.backoff_max)
+        # Claim without skipping until another transaction's lock gets in the way; then claim
+        # the careful way until a claim skips nothing again (outbox._pg.relay).
+        self._contended = False
+        # The next batch, claimed while Kafka confirmed the previous one (see process_batch).
+        self._ahead: _Batch | None = None
+        # Waiting for work, announced to writers (see _announce_idle): to announce, announced,
+        # draining (to give the announcement back).
+        self._announce = self._announced = self._draining = False
         self._db_backoff = Backoff(config.backoff_initial, config.backoff_max)
 
     # ------------------------------------------------------------------------------ control
@@ -171,6 +212,8 @@ class Relay:
         return conn
 
     def _drop_connection(self) -> None:
+        self._ahead = None
+        self._announce = self._announced = False  # the lock went with the session
         conn, self._conn = self._conn, None
         self.owned = set()
         self.metrics.lanes_owned.set(0)
@@ -230,53 +273,115 @@ class Relay:
             self._producer = self._producer_factory()
         return self._producer
 
-    def process_batch(self, conn: sa.Connection) -> BatchResult:
-        """Claim, produce, confirm, delete and commit one batch of the owned lanes."""
-        result = BatchResult()
-        if not self.owned:
-            return result
-        started = time.monotonic()
-        fetched = outbox_claim_batch(
+    def _claim(
+        self, conn: sa.Connection, *, uncontended: bool, savepoint: str | None = None
+    ) -> list[ClaimedRow] | None:
+        return outbox_claim_batch(
             conn,
             self.sql,
             lanes=self.config.lanes,
             owned=sorted(self.owned),
             batch_size=self.config.batch_size,
+            uncontended=uncontended,
+            savepoint=savepoint,
         )
-        claimed, rows = split_claim(fetched)
+
+    def _claim_batch(self, conn: sa.Connection) -> _Batch:
+        """Claim a batch (the uncontended claim unless a lock got in the way lately)."""
+        fetched = None
+        if not self._contended:
+            fetched = self._claim(conn, uncontended=True)
+            self._contended = fetched is None
+        if fetched is None:
+            fetched = self._claim(conn, uncontended=False)
+            assert fetched is not None
+            self._contended = any(r[SKIPPED] for r in fetched)
+        return _Batch.of(fetched)
+
+    def _claim_ahead(self, conn: sa.Connection) -> _Batch | None:
+        """While Kafka confirms the batch in hand: claim the next one in the same transaction
+        (the batch in hand is already deleted there, so the claim passes over it), or nothing
+        when a lock gets in the way, a rebalance is due or the relay stops."""
+        if self._contended or self.stop_event.is_set() or time.monotonic() >= self._next_rebalance:
+            return None
+        outbox_savepoint(conn, "outbox_ahead")
+        fetched = self._claim(conn, uncontended=True, savepoint="outbox_ahead")
+        if fetched is None:
+            self._contended = True
+            return None
+        return _Batch.of(fetched)
+
+    def process_batch(self, conn: sa.Connection) -> BatchResult:
+        """Claim (or take the batch claimed ahead), produce, confirm, delete and commit one
+        batch of the owned lanes.
+
+        A full batch that goes out in one round (the usual case while draining) overlaps its
+        database work with Kafka's: once its records are handed to the producer, its rows are
+        deleted in a savepoint and the next batch is claimed, while the broker confirms.
+        Only if Kafka confirmed every row does the transaction commit as it is; otherwise it
+        rolls back to the savepoint and settles row by row. Either way a row leaves the outbox
+        with the COMMIT that follows its delivery report (DESIGN.md I6). The batch claimed
+        ahead is sent next; its rows are locked again by that batch's own delete.
+        """
+        result = BatchResult()
+        batch, self._ahead = self._ahead, None
+        if not self.owned:
+            return result
+        started = time.monotonic()
+        if batch is None:
+            batch = self._claim_batch(conn)
+        rows = batch.rows
         if not rows:
             conn.commit()
             return result
-        result.claimed = len(claimed)
-        records: Sequence[RecordTuple | None]
-        unsendable: dict[int, Outcome] = {}
-        try:
-            records = build_records(rows)
-        except Exception:
-            records, broken = build_records_checked(rows)
-            unsendable = {i: Outcome(error=e, permanent=True) for i, e in broken.items()}
+        result.claimed = len(batch.claimed)
+        keys = [r[KEY] for r in rows]
+        topics = [r[TOPIC] for r in rows]
+        ids = [r[ID] for r in rows]
+        records = batch.records
         producer = self._producer_or_new()
+        # Overlap while draining (a full batch, more rows likely waiting); a small batch goes
+        # straight to Kafka, its database work after: latency matters more than throughput.
+        full = result.claimed >= self.config.batch_size
+        overlap = full and not batch.unsendable and single_round(keys, topics)
+        ahead: _Batch | None = None
+        optimistic = False
 
-        def send(todo: list[int]) -> list[Outcome]:
-            return producer.send(
-                [records[i] for i in todo],  # type: ignore[misc]  # unsendable rows are not in todo
-                self.stop_event,
-                self.config.shutdown_grace,
-            )
+        def send(todo: list[int]) -> list[Outcome | None]:
+            nonlocal ahead, optimistic
+            chosen = records if len(todo) == len(records) else [records[i] for i in todo]
+            sending = producer.start(chosen)  # type: ignore[arg-type]  # no unsendable in todo
+            if overlap:
+                optimistic = True
+                outbox_savepoint(conn, "outbox_sent")
+                outbox_delete_confirmed(conn, self.sql, ids)
+                ahead = self._claim_ahead(conn)
+            return producer.finish(sending, self.stop_event, self.config.shutdown_grace)
 
-        outcomes, result.sent = deliver_in_rounds(
-            [r[KEY] for r in rows], send, failed=unsendable, stopping=self.stop_event.is_set
+        outcomes, result.sent, gaps = deliver_in_rounds(
+            keys, topics, send, failed=batch.unsendable, stopping=self.stop_event.is_set
         )
-        verdict = settle(
-            [r[ID] for r in rows], [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts
-        )
-        if verdict.delete:
-            outbox_delete_confirmed(conn, self.sql, verdict.delete)
-        if verdict.fail_ids:
-            outbox_record_failures(
-                conn, self.sql, verdict.fail_ids, verdict.fail_errors, verdict.fail_park
+        if gaps:
+            log.error(
+                "event=order_gap rows=%d: Kafka confirmed rows after a failed row of their key "
+                "(the producer settings that prevent this were changed?)",
+                gaps,
             )
-        conn.commit()
+        verdict = settle(ids, [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts)
+        if optimistic and len(verdict.delete) == len(ids):
+            conn.commit()  # every row confirmed: the delete in the savepoint stands
+            if not self.stop_event.is_set():
+                self._ahead = ahead
+        else:
+            if optimistic:
+                outbox_rollback_to(conn, "outbox_sent")  # and the claim ahead with it
+            if verdict.delete:
+                outbox_delete_confirmed(conn, self.sql, verdict.delete)
+            if verdict.fail_ids:
+                outbox_record_failures(
+                    conn, self.sql, verdict.fail_ids, verdict.fail_errors, verdict.fail_park
+                )
+            conn.commit()
         result.confirmed = len(verdict.delete)
         result.parked = verdict.parked
         result.failed = verdict.failed
@@ -370,21 +475,17 @@ class Relay:
                 conn = self._conn
                 now = time.monotonic()
                 if now >= self._next_rebalance:
+                    self._ahead = None  # its rows are no longer locked; lanes may move
                     self._rebalance(conn)
                     self._next_rebalance = now + self.config.rebalance_interval
                 if not once and now >= self._next_stats:
                     self._refresh_stats(conn)
                     self._next_stats = now + self.config.stats_interval
+                self._announce_idle(conn)
                 self.kick.clear()
                 result = self.process_batch(conn)
             except ConfigurationError:
                 raise
-            except FatalProducerError as exc:
-                log.error("event=producer_rebuilt reason=%r", str(exc))
-                self._rollback()
-                self._close_producer()
-                self._sleep(self._kafka_backoff.failed())
-                continue
             except Exception as exc:
                 if not (is_database_error(exc) or isinstance(exc, OSError)):
                     raise
@@ -392,8 +493,9 @@ class Relay:
                 continue
             self._db_backoff.succeeded()
             if result.stale_producer or result.outage:
-                # A fresh producer after an outage or a broken idempotence state: message
-                # timeouts make librdkafka bump its epoch, which some brokers refuse for good.
+                # A fresh producer after an outage, a purge or a broken idempotence state.
+                if result.stale_producer and not result.outage:
+                    log.warning("event=producer_rebuilt reason=%r", result.error)
                 self._close_producer()
             if result.outage:
                 delay = self._kafka_backoff.failed()
@@ -410,7 +512,10 @@ class Relay:
                 log.info("event=kafka_recovered after_failures=%d", self._kafka_backoff.failures)
                 self._kafka_backoff.succeeded()
             full = result.claimed >= self.config.batch_size and result.sent > 0
-            if full or (result.sent and result.failed):
+            if full:
+                self._draining = True  # draining: writers need not wake this relay meanwhile
+                continue
+            if result.sent and result.failed:
                 continue
             if once:
                 if not self.owned and self._conn is not None:
@@ -419,7 +524,9 @@ class Relay:
                 if result.sent == 0:
                     return RunResult.FINISHED
                 continue
-            if not self.kick.is_set():
+            if not self._announced:
+                self._announce = True  # then one more claim before waiting
+            elif not self.kick.is_set():
                 timeout = min(
                     self.config.poll_interval, max(0.0, self._next_rebalance - time.monotonic())
                 )
@@ -427,6 +534,19 @@ class Relay:
                 self.kick.wait(timeout)
                 self.idle.clear()
         return RunResult.FINISHED
+
+    def _announce_idle(self, conn: sa.Connection) -> None:
+        """Writers wake relays only while one waits for work (the ``idle`` lock, see
+        :func:`outbox._pg.lanes.announce_idle`): take it before the last claim ahead of a
+        wait, and keep it while batches stay small (each commit then wakes the relay at once);
+        give it back while draining full batches, when wake-ups would only cost the writers."""
+        if self._announce:
+            pg_lanes.announce_idle(conn, self.config.schema, True)
+            self._announce, self._announced = False, True
+        elif self._announced and self._draining:
+            pg_lanes.announce_idle(conn, self.config.schema, False)
+            self._announced = False
+        self._draining = False
 
     def _database_failed(self, exc: Exception) -> None:
         """PostgreSQL unreachable or the session lost: reconnect (the lanes go with the session).
@@ -443,6 +563,7 @@ class Relay:
 
     def _rollback(self) -> bool:
         """Roll back the transaction in hand; false when the session did not survive."""
+        self._ahead = None
         if self._conn is None:
             return False
         try:

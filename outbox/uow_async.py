@@ -50,6 +50,7 @@ from outbox._pg.statements import (
     idempotency_key_complete,
     idempotency_key_complete_joined,
     joined_statements,
+    outbox_insert,
     statements,
 )
 from outbox._pg.transaction_async import AsyncTransaction, install_guard
@@ -286,9 +287,10 @@ class AsyncOutbox:
         self._sql: Statements = statements(self.config.schema)
         self._joined_sql: JoinedStatements = joined_statements(self.config.schema)
         install_guard(self.engine)
+        self._wakes = self.config.wake_relays
         self._notify = (
             make_notifier(notifier_engine(self.engine), client, self.config.schema)
-            if self.config.wake_relays
+            if self._wakes
             else noop
         )
 
@@ -345,13 +347,14 @@ class AsyncOutbox:
             session, connection = None, transaction
         _check_joinable(session, connection, required=True)
         params: dict[str, Any] = {}
-        event_params([event], params)
+        _size, locks = event_params([event], params, self.config.schema)
+        insert = outbox_insert(self.config.schema, locks)
         if session is not None:
-            await session.execute(self._joined_sql.outbox_insert, params)
+            await session.execute(insert, params)
             target: Any = session.sync_session
         else:
             assert connection is not None
-            await connection.execute(self._joined_sql.outbox_insert, params)
+            await connection.execute(insert, params)
             target = connection.sync_connection
             assert target is not None
         if self.config.wake_relays:
@@ -451,6 +454,7 @@ class AsyncOutbox:
         tx = uow._tx
         assert tx is not None
         events = uow._events
+        relay_idle = None
         try:
             result_json = _validate.dumps_json(uow._result, "uow.result")
             if uow._session is not None:
@@ -461,10 +465,11 @@ class AsyncOutbox:
                 "fingerprint": uow.fingerprint,
                 "result": result_json,
             }
-            size = event_params(events, params)
-            statement = idempotency_key_complete(self.config.schema, len(events))
+            size, locks = event_params(events, params, self.config.schema)
+            statement = idempotency_key_complete(self.config.schema, len(events), locks)
             if size <= _INLINE_LIMIT and len(events) <= _INLINE_EVENTS:
-                await tx.commit_with(statement, params)
+                probe = self._sql.relay_idle_probe if events and self._wakes else None
+                relay_idle = await tx.commit_with(statement, params, probe)
             else:
                 # Large values go as binary parameters rather than quoted literals.
                 await tx.execute(statement.direct, params)
@@ -483,7 +488,7 @@ class AsyncOutbox:
                 uow.key,
                 StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None),
             )
-        if events:
+        if events and relay_idle is not False:  # a relay waits, or no probe was made
             self._notify()
 
     async def _abort(self, uow: AsyncUnitOfWork, exc: BaseException) -> None:
@@ -613,8 +618,8 @@ class AsyncOutbox:
                 "fingerprint": uow.fingerprint,
                 "result": result_json,
             }
-            event_params(events, params)
-            statement = idempotency_key_complete_joined(self.config.schema, len(events))
+            _size, locks = event_params(events, params, self.config.schema)
+            statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
             await joined.connection.execute(statement, params)
             await joined.savepoint.commit()
         except BaseException as exc:

@@ -4,8 +4,19 @@
   is sent only when no earlier row of its key is left in the table outside this relay's claim
   (the first half is the claim query, :mod:`outbox._pg.relay`).
 * :func:`delivery_rounds` and :func:`deliver_in_rounds` -- the **round rule**: within a batch
-  the ``n``-th row of a key is produced only after Kafka confirmed its ``n-1``-th row, and a row
-  that failed stops its key for the rest of the batch.
+  a key's rows for one topic go out together, in id order, in one round; a row for another
+  topic than the key's previous row waits for the next round (after Kafka confirmed the rows
+  before it), and a row that failed stops its key for the rest of the batch.
+
+Why rows of one key and topic may share a round: they go to one partition (the partitioner maps a
+key to a partition), and the idempotent producer writes a partition's records in the order they
+were produced, retrying without reordering. What it does not promise by itself is that a
+record that *fails* is not followed by a later one that succeeds (a gap); the Kafka adapter
+closes that door (:mod:`outbox._kafka.producer`: a gap-less producer, records refused on the
+spot stop their key at once, and a delivery deadline that fails every outstanding record
+together). So the barrier between rounds is needed only where order could cross partitions --
+the same key in two topics -- and a failure costs its key the rest of the batch, while a hot key
+costs nothing extra: its rows travel in one round however many there are.
 * :func:`settle` -- what to write back: confirmed rows are deleted, failures recorded, rows
   parked after bounded attempts; a batch in which nothing got through is an outage.
 
@@ -84,40 +95,59 @@ def drop_blocked(
     return kept
 
 
-def delivery_rounds(keys: Sequence[bytes | None]) -> list[list[int]]:
-    """Split a claimed batch (in id order) into rounds of row indexes.
+def delivery_rounds(keys: Sequence[bytes | None], topics: Sequence[str]) -> list[list[int]]:
+    """Split a claimed batch (in id order) into rounds of row indexes, in id order each.
 
-    Round ``r`` holds the ``r``-th row of every key; key-less rows have no order to keep and all
-    go in round 0. Within a round no key appears twice, so a round can be produced at once.
+    A key's row joins the round of the key's previous row when both are for the same topic
+    (one partition: the producer keeps their order), else the next round. Key-less rows have no
+    order to keep and all go in round 0. Most batches are one round.
     """
-    rounds: list[list[int]] = []
-    seen: dict[bytes, int] = {}
+    count = len(keys)
+    if count == 0:
+        return []
+    if len(set(topics)) == 1:
+        return [list(range(count))]
+    rounds: list[list[int]] = [[]]
+    last: dict[bytes, tuple[str, int]] = {}
     for index, key in enumerate(keys):
         depth = 0
         if key is not None:
-            depth = seen.get(key, 0)
-            seen[key] = depth + 1
+            topic = topics[index]
+            previous = last.get(key)
+            if previous is not None:
+                depth = previous[1] if previous[0] == topic else previous[1] + 1
+            last[key] = (topic, depth)
         if depth == len(rounds):
             rounds.append([])
         rounds[depth].append(index)
     return rounds
 
 
+def single_round(keys: Sequence[bytes | None], topics: Sequence[str]) -> bool:
+    """Whether the batch goes out in one round (:func:`delivery_rounds`)."""
+    return len(set(topics)) <= 1 or len(delivery_rounds(keys, topics)) <= 1
+
+
 def deliver_in_rounds(
     keys: Sequence[bytes | None],
-    send: Callable[[list[int]], Sequence[R]],
+    topics: Sequence[str],
+    send: Callable[[list[int]], Sequence[R | None]],
     *,
     failed: Mapping[int, R] | None = None,
     stopping: Callable[[], bool] | None = None,
-) -> tuple[list[R | None], int]:
-    """Send a batch round by round; returns each row's report (``None``: not sent) and how many
-    rows were handed to ``send``.
+) -> tuple[list[R | None], int, int]:
+    """Send a batch round by round; returns each row's report (``None``: not sent), how many
+    rows were handed to ``send``, and how many rows Kafka confirmed although an earlier row of
+    their key had failed in the same round (*gaps*: the Kafka adapter is built so that this
+    never happens; the relay reports any it sees).
 
-    ``send`` produces the rows at the given indexes and returns one report per row, in order.
-    ``failed`` holds rows that failed before any send (they cannot become records): each stops
-    its key from its own round on, so the earlier rows of its key still go out. A row whose
-    report is not a confirmation stops its key for the rest of the batch. When ``stopping()``
-    turns true no further round starts: what was confirmed so far is settled, the rest stays.
+    ``send`` produces the rows at the given indexes, in that order, and returns one report per
+    row, in order; ``None`` for a row it did not produce because an earlier row of its key was
+    refused on the spot. ``failed`` holds rows that failed before any send (they cannot become
+    records): each stops its key from its own position on, so the earlier rows of its key still
+    go out. A row whose report is not a confirmation stops its key for the rest of the batch.
+    When ``stopping()`` turns true no further round starts: what was confirmed so far is
+    settled, the rest stays.
     """
     outcomes: list[R | None] = [None] * len(keys)
     failed = failed or {}
@@ -125,31 +155,55 @@ def deliver_in_rounds(
         outcomes[index] = report
     stopped: set[bytes] = set()
     sent = 0
-    for round_ in delivery_rounds(keys):
+    gaps = 0
+    for round_ in delivery_rounds(keys, topics):
         if stopping is not None and stopping():
             break
         todo = round_
-        if failed:
+        if stopped or failed:
+            todo = []
             for i in round_:
                 key = keys[i]
-                if i in failed and key is not None:
-                    stopped.add(key)  # its earlier rows went in earlier rounds
-        if stopped or failed:
-            todo = [
-                i
-                for i in round_
-                if outcomes[i] is None and (keys[i] is None or keys[i] not in stopped)
-            ]
+                if i in failed:
+                    if key is not None:
+                        stopped.add(key)  # its earlier rows are before it in this round
+                elif key is None or key not in stopped:
+                    todo.append(i)
             if not todo:
                 continue
         reports = send(todo)
         sent += len(todo)
-        for i, report in zip(todo, reports, strict=True):
-            outcomes[i] = report
-            key = keys[i]
-            if report.error is not None and key is not None:
-                stopped.add(key)
-    return outcomes, sent
+        trouble = False
+        for i, got in zip(todo, reports, strict=True):
+            outcomes[i] = got
+            if got is None or got.error is not None:
+                trouble = True
+        if trouble:
+            gaps += _stop_failed_keys(todo, keys, outcomes, stopped)
+    return outcomes, sent, gaps
+
+
+def _stop_failed_keys(
+    todo: list[int],
+    keys: Sequence[bytes | None],
+    outcomes: Sequence[DeliveryReport | None],
+    stopped: set[bytes],
+) -> int:
+    """After a round with failures: stop every key that had a row fail or not go out; count
+    the rows confirmed behind such a row of their key."""
+    failing: set[bytes] = set()
+    gaps = 0
+    for i in todo:
+        key = keys[i]
+        if key is None:
+            continue
+        report = outcomes[i]
+        if report is None or report.error is not None:
+            failing.add(key)
+        elif key in failing:
+            gaps += 1
+    stopped |= failing
+    return gaps
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,21 @@
 :func:`encode_event` refuses bad input with a specific :class:`~outbox.errors.ValidationError`
 before anything is written, and returns the row's values: the unit of work (sync and asyncio)
 and the keyless transactional publish all write what it returns.
+
+**Per-key commit order** (DESIGN.md I7) is decided here too. The relay sends a key's rows in
+``id`` order; ``id`` order equals commit order only if no transaction can take an ``id`` for a
+key while another transaction holding a smaller ``id`` of that key is still uncommitted. So the
+statement that writes outbox rows first takes a transaction-scoped advisory lock per message key
+(:func:`order_lock_id`), in ascending lock-id order, and only then draws the ``id``s: a second
+writer of the same key waits there until the first one has committed (or rolled back), and
+writers of different keys never wait for each other. The rows are written at the very end of a
+unit of work, in the message that also carries its ``COMMIT``, so the wait is for another
+writer's commit and nothing longer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Mapping
@@ -55,10 +66,27 @@ def encode_event(
     )
 
 
-def event_params(events: list[Event], params: dict[str, Any]) -> int:
-    """Bind ``events`` into ``params`` as the final statement names them (``e0``, ``t0`` ...);
-    returns the total size of their values."""
+def order_lock_id(schema: str | None, key: bytes) -> int:
+    """The signed 64-bit advisory lock id that orders the writers of message ``key``.
+
+    It lives in the single-``bigint`` space of the idempotency keys' locks
+    (:func:`outbox._core.claim.lock_id`), hashed under another prefix; an equal value by chance
+    (about 2^-64 per pair) only makes a writer wait for another one's commit. The schema is
+    part of it: outboxes in different schemas do not order each other's writers.
+    """
+    prefix = f"outbox-order:{len(schema or '')}:{schema or ''}:".encode()
+    digest = hashlib.blake2b(prefix + key, digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def event_params(
+    events: list[Event], params: dict[str, Any], schema: str | None
+) -> tuple[int, int]:
+    """Bind ``events`` into ``params`` as the final statement names them (``e0``, ``t0`` ...,
+    and ``l0`` ... for the order locks of their distinct message keys, ascending); returns the
+    total size of their values and the number of order locks."""
     size = 0
+    keys: set[bytes] = set()
     for i, e in enumerate(events):
         params[f"e{i}"] = e.event_id
         params[f"t{i}"] = e.topic
@@ -67,4 +95,9 @@ def event_params(events: list[Event], params: dict[str, Any]) -> int:
         params[f"h{i}"] = e.headers_json
         params[f"x{i}"] = e.key_hash
         size += len(e.value)
-    return size
+        if e.key is not None:
+            keys.add(e.key)
+    # Ascending, so that two writers of overlapping key sets cannot deadlock on these locks.
+    for j, lock in enumerate(sorted(order_lock_id(schema, k) for k in keys)):
+        params[f"l{j}"] = lock
+    return size, len(keys)

@@ -23,6 +23,13 @@ REQUIRED_CONFIG: Mapping[str, str] = {
     "acks": "all",
 }
 
+# The relay sends many records of one key at once: a failed record must never be followed by a
+# later one of its partition (see outbox._kafka.producer, "No gaps").
+RELAY_REQUIRED_CONFIG: Mapping[str, str] = {
+    **REQUIRED_CONFIG,
+    "enable.gapless.guarantee": "true",
+}
+
 # Defaults of the relay's producer a user may override with --kafka-config.
 DEFAULT_CONFIG: Mapping[str, str] = {
     "partitioner": "murmur2_random",  # the Java client's partitioner: same key, same partition
@@ -89,11 +96,11 @@ def producer_config(
         config = {k: v for k, v in overrides.items() if not _consumer_only(k)}
         config["bootstrap.servers"] = bootstrap_servers
         config.setdefault("linger.ms", 0)
-    for key, value in REQUIRED_CONFIG.items():
+    for key, value in (RELAY_REQUIRED_CONFIG if relay else REQUIRED_CONFIG).items():
         if relay:
-            given = config.get(key, value).lower()
+            given = str(config.get(key, value)).lower()
             normalized = {"-1": "all", "1": "true"}.get(given, given) if key == "acks" else given
-            if key == "enable.idempotence" and normalized in ("1", "true"):
+            if key != "acks" and normalized == "1":
                 normalized = "true"
             if normalized != value:
                 raise ConfigurationError(
@@ -108,6 +115,12 @@ def producer_config(
         raise ConfigurationError(
             f"--kafka-config message.timeout.ms={timeout} is not allowed: the relay needs a "
             "positive bound on delivery (0 means wait forever) to back off and retry an outage"
+        )
+    if config.get("partitioner") == "random":
+        raise ConfigurationError(
+            "--kafka-config partitioner=random is not allowed: per-key order needs a "
+            "partitioner that sends every record of a key to one partition (the default "
+            "murmur2_random, or consistent_random, fnv1a_random ...); remove that setting"
         )
     if "transactional.id" in config:
         raise ConfigurationError(

@@ -1,10 +1,29 @@
 """The Kafka side of the relay: a confluent-kafka producer and the meaning of its errors.
 
-This is the only module of the relay that imports ``confluent_kafka``. It builds the producer
-from :func:`outbox._kafka.config.producer_config` (idempotent, ``acks=all``, Java-compatible
-partitioner, throughput-oriented batching), sends a group of records and waits for every
-delivery report without one flush per record, and knows which librdkafka errors are permanent
-(the row is parked at once) or retriable.
+This is the only module of the relay that imports ``confluent_kafka``. It knows how to build
+the producer (idempotent, ``acks=all``, Java-compatible partitioner, throughput-oriented
+batching), how to send a group of records and learn each one's fate without one flush or one
+Python callback per record, and which librdkafka errors are permanent (the row is parked at
+once) or retriable.
+
+**No gaps.** The relay sends many records of one key at once and relies on the idempotent
+producer to write a partition's records in the order they were produced. That order survives
+retries, but by itself not failures: librdkafka may fail a record and still deliver a later one
+of the same partition (a *gap*), which would let a later row of a key overtake a failed one.
+Three settings close every path to a gap:
+
+* a record that ``produce()`` refuses on the spot stops its key: no later record of that key is
+  produced in the same send;
+* ``enable.gapless.guarantee``: a batch that the broker refuses for good makes the producer
+  fail everything after it (a fatal error, and the relay builds a new producer) instead of
+  skipping ahead;
+* librdkafka never times a record out by itself (its ``message.timeout.ms`` is 0 here); the
+  relay enforces ``message.timeout.ms`` as a deadline for the whole send and then purges every
+  outstanding record at once, so what did not get through is, in every partition, the tail of
+  what was produced. Purged records are failed, the producer is rebuilt.
+
+Delivery reports come only for failures (``delivery.report.only.error``): a send that succeeds
+costs no Python per record after ``produce()``.
 """
 
 from __future__ import annotations
@@ -23,9 +42,18 @@ from outbox._kafka.config import (
     REQUIRED_CONFIG as REQUIRED_CONFIG,
     producer_config as producer_config,
 )
-from outbox.errors import FatalProducerError, PublishError
+from outbox.errors import PublishError
 
 log = logging.getLogger("outbox.relay")
+
+# How the relay's own client runs, whatever the configuration says (see the module docstring):
+# the relay enforces message.timeout.ms itself and hears only about failures.
+CLIENT_SETTINGS: Mapping[str, Any] = {
+    "message.timeout.ms": "0",
+    "delivery.report.only.error": True,
+    # librdkafka warns once that the gap-less guarantee is experimental.
+    "log_level": "2",
+}
 
 # librdkafka error codes after which sending the same record again cannot succeed: the row is
 # parked with the error. Everything else is retriable (timeouts, leader moves, transport).
@@ -99,6 +127,12 @@ class Outcome:
 CONFIRMED = Outcome()
 NOT_SENT = Outcome(error="not sent: the relay stopped before sending this record")
 
+# librdkafka's codes for records failed by purge() (the relay purged them: deadline, fatal
+# producer, stop; they may or may not have reached the broker) or by a fatal error.
+PURGED: frozenset[int] = frozenset(
+    {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT, KafkaError._FATAL}
+)
+
 
 def _outcome(err: KafkaError) -> Outcome:
     code = int(err.code())
@@ -106,8 +140,17 @@ def _outcome(err: KafkaError) -> Outcome:
         error=f"{err.name()}: {err.str()}",
         code=code,
         permanent=is_permanent(code),
-        stale_producer=code in PRODUCER_STATE_ERRORS or err.fatal(),
+        stale_producer=code in PRODUCER_STATE_ERRORS or code in PURGED or err.fatal(),
     )
+
+
+@dataclass(slots=True)
+class Sending:
+    """Records handed to :meth:`KafkaProducer.start`, waiting for :meth:`KafkaProducer.finish`."""
+
+    records: Sequence[RecordTuple]
+    outcomes: list[Outcome | None]
+    deadline: float
 
 
 class KafkaProducer:
@@ -115,10 +158,19 @@ class KafkaProducer:
 
     def __init__(self, bootstrap_servers: str, overrides: Mapping[str, str]) -> None:
         self.config = producer_config(bootstrap_servers, overrides)
+        # The deadline of one send (see the module docstring); librdkafka's own is off.
         self.message_timeout = int(self.config["message.timeout.ms"]) / 1000.0
         self._fatal: str | None = None
         self._last_error: tuple[str, float] = ("", 0.0)
-        self._producer = Producer({**self.config, "error_cb": self._on_error})
+        self._failures: list[tuple[KafkaError, Any]] = []
+        self._producer = Producer(
+            {
+                **self.config,
+                **CLIENT_SETTINGS,
+                "error_cb": self._on_error,
+                "on_delivery": self._on_failure,
+            }
+        )
 
     def _on_error(self, err: KafkaError) -> None:
         # Client-level errors (broker down, auth) arrive here, once per connection attempt;
@@ -134,66 +186,138 @@ class KafkaProducer:
             self._last_error = (err.name(), now)
             log.warning("event=kafka_client_error error=%r", f"{err.name()}: {err.str()}")
 
+    def _on_failure(self, err: KafkaError | None, msg: Any) -> None:
+        if err is not None:  # only failures are reported (delivery.report.only.error)
+            self._failures.append((err, msg))
+
     def send(
         self,
         records: Sequence[RecordTuple],
         stop: threading.Event,
         grace: float = 5.0,
-    ) -> list[Outcome]:
-        """Produce ``records`` and wait until each has a delivery report.
+    ) -> list[Outcome | None]:
+        """Produce ``records`` in order and wait until each one's fate is known: :meth:`start`
+        then :meth:`finish`."""
+        return self.finish(self.start(records), stop, grace)
 
-        Returns one :class:`Outcome` per record, in order. Records refused inside
-        ``produce()`` (too large, invalid topic) get their error at once; the others are
-        batched by librdkafka and confirmed by the broker. When ``stop`` is set the wait is cut
-        to ``grace`` seconds; records still without a report count as not confirmed (the
-        caller keeps their rows, so at worst they are sent again).
+    def start(self, records: Sequence[RecordTuple]) -> Sending:
+        """Produce ``records`` in order and return at once; librdkafka sends them meanwhile
+        (the caller can do other work before :meth:`finish`).
+
+        A record that ``produce()`` refuses (too large, invalid topic) gets its error at once,
+        and no later record of its key is produced.
         """
-        outcomes: list[Outcome | None] = [None] * len(records)
-        pending = 0
-
-        def report(index: int) -> Any:
-            def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-                nonlocal pending
-                pending -= 1
-                outcomes[index] = CONFIRMED if err is None else _outcome(err)
-
-            return on_delivery
-
+        self._failures.clear()
+        outcomes: list[Outcome | None] = [CONFIRMED] * len(records)
+        refused: set[bytes] = set()
         produce = self._producer.produce
         for index, (topic, key, value, headers) in enumerate(records):
+            if refused and key in refused:
+                outcomes[index] = None
+                continue
             while True:
                 try:
-                    produce(topic, value, key, headers=headers, on_delivery=report(index))
-                    pending += 1
+                    produce(topic, value, key, headers=headers)
                     break
                 except BufferError:
                     self._producer.poll(0.05)  # local queue full: let reports drain, retry
                 except KafkaException as exc:
                     outcomes[index] = _outcome(exc.args[0])
+                    if key is not None:
+                        refused.add(key)  # no gap: its later records must not go out
                     break
-        deadline = time.monotonic() + self.message_timeout + 5.0
+        return Sending(records, outcomes, time.monotonic() + self.message_timeout)
+
+    def finish(
+        self, sending: Sending, stop: threading.Event, grace: float = 5.0
+    ) -> list[Outcome | None]:
+        """Wait until the fate of every record of ``sending`` is known.
+
+        Returns one :class:`Outcome` per record, in order, or ``None`` for a record that was
+        not produced because ``produce()`` refused an earlier record of its key. When the send
+        has not completed within ``message.timeout.ms`` of :meth:`start`, every outstanding
+        record is purged and failed (retriable, and the producer is to be rebuilt). When
+        ``stop`` is set the wait is cut to ``grace`` seconds; records still outstanding then
+        are purged and reported as not sent (the caller keeps their rows, so at worst they are
+        sent again).
+        """
+        outcomes = sending.outcomes
+        complete, purged_as = self._wait(sending.deadline, stop, grace)
+        if self._failures:
+            self._assign(sending.records, outcomes, purged_as)
+        if not complete:
+            # Some record's fate stayed unknown even after the purge: none of them may count
+            # as confirmed (at worst they are sent again).
+            unknown = purged_as or self._late()
+            outcomes = [unknown if o is CONFIRMED else o for o in outcomes]
+        return outcomes
+
+    def _late(self) -> Outcome:
+        return Outcome(
+            error=f"no delivery report within {self.message_timeout:g}s",
+            code=int(KafkaError._MSG_TIMED_OUT),
+            stale_producer=True,
+        )
+
+    def _wait(
+        self, deadline: float, stop: threading.Event, grace: float
+    ) -> tuple[bool, Outcome | None]:
+        """Serve reports until nothing is outstanding. At the deadline, on a fatal error or
+        after the stop's grace, purge what is left (see module). Returns whether every record's
+        fate is known, and the outcome that purged records get (``None``: their own error)."""
+        flush = self._producer.flush
         stop_deadline: float | None = None
-        while pending > 0:
-            if self._fatal is not None:
-                raise FatalProducerError(f"Kafka producer fatal error: {self._fatal}")
+        while True:
             now = time.monotonic()
             if stop.is_set() and stop_deadline is None:
                 stop_deadline = now + grace
             limit = min(deadline, stop_deadline) if stop_deadline is not None else deadline
-            if now >= limit:
+            # flush() sends at once instead of waiting for linger.ms and serves the reports.
+            if flush(max(0.0, min(0.1, limit - now))) == 0:
+                return True, None
+            if self._fatal is not None or time.monotonic() >= limit:
                 break
-            # flush() sends at once instead of waiting for linger.ms and serves callbacks.
-            self._producer.flush(min(0.1, limit - now))
-        if stop_deadline is not None:
-            return [o if o is not None else NOT_SENT for o in outcomes]
-        # No report although message.timeout.ms (+5 s) passed: librdkafka lost track of these
-        # records. Retriable, and the producer is rebuilt (its queue purged) before a retry.
-        late = Outcome(
-            error=f"no delivery report within {self.message_timeout + 5.0:g}s",
-            code=int(KafkaError._MSG_TIMED_OUT),
-            stale_producer=True,
-        )
-        return [o if o is not None else late for o in outcomes]
+        purged_as: Outcome | None
+        if self._fatal is not None:
+            # Records behind the one that broke the producer: not their fault, no attempt.
+            purged_as = Outcome(
+                error=f"not sent: the producer failed ({self._fatal})", stale_producer=True
+            )
+        elif stop_deadline is not None and time.monotonic() >= stop_deadline:
+            purged_as = NOT_SENT
+        else:
+            purged_as = self._late()
+        try:
+            self._producer.purge(in_queue=True, in_flight=True)
+        except KafkaException as exc:
+            log.warning("event=kafka_purge_failed error=%r", str(exc))
+        return flush(1.0) == 0, purged_as
+
+    def _assign(
+        self,
+        records: Sequence[RecordTuple],
+        outcomes: list[Outcome | None],
+        purged_as: Outcome | None,
+    ) -> None:
+        """Give each failure report to its record. A report names its record by topic, key and
+        value (librdkafka drops the headers of records purged from its queue); records alike in
+        all three are told apart by order: the failed records of a partition are its tail
+        (module docstring), so the reports belong to the last of them."""
+        slots: dict[tuple[str, bytes | None, bytes], list[int]] = {}
+        for index, (topic, key, value, _headers) in enumerate(records):
+            if outcomes[index] is CONFIRMED:
+                slots.setdefault((topic, key, value), []).append(index)
+        for err, msg in self._failures:
+            candidates = slots.get((msg.topic(), msg.key(), msg.value()))
+            if not candidates:  # pragma: no cover - a report of a record of no send of ours
+                log.warning("event=kafka_unmatched_report error=%r", err.str())
+                continue
+            index = candidates.pop()
+            if purged_as is not None and int(err.code()) in PURGED:
+                outcomes[index] = purged_as
+            else:
+                outcomes[index] = _outcome(err)
+        self._failures.clear()
 
     def check(self, timeout: float = 5.0) -> int:
         """Ask the cluster for metadata; returns the broker count or raises PublishError."""

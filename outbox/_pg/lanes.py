@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 from outbox._core.lanes import (
+    KIND_IDLE,
     KIND_LANE,
     KIND_LANES,
     KIND_MEMBER,
@@ -41,6 +42,8 @@ LANE_TRY_LOCK = sa.text(
     "SELECT lane FROM unnest(CAST(:lanes AS integer[])) AS lane "
     "WHERE pg_try_advisory_lock(:ns, lane)"
 )
+RELAY_IDLE_LOCK = sa.text("SELECT pg_advisory_lock_shared(:ns, 0)")
+RELAY_IDLE_UNLOCK = sa.text("SELECT pg_advisory_unlock_shared(:ns, 0)")
 LANE_UNLOCK = sa.text(
     "SELECT pg_advisory_unlock(:ns, lane) FROM unnest(CAST(:lanes AS integer[])) AS lane"
 )
@@ -89,3 +92,14 @@ def release(connection: sa.Connection, schema: str | None, lanes: Sequence[int])
     if not lanes:
         return
     connection.execute(LANE_UNLOCK, {"lanes": list(lanes), "ns": namespace(schema, KIND_LANE)})
+
+
+def announce_idle(connection: sa.Connection, schema: str | None, idle: bool) -> None:
+    """Start (``idle``) or stop waiting for work: hold or give back the shared ``idle`` lock.
+
+    Writers send a wake-up only while some relay holds it. A relay takes it and then claims once
+    more before it waits: a commit that probed before the lock was taken is visible to that
+    claim, and one that probed after it sends a wake-up.
+    """
+    statement = RELAY_IDLE_LOCK if idle else RELAY_IDLE_UNLOCK
+    connection.execute(statement, {"ns": namespace(schema, KIND_IDLE)})

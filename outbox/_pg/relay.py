@@ -124,6 +124,28 @@ WHERE s.id < (SELECT max(id) FROM claim)
 """
 )
 
+# The claim of a relay that meets no other transaction's lock in its lanes (the usual case):
+# the same rows as OUTBOX_CLAIM_BATCH, but with NOWAIT instead of SKIP LOCKED, so it either locks
+# every row it passes or fails at once with lock_not_available. When it succeeds nothing was
+# skipped, so it needs neither the second arm nor the CTE that feeds it: it costs PostgreSQL
+# about a third less per row (the materialized CTE copies every wide row once more). When it
+# fails, the relay rolls back and uses OUTBOX_CLAIM_BATCH until a claim skips nothing again.
+OUTBOX_CLAIM_UNCONTENDED = (
+    """
+SELECT o.id, o.attempts, o.topic, o.key, o.value, o.headers::text,
+       convert_to(o.event_id::text, 'UTF8'), false
+FROM {outbox} o
+WHERE o.parked_at IS NULL
+  AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
+  AND """
+    + _not_behind_parked("o")
+    + """
+ORDER BY o.id
+LIMIT %(batch_size)s
+FOR UPDATE OF o NOWAIT
+"""
+)
+
 # The ids go as one text parameter, an array literal the relay formats itself ("{1,2,3}"): a
 # ",".join of ints is ~20 times cheaper than the driver's per-element array dumper.
 OUTBOX_DELETE_CONFIRMED = "DELETE FROM {outbox} WHERE id = ANY(%s::bigint[])"
@@ -154,6 +176,7 @@ class OutboxStatements:
     rest for SQLAlchemy."""
 
     claim: str
+    claim_uncontended: str
     delete: str
     fail: sa.TextClause
     stats: sa.TextClause
@@ -163,6 +186,7 @@ class OutboxStatements:
         table = qualified(validate_schema_name(schema), OUTBOX)
         return cls(
             claim=OUTBOX_CLAIM_BATCH.format(outbox=table),
+            claim_uncontended=OUTBOX_CLAIM_UNCONTENDED.format(outbox=table),
             delete=OUTBOX_DELETE_CONFIRMED.format(outbox=table),
             fail=sa.text(OUTBOX_RECORD_FAILURES.format(outbox=table)),
             stats=sa.text(OUTBOX_STATS.format(outbox=table)),
@@ -176,17 +200,51 @@ def outbox_claim_batch(
     lanes: int,
     owned: Sequence[int],
     batch_size: int,
-) -> list[ClaimedRow]:
+    uncontended: bool = False,
+    savepoint: str | None = None,
+) -> list[ClaimedRow] | None:
     """Claim up to ``batch_size`` rows of the ``owned`` lanes (and report the skipped ones) in a
-    transaction that stays open: the caller deletes or updates the rows and commits."""
+    transaction that stays open: the caller deletes or updates the rows and commits.
+
+    With ``uncontended``, the cheaper claim that never skips a row: it returns ``None`` when
+    another transaction holds a row it would have taken, after rolling back the transaction,
+    or only back to ``savepoint`` when one is named (set by :func:`outbox_savepoint`).
+    """
     # Beginning the transaction through SQLAlchemy first keeps its commit() and rollback() in
     # charge of the work done on the driver's cursor.
     if not conn.in_transaction():
         conn.begin()
+    params = {"lanes": lanes, "owned": list(owned), "batch_size": batch_size}
     with _driver(conn).cursor(binary=True) as cur:
-        cur.execute(sql.claim, {"lanes": lanes, "owned": list(owned), "batch_size": batch_size})
+        if uncontended:
+            try:
+                cur.execute(sql.claim_uncontended, params)
+            except psycopg.errors.LockNotAvailable:
+                if savepoint is None:
+                    conn.rollback()
+                else:
+                    outbox_rollback_to(conn, savepoint)
+                return None
+        else:
+            cur.execute(sql.claim, params)
         rows: list[ClaimedRow] = cur.fetchall()
     return rows
+
+
+# Savepoints of the relay's batch transaction (constant names, never input).
+SAVEPOINTS = frozenset({"outbox_sent", "outbox_ahead"})
+
+
+def outbox_savepoint(conn: sa.Connection, name: str) -> None:
+    """``SAVEPOINT name`` in the batch's transaction."""
+    assert name in SAVEPOINTS
+    _driver(conn).execute(f"SAVEPOINT {name}")
+
+
+def outbox_rollback_to(conn: sa.Connection, name: str) -> None:
+    """Undo the batch transaction's work since ``SAVEPOINT name`` (and release its locks)."""
+    assert name in SAVEPOINTS
+    _driver(conn).execute(f"ROLLBACK TO SAVEPOINT {name}")
 
 
 def outbox_delete_confirmed(conn: sa.Connection, sql: OutboxStatements, ids: Sequence[int]) -> None:

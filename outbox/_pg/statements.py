@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
+from outbox._core.lanes import idle_probe_sql
 from outbox.schema import IDEMPOTENCY_KEYS, OUTBOX, validate_schema_name
 
 _preparer = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
@@ -43,6 +44,7 @@ class Prepared:
 class Statements:
     idempotency_key_claim_prepared: Prepared
     idempotency_key_fail: str
+    relay_idle_probe: Prepared
 
 
 @functools.cache
@@ -79,6 +81,9 @@ def statements(schema: str | None) -> Statements:
             f"VALUES (%(scope)s, %(key)s, 'failed', %(fingerprint)s, %(error)s) "
             f"ON CONFLICT (scope, key) DO NOTHING"
         ),
+        # After the COMMIT of a unit of work that appended events, in the same message: is a
+        # relay waiting for work? Only then is a wake-up sent (outbox._pg.wakeup).
+        relay_idle_probe=_prepared("outbox_relay_idle", schema, idle_probe_sql(schema), [], []),
     )
 
 
@@ -86,18 +91,88 @@ def _digest(*parts: object) -> str:
     return hashlib.blake2b(repr(parts).encode(), digest_size=6).hexdigest()
 
 
-@functools.lru_cache(maxsize=256)
-def idempotency_key_complete(schema: str | None, events: int) -> Prepared:
-    """The key's final state and ``events`` outbox rows in ONE statement.
+_ROW_TYPES = ("uuid", "text", "bytea", "bytea", "jsonb", "integer")
 
-    It runs after the body's business writes took their locks, so for transactions that conflict
-    on business rows the outbox ``id`` order follows commit order. Row ``i`` binds parameters
-    ``e{i}`` (event id), ``t{i}`` (topic), ``k{i}`` (key), ``v{i}`` (value), ``h{i}`` (headers
-    JSON) and ``x{i}`` (key hash). The text depends only on the schema and ``events``.
+
+def _outbox_rows_insert(
+    schema: str | None, events: int, locks: int, first: int
+) -> tuple[str, list[str], list[str]]:
+    """``INSERT`` of ``events`` outbox rows after taking ``locks`` order locks; parameters are
+    numbered from ``$first``. Returns the SQL, the parameters' types and their psycopg names.
+
+    The order locks (see :mod:`outbox._core.events`) are taken by a one-time filter, which
+    PostgreSQL evaluates before it produces the first row, and so before any ``id`` is drawn
+    from the identity sequence: a writer of a key that another uncommitted transaction has
+    written waits here, and takes its ``id``s only after that transaction ended. The values
+    carry their types, so that any driver can bind them (the joined flavour runs on the
+    caller's connection).
+    """
+    types: list[str] = []
+    args: list[str] = []
+    rows = []
+    n = first
+    for i in range(events):
+        cells = [
+            f"CAST(${n + c} AS {t})" if locks else f"${n + c}" for c, t in enumerate(_ROW_TYPES)
+        ]
+        if not locks:
+            cells[4] = f"CAST(${n + 4} AS jsonb)"
+        rows.append(f"({', '.join(cells)})")
+        types += ["uuid", "text", "bytea", "bytea", "text", "integer"]
+        args += [f"%(e{i})s", f"%(t{i})s", f"%(k{i})s", f"%(v{i})s", f"%(h{i})s", f"%(x{i})s"]
+        n += 6
+    target = (
+        f"INSERT INTO {qualified(schema, OUTBOX)} (event_id, topic, key, value, headers, key_hash)"
+    )
+    if not locks:
+        return f"{target} VALUES {', '.join(rows)}", types, args
+    lock_rows = []
+    for j in range(locks):
+        lock_rows.append(f"(CAST(${n} AS bigint))")
+        types.append("bigint")
+        args.append(f"%(l{j})s")
+        n += 1
+    sql = (
+        f"{target} SELECT * FROM (VALUES {', '.join(rows)}) AS r "
+        f"WHERE (SELECT count(pg_advisory_xact_lock(o.id)) "
+        f"FROM (VALUES {', '.join(lock_rows)}) AS o(id)) = {locks}"
+    )
+    return sql, types, args
+
+
+def _prepared(
+    prefix: str, schema: str | None, body: str, types: list[str], args: list[str]
+) -> Prepared:
+    name = f"{prefix}_{_digest(schema, body)}"  # see the claim's name
+    direct = body
+    for n in range(len(args), 0, -1):  # $10 before $1
+        direct = direct.replace(f"${n}", args[n - 1])
+    if not args:
+        return Prepared(name, f"PREPARE {name} AS {body}", f"EXECUTE {name}", direct)
+    return Prepared(
+        name,
+        f"PREPARE {name} ({', '.join(types)}) AS {body}",
+        f"EXECUTE {name} ({', '.join(args)})",
+        direct,
+        tuple(a[2:-2] for a in args),
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def idempotency_key_complete(schema: str | None, events: int, locks: int = 0) -> Prepared:
+    """The key's final state and ``events`` outbox rows in ONE statement, after the order locks
+    of their ``locks`` distinct message keys.
+
+    It runs after the body's business writes took their locks and at the very end of the
+    transaction, so the order locks are held only until the commit. Row ``i`` binds
+    parameters ``e{i}`` (event id), ``t{i}`` (topic), ``k{i}`` (key), ``v{i}`` (value),
+    ``h{i}`` (headers JSON) and ``x{i}`` (key hash); lock ``j`` binds ``l{j}``
+    (:func:`outbox._core.events.event_params` binds them all). The text depends only on the
+    schema, ``events`` and ``locks``.
     """
     schema = validate_schema_name(schema)
-    if events < 0:
-        raise ValueError("events must not be negative")
+    if events < 0 or not 0 <= locks <= events:
+        raise ValueError("events must not be negative, locks between 0 and events")
     keys = qualified(schema, IDEMPOTENCY_KEYS)
     types = ["text", "text", "text", "text"]
     args = ["%(scope)s", "%(key)s", "%(fingerprint)s", "%(result)s"]
@@ -108,28 +183,11 @@ def idempotency_key_complete(schema: str | None, events: int) -> Prepared:
     if events == 0:
         body = key_insert
     else:
-        rows = []
-        for i in range(events):
-            n = 5 + 6 * i
-            rows.append(f"(${n}, ${n + 1}, ${n + 2}, ${n + 3}, CAST(${n + 4} AS jsonb), ${n + 5})")
-            types += ["uuid", "text", "bytea", "bytea", "text", "integer"]
-            args += [f"%(e{i})s", f"%(t{i})s", f"%(k{i})s", f"%(v{i})s", f"%(h{i})s", f"%(x{i})s"]
-        body = (
-            f"WITH completed AS ({key_insert}) "
-            f"INSERT INTO {qualified(schema, OUTBOX)} "
-            f"(event_id, topic, key, value, headers, key_hash) VALUES {', '.join(rows)}"
-        )
-    name = f"outbox_key_complete_{events}_{_digest(schema, body)}"  # see the claim's name
-    direct = body
-    for n in range(len(args), 0, -1):  # $10 before $1
-        direct = direct.replace(f"${n}", args[n - 1])
-    return Prepared(
-        name,
-        f"PREPARE {name} ({', '.join(types)}) AS {body}",
-        f"EXECUTE {name} ({', '.join(args)})",
-        direct,
-        tuple(a[2:-2] for a in args),
-    )
+        rows, row_types, row_args = _outbox_rows_insert(schema, events, locks, 5)
+        body = f"WITH completed AS ({key_insert}) {rows}"
+        types += row_types
+        args += row_args
+    return _prepared(f"outbox_key_complete_{events}", schema, body, types, args)
 
 
 # -- joined units of work and the keyless publish: statements on the caller's connection -----
@@ -144,7 +202,6 @@ class JoinedStatements:
     idempotency_key_claim: sa.TextClause
     idempotency_key_fail: sa.TextClause
     idempotency_key_relock: sa.TextClause
-    outbox_insert: sa.TextClause
 
 
 def _named(sql: str) -> str:
@@ -164,18 +221,21 @@ def joined_statements(schema: str | None) -> JoinedStatements:
         ),
         idempotency_key_fail=sa.text(_named(statements(schema).idempotency_key_fail)),
         idempotency_key_relock=sa.text("SELECT pg_try_advisory_xact_lock(:lock_id)"),
-        outbox_insert=sa.text(_outbox_insert(schema)),
-    )
-
-
-def _outbox_insert(schema: str | None) -> str:
-    return (
-        f"INSERT INTO {qualified(schema, OUTBOX)} (event_id, topic, key, value, headers, key_hash) "
-        "VALUES (:e0, :t0, :k0, :v0, CAST(:h0 AS jsonb), :x0)"
     )
 
 
 @functools.lru_cache(maxsize=256)
-def idempotency_key_complete_joined(schema: str | None, events: int) -> sa.TextClause:
+def outbox_insert(schema: str | None, locks: int) -> sa.TextClause:
+    """One outbox row (parameters as in :func:`idempotency_key_complete`), after its key's
+    order lock when ``locks`` is 1: the keyless publish on the caller's connection."""
+    schema = validate_schema_name(schema)
+    sql, _types, args = _outbox_rows_insert(schema, 1, locks, 1)
+    for n in range(len(args), 0, -1):
+        sql = sql.replace(f"${n}", args[n - 1])
+    return sa.text(_named(sql))
+
+
+@functools.lru_cache(maxsize=512)
+def idempotency_key_complete_joined(schema: str | None, events: int, locks: int) -> sa.TextClause:
     """:func:`idempotency_key_complete` as a text() clause for the caller's connection."""
-    return sa.text(_named(idempotency_key_complete(schema, events).direct))
+    return sa.text(_named(idempotency_key_complete(schema, events, locks).direct))

@@ -229,13 +229,19 @@ class Transaction:
         self.connection.info[_GUARDED] = False
         self.connection.commit()
 
-    def commit_with(self, final: Prepared, params: dict[str, Any]) -> None:
-        """Run ``final`` and COMMIT in the same round trip (after :meth:`begin_with`).
+    def commit_with(
+        self, final: Prepared, params: dict[str, Any], after: Prepared | None = None
+    ) -> Any:
+        """Run ``final`` and COMMIT in the same round trip (after :meth:`begin_with`); then
+        ``after`` (a prepared statement without parameters), a statement of its own after the
+        COMMIT, in the same message, whose value is returned (``None`` when it did not run).
 
         A statement that this connection has not PREPAREd yet goes the ordinary way this time
         (PREPARE inside the transaction could fail it) and is PREPAREd at the next
-        :meth:`begin_with`. If the statement fails, the server skips the COMMIT of the same
-        message and the transaction is rolled back by :meth:`close`.
+        :meth:`begin_with`; so is ``after``, which is left out until then. If the statement
+        fails, the server skips the COMMIT of the same message (and ``after``) and the
+        transaction is rolled back by :meth:`close`. ``after`` must be a statement that cannot
+        fail: its error would read as a failed commit.
         """
         driver = self._driver
         if driver.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
@@ -244,19 +250,33 @@ class Transaction:
                 "body); nothing was committed by the unit of work"
             )
         self.connection.info[_GUARDED] = False
-        if final.name not in _prepared.get(driver, ()):
+        known = _prepared.get(driver, ())
+        if after is not None and after.name not in known:
+            _wanted.setdefault(driver, set()).add(after)
+            after = None
+        if final.name not in known:
             _wanted.setdefault(driver, set()).add(final)
             self.execute(final.direct, params)
             self.connection.commit()
-            return
+            return None
+        message = _execute_text(driver, final, params) + b"; COMMIT"
+        if after is not None:
+            message += b"; " + after.execute.encode()
+        cursor = driver.cursor()
         try:
-            driver.cursor().execute(_execute_text(driver, final, params) + b"; COMMIT")
+            cursor.execute(message)
         except psycopg.Error as exc:
             if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
                 _prepared.pop(driver, None)
             raise self._translate(final.execute, params, exc) from exc
         # The server transaction is over; close SQLAlchemy's view of it (psycopg sends nothing).
         self.connection.commit()
+        if after is None:
+            return None
+        cursor.nextset()
+        cursor.nextset()
+        row = cursor.fetchone()
+        return None if row is None else row[0]
 
     def hold(self, lock_id: int) -> bool:
         """Take a session-scoped advisory lock on ``lock_id`` while the transaction is healthy.

@@ -1,18 +1,28 @@
-"""Wake-up signal from units of work to idle relays: ``pg_notify`` after the commit.
+"""Wake-up signal from units of work to idle relays: ``pg_notify`` after the commit, only while a
+relay waits for work.
 
 Why not ``NOTIFY`` inside the business transaction: PostgreSQL takes a database-wide lock on the
 notification queue when a transaction that notified commits, so every writer would commit one
 at a time. Instead the unit of work calls the notifier *after* its commit. The notifier only
-sets a flag (no I/O in the caller's thread); one background thread per process sends
-``pg_notify`` on its own connection, in its own tiny transaction with asynchronous commit (a
-wake-up needs no fsync), and then pauses ``MIN_INTERVAL``. Commits during the pause only set the
-flag again and share the next notification, so one process sends at most 100 notifications per
-second however fast it commits, and an event waits at most ``MIN_INTERVAL`` longer for its
-wake-up.
+sets a flag (no I/O in the caller's thread); one background thread per process then sends, on
+its own connection, in its own tiny transaction with asynchronous commit (a wake-up needs no
+fsync), ``pg_notify`` -- but only if some relay holds the ``idle`` lock, which relays take
+while they wait for work (:func:`outbox._pg.lanes.announce_idle`); and it pauses
+``MIN_INTERVAL`` after each round. Commits during the pause only set the flag again and share
+the next round.
 
-No commit is ever left without a notification: the flag is cleared *before* the notification is
-sent, so a commit that sets it afterwards causes another one. A lost notification (connection
-down) only delays a row until the relay's next poll (``--poll-interval``), the backstop.
+A unit of work also asks the question itself, in the same message as its ``COMMIT``
+(``Statements.relay_idle_probe``), and calls the notifier only when the answer is yes: while
+every relay is busy draining (or none runs), writers send nothing and their thread stays asleep.
+Without the probe (a unit of work joined to the caller's transaction, a keyless publish), the
+thread asks before it sends.
+
+No commit is ever left without a wake-up it needs: a relay takes the ``idle`` lock and then
+claims once more before it waits, so a commit either probes while the lock is held (and
+wakes it) or came before the lock and is seen by that claim. The flag is cleared *before* the
+thread sends, so a commit that sets it afterwards causes another round. A lost notification
+(connection down) only delays a row until the relay's next poll (``--poll-interval``), the
+backstop.
 
 The relay listens on the same channel (:class:`Listener`) and wakes its loop through a
 ``threading.Event``.
@@ -32,6 +42,7 @@ import sqlalchemy as sa
 from psycopg import sql
 
 from outbox._core.environment import ENV_WAKEUP_INTERVAL
+from outbox._core.lanes import idle_probe_sql
 from outbox._core.retry import Backoff
 from outbox.schema import validate_schema_name
 
@@ -40,16 +51,16 @@ log = logging.getLogger("outbox.wakeup")
 CHANNEL = "outbox_wakeup"
 _RETRY_AFTER = 1.0
 ENV_INTERVAL = ENV_WAKEUP_INTERVAL
-DEFAULT_INTERVAL = 0.01
+DEFAULT_INTERVAL = 0.001
 
 
 def _interval_from_env() -> float:
     """The pause after each notification, in seconds (``OUTBOX_WAKEUP_INTERVAL``).
 
-    It bounds the notifications per writer process (and the extra wait of a commit that lands
-    just after one went out). Each notification is a small transaction of its own: many writer
-    processes committing fast pay for up to ``1 / interval`` of them per second each, so a
-    longer pause trades a few milliseconds of relay latency for writer throughput.
+    It bounds the rounds of the notifier thread per writer process (and the extra wait of a
+    commit that lands just after one). A round is a small statement on the notifier's
+    connection, a notification only while a relay waits; units of work of the process's own
+    transactions start a round only when their commit found a relay waiting.
     """
     raw = os.environ.get(ENV_INTERVAL)
     if not raw:
@@ -84,11 +95,14 @@ class _Notifier:
     def __init__(self, engine: sa.Engine, schema: str | None) -> None:
         self._engine = engine
         self._channel = channel(schema)
+        # Notify only while a relay waits for work: one statement that probes and sends.
+        self._statement = f"SELECT pg_notify(%s, '') WHERE ({idle_probe_sql(schema)})"
         self._pending = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._connection: Any = None
+        self.rounds = 0
         self.sent = 0
 
     def __call__(self) -> None:
@@ -123,9 +137,9 @@ class _Notifier:
                 log.debug("event=wakeup_send_failed error=%r", type(exc).__name__)
                 self._drop()
                 time.sleep(_RETRY_AFTER)  # bounded; relays fall back to polling meanwhile
-            # At most one notification per MIN_INTERVAL: each costs the database a small
-            # transaction and this process a thread switch; commits meanwhile only set the flag
-            # (no wake-up) and are covered by the next notification.
+            # At most one round per MIN_INTERVAL: each costs the database a small statement
+            # and this process a thread switch; commits meanwhile only set the flag and are
+            # covered by the next round.
             time.sleep(MIN_INTERVAL)
 
     def _send(self) -> None:
@@ -141,8 +155,9 @@ class _Notifier:
             # commit waiting for its own WAL flush, doubling the writers' fsync load.
             driver.execute("SET synchronous_commit = off")
             self._connection = driver
-        self._connection.execute("SELECT pg_notify(%s, '')", (self._channel,))
-        self.sent += 1
+        cursor = self._connection.execute(self._statement, (self._channel,))
+        self.rounds += 1
+        self.sent += cursor.rowcount
 
     def _drop(self) -> None:
         connection, self._connection = self._connection, None

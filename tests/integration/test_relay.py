@@ -90,6 +90,28 @@ def test_oversized_row_is_parked_while_other_keys_flow(
     check_key_order(records, {b"poison": [str(ids[0]), str(ids[2])]})
 
 
+def test_a_batch_claimed_ahead_is_given_up_when_the_batch_in_hand_fails(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """Full batches of two: the next batch is claimed while Kafka confirms the one in hand.
+    When a row of the batch in hand fails, the delete in its savepoint and the batch claimed
+    ahead are rolled back; the failed row parks and its key's later rows wait behind it."""
+    topic = _topic("relay-ahead")
+    big = b"x" * 300_000
+    items = [("a", b"a1"), ("a", big), ("a", b"a3"), ("b", b"b1"), ("b", b"b2"), ("a", b"a4")]
+    ids = insert_rows(engine, topic, items)
+    config = RelayConfig(
+        database_url, kafka_bootstrap, batch_size=2, kafka_config={"message.max.bytes": "100000"}
+    )
+    assert Relay(config).run(once=True) == 0
+    with engine.connect() as conn:
+        assert [p.event_id for p in list_parked(conn)] == [ids[1]]
+    assert outbox_count(engine) == 3  # the parked row, a3 and a4 behind it
+    records = wait_for_records(kafka_bootstrap, topic, [ids[0], ids[3], ids[4]])
+    assert {r.event_id for r in records} == {str(ids[0]), str(ids[3]), str(ids[4])}
+    check_key_order(records, {b"a": [str(ids[0])], b"b": [str(ids[3]), str(ids[4])]})
+
+
 def test_row_with_malformed_headers_is_parked_not_a_crash(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str
 ) -> None:

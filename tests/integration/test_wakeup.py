@@ -1,15 +1,18 @@
-"""The after-commit wake-up signal: delivered to a listener, folded under load. (Harmless when
-the database hangs or is gone: tests/faults/test_wakeup_faults.py.)"""
+"""The after-commit wake-up signal: delivered to a listener while a relay waits for work (and
+only then), folded under load, harmless when the database is unreachable."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 import sqlalchemy as sa
 
 from outbox import Outbox, OutboxConfig, migrate
+from outbox._pg.lanes import announce_idle
 from outbox._pg.wakeup import Listener, channel, make_notifier
 from tests.fixtures.common import wait_for
 
@@ -27,16 +30,52 @@ def _listen(
     return listener, woken, stop
 
 
-def test_commit_with_events_wakes_a_listener(database_url: str, engine: sa.Engine) -> None:
+@contextmanager
+def _waiting_relay(engine: sa.Engine, schema: str | None) -> Iterator[None]:
+    """What a relay does while it waits for work: hold the shared ``idle`` lock."""
+    with engine.connect() as conn:
+        announce_idle(conn, schema, True)
+        conn.commit()
+        yield
+        announce_idle(conn, schema, False)
+        conn.commit()
+
+
+def test_commit_with_events_wakes_a_waiting_relay(database_url: str, engine: sa.Engine) -> None:
     listener, woken, stop = _listen(engine, None)
     ob = Outbox(database_url)
     try:
         woken.clear()  # the listener kicks once when it (re)connects
-        with ob.unit_of_work("no-events"):
-            pass
-        with ob.unit_of_work("with-event") as uow:
-            uow.publish("wakeup-test", b"x")
-        assert woken.wait(10), "no notification after a commit that appended an event"
+        with _waiting_relay(engine, None):
+            with ob.unit_of_work("no-events"):
+                pass
+            with ob.unit_of_work("with-event") as uow:
+                uow.publish("wakeup-test", b"x")
+            assert woken.wait(10), "no notification after a commit that appended an event"
+    finally:
+        ob.close()
+        stop.set()
+        listener.join(5)
+
+
+def test_no_wake_up_while_no_relay_waits(database_url: str, engine: sa.Engine) -> None:
+    """Relays busy (or none running): the commit's probe says so, and the process sends
+    nothing at all -- its notifier thread does not even ask, but for the first commit on a
+    connection, whose statement is not prepared yet and so goes without the probe."""
+    listener, woken, stop = _listen(engine, None)
+    ob = Outbox(database_url)
+    try:
+        woken.clear()
+        for n in range(20):
+            with ob.unit_of_work(f"busy-{n}") as uow:
+                uow.publish("wakeup-test", b"x")
+        assert not woken.wait(1.0), "a notification although no relay waits"
+        assert ob._notify.sent == 0  # type: ignore[attr-defined]
+        assert ob._notify.rounds <= 2  # type: ignore[attr-defined]
+        with _waiting_relay(engine, None):  # a relay starts waiting: the next commit wakes it
+            with ob.unit_of_work("idle-now") as uow:
+                uow.publish("wakeup-test", b"x")
+            assert woken.wait(10)
     finally:
         ob.close()
         stop.set()
@@ -50,13 +89,15 @@ def test_wake_relays_off_sends_no_notification(database_url: str, engine: sa.Eng
     ob = Outbox(database_url, config=OutboxConfig(schema="quiet", wake_relays=False))
     try:
         woken.clear()
-        with ob.unit_of_work("quiet") as uow:
-            uow.publish("wakeup-test", b"x")
-        assert not woken.wait(1.0), "a notification came although wake_relays is off"
-        # The listener still hears others: the silence above was the setting, not a dead line.
-        notify = make_notifier(engine, None, "quiet")
-        notify()
-        assert woken.wait(10)
+        with _waiting_relay(engine, "quiet"):
+            with ob.unit_of_work("quiet") as uow:
+                uow.publish("wakeup-test", b"x")
+            assert not woken.wait(1.0), "a notification came although wake_relays is off"
+            # The listener still hears others: the silence above was the setting, not a dead
+            # line.
+            notify = make_notifier(engine, None, "quiet")
+            notify()
+            assert woken.wait(10)
     finally:
         ob.close()
         stop.set()
@@ -64,21 +105,31 @@ def test_wake_relays_off_sends_no_notification(database_url: str, engine: sa.Eng
 
 
 def test_a_burst_of_commits_is_folded_into_few_notifications(engine: sa.Engine) -> None:
+    migrate.upgrade(engine, schema="billing")
     listener, woken, stop = _listen(engine, "billing")
     notify = make_notifier(engine, None, "billing")
     try:
-        woken.clear()
-        for _ in range(2000):
+        with _waiting_relay(engine, "billing"):
+            woken.clear()
+            for _ in range(2000):
+                notify()
+            assert woken.wait(10)
+            # The listener can be woken before the sending thread has counted its notification.
+            wait_for(lambda: notify.sent >= 1, 10, "no notification was counted")  # type: ignore[attr-defined]
+            sent = notify.sent  # type: ignore[attr-defined]
+            assert 1 <= sent < 200, f"{sent} notifications for 2000 commits"
+            # The last call is covered: a later notification still arrives.
+            woken.clear()
             notify()
-        assert woken.wait(10)
-        # The listener can be woken before the sending thread has counted its notification.
-        wait_for(lambda: notify.sent >= 1, 10, "no notification was counted")  # type: ignore[attr-defined]
-        sent = notify.sent  # type: ignore[attr-defined]
-        assert 1 <= sent < 100, f"{sent} notifications for 2000 commits"
-        # The last call is covered: a later notification still arrives.
+            assert woken.wait(10)
+        # Nobody waits: the thread still asks, but sends nothing.
+        before = notify.sent  # type: ignore[attr-defined]
+        notify()
+        wait_for(lambda: notify.rounds > 0, 10, "no round")  # type: ignore[attr-defined]
         woken.clear()
         notify()
-        assert woken.wait(10)
+        assert not woken.wait(0.5)
+        assert notify.sent == before  # type: ignore[attr-defined]
     finally:
         stop.set()
         listener.join(5)

@@ -72,6 +72,9 @@ def test_statements_quote_the_schema_and_carry_no_input() -> None:
     assert final.prepare.count("$") == 4 + 12
     assert "%(e1)s" in final.execute and "%(e1)s" in final.direct and "$" not in final.direct
     assert final.name != idempotency_key_complete(None, 2).name
+    ordered = idempotency_key_complete("tenant_1", 2, 1)
+    assert ordered.prepare.count("$") == 4 + 12 + 1 and "pg_advisory_xact_lock" in ordered.prepare
+    assert "%(l0)s" in ordered.execute and ordered.name != final.name
 
 
 def test_lock_ids_are_64_bit_and_distinct_per_scope() -> None:

@@ -36,7 +36,14 @@ def test_producer_config_keeps_the_guarantees() -> None:
     assert producer_config("b", {"partitioner": "consistent_random"})["partitioner"] == (
         "consistent_random"
     )
-    for bad in ({"acks": "1"}, {"enable.idempotence": "false"}, {"transactional.id": "x"}):
+    assert config["enable.gapless.guarantee"] == "true"
+    for bad in (
+        {"acks": "1"},
+        {"enable.idempotence": "false"},
+        {"enable.gapless.guarantee": "false"},
+        {"transactional.id": "x"},
+        {"partitioner": "random"},  # a key's records would spread over partitions
+    ):
         with pytest.raises(ConfigurationError):
             producer_config("b", bad)
     with pytest.raises(ConfigurationError, match=r"message\.timeout\.ms=0 is not allowed"):
@@ -91,8 +98,9 @@ def test_rows_that_cannot_become_records_are_told_apart_by_index() -> None:
 
 
 def test_records_without_a_report_by_the_deadline_are_retriable_and_rebuild_the_producer() -> None:
-    """librdkafka reports every record within message.timeout.ms; should it not, the records
-    are failed as a retriable outage with a stale producer, never left without an outcome."""
+    """The relay enforces message.timeout.ms on a send: then everything outstanding is purged;
+    a record whose fate is still unknown is failed as a retriable outage with a stale producer,
+    never counted as confirmed."""
     import threading
 
     from confluent_kafka import KafkaError
@@ -100,19 +108,63 @@ def test_records_without_a_report_by_the_deadline_are_retriable_and_rebuild_the_
     from outbox._kafka.producer import KafkaProducer
 
     class Silent:  # accepts records and never reports them
+        purged = 0
+
         def produce(self, *args: object, **kwargs: object) -> None:
             return None
 
         def flush(self, timeout: float) -> int:
             return 1
 
+        def purge(self, **kwargs: object) -> None:
+            self.purged += 1
+
     producer = KafkaProducer("127.0.0.1:9", {})
-    producer._producer = Silent()  # type: ignore[assignment]
-    producer.message_timeout = -4.9  # the deadline is message_timeout + 5 s: 0.1 s from now
+    silent = Silent()
+    producer._producer = silent  # type: ignore[assignment]
+    producer.message_timeout = 0.1
     outcomes = producer.send([("t", b"k", b"v", [])], threading.Event())
-    assert len(outcomes) == 1 and not outcomes[0].ok
+    assert len(outcomes) == 1 and outcomes[0] is not None and not outcomes[0].ok
     assert outcomes[0].code == KafkaError._MSG_TIMED_OUT
     assert outcomes[0].stale_producer and not outcomes[0].permanent
+    assert silent.purged == 1
     stopped = threading.Event()
     stopped.set()
     assert producer.send([("t", b"k", b"v", [])], stopped, grace=0.05) == [NOT_SENT]
+
+
+def test_a_record_refused_on_the_spot_holds_back_the_later_records_of_its_key() -> None:
+    """No gap: once produce() refused a record, no later record of its key goes out in the
+    same send; other keys and key-less records do."""
+    import threading
+
+    from confluent_kafka import KafkaError, KafkaException
+
+    from outbox._kafka.producer import KafkaProducer
+
+    class Refusing:
+        produced: list[bytes] = []
+
+        def produce(self, topic: str, value: bytes, key: bytes | None, **kw: object) -> None:
+            if value == b"big":
+                raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+            self.produced.append(value)
+
+        def flush(self, timeout: float) -> int:
+            return 0
+
+    producer = KafkaProducer("127.0.0.1:9", {})
+    fake = Refusing()
+    producer._producer = fake  # type: ignore[assignment]
+    records = [
+        ("t", b"a", b"a1", []),
+        ("t", b"a", b"big", []),
+        ("t", b"b", b"b1", []),
+        ("t", b"a", b"a3", []),
+        ("t", None, b"n", []),
+    ]
+    outcomes = producer.send(records, threading.Event())  # type: ignore[arg-type]
+    assert fake.produced == [b"a1", b"b1", b"n"]
+    assert outcomes[1] is not None and outcomes[1].permanent
+    assert outcomes[3] is None
+    assert [o is not None and o.ok for o in outcomes] == [True, False, True, False, True]
