@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from outbox import KeyInProgress, Outbox
 from outbox.relay import RelayConfig
-from tests.integration.test_relay_support import RelayThread, outbox_count, read_topic
+from tests.fixtures.relay import RelayThread, outbox_count, read_topic
 
 KEYS = [f"account-{i}" for i in range(4)]
 
