@@ -1,6 +1,7 @@
+# generated from outbox/consumer_async.py by tools/async_to_sync.py; do not edit
 """Idempotent Kafka consumer runner: exactly-once effects from at-least-once delivery.
 
-Each message is run through ``Outbox.unit_of_work(key, scope=<group>)`` keyed by its
+Each message is run through ``unit_of_work(key, scope=<group>)`` keyed by its
 ``X-Idempotency-Key`` header, and its offset is committed only once the unit of work committed,
 replayed a stored result, or the message was dead-lettered (and the broker confirmed the dead
 letter). Redelivery after a crash or a rebalance is absorbed by the idempotency key::
@@ -14,9 +15,11 @@ letter). Redelivery after a crash or a rebalance is absorbed by the idempotency 
         uow.publish("order.accepted", {"id": order["id"]}, key=str(order["id"]))
         return {"accepted": order["id"]}          # stored, replayed to duplicates
 
-    runner = ConsumerRunner(Outbox(url), handle, topics=["orders"], group="billing",
-                            bootstrap_servers="kafka:9092")
-    runner.run()        # blocks until runner.stop() (e.g. from a signal handler)
+    runner = ConsumerRunner(
+        Outbox(url), handle, topics=["orders"], group="billing",
+        bootstrap_servers="kafka:9092",
+    )
+    runner.run()        # returns after runner.stop() (e.g. from a signal handler)
 
 or ``outbox consume app:handle --topic orders --group billing``. The delivery semantics
 (offsets, retries, dead letters, rebalances) are described in ``docs/consumer.md``.
@@ -24,11 +27,18 @@ or ``outbox consume app:handle --topic orders --group billing``. The delivery se
 This module is the loop: poll, :func:`outbox._core.disposition.classify` what one attempt at a
 message came to, carry the verdict out, commit offsets behind finished messages. The Kafka
 clients are in :mod:`outbox._kafka`, the dead-letter format in :mod:`outbox._core.deadletter`.
+
+Both flavours come from one source: ``outbox/consumer_async.py`` (asyncio) is written by hand and
+``outbox/consumer.py`` (sync, which offers the asyncio runner too) is generated from it by
+``tools/async_to_sync.py``, so the loop exists once. In the asyncio flavour the Kafka clients'
+blocking calls are awaited and run on each client's own thread; in the sync one they are plain
+calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -52,6 +62,7 @@ from outbox.config import (
     ENV_KAFKA_CONFIG as ENV_KAFKA_CONFIG,
     ConsumerConfig,
 )
+from outbox.consumer_async import AsyncConsumerRunner as AsyncConsumerRunner
 from outbox.consumer_metrics import ConsumerMetrics, serve_metrics
 from outbox.errors import (
     ConfigurationError,
@@ -69,6 +80,7 @@ __all__ = [
     "ENV_GROUP",
     "ENV_KAFKA_CONFIG",
     "ENV_METRICS_PORT",
+    "AsyncConsumerRunner",
     "ConsumerConfig",
     "ConsumerError",
     "ConsumerRunner",
@@ -87,8 +99,10 @@ __all__ = [
 
 log = logging.getLogger("outbox.consumer")
 
+_ASYNC = False
+
 Handler = Callable[["UnitOfWork", Message], Any]
-"""``handler(uow, message) -> result``: apply one message inside its unit of work.
+"""``def handler(uow, message) -> result``: apply one message inside its unit of work.
 
 The return value must be JSON-serializable; it is stored with the key and replayed to
 duplicates (the handler is not called for them).
@@ -102,15 +116,17 @@ FingerprintFunc = Callable[[Message], "str | None"]
 class ConsumerRunner:
     """Feeds Kafka messages through units of work and commits offsets behind them.
 
-    ``ConsumerRunner(outbox, handler, topics=[...], group="billing", bootstrap_servers=...,
-    kafka_config={...}, key_header=..., max_attempts=5, dlq_topic_suffix=".dlq", ...)`` takes
-    the fields of :class:`ConsumerConfig` as keywords (or a ready ``config=``). ``key_func``
-    replaces the header lookup; ``fingerprint_func`` adds a request fingerprint to each key;
-    ``metrics_registry`` receives the metrics (default: the global registry).
+    ``ConsumerRunner(outbox, handler, topics=[...], group="billing",
+    bootstrap_servers=..., kafka_config={...}, key_header=..., max_attempts=5,
+    dlq_topic_suffix=".dlq", ...)`` takes the fields of :class:`ConsumerConfig` as keywords (or a
+    ready ``config=``). ``key_func`` replaces the header lookup; ``fingerprint_func`` adds a
+    request fingerprint to each key; ``metrics_registry`` receives the metrics (default: the
+    global registry).
 
-    :meth:`run` blocks until :meth:`stop` is called (from a signal handler or another thread),
-    then finishes the message in hand, commits and returns. One runner is one Kafka consumer;
-    run several processes (or runners) with the same group to scale out.
+    :meth:`run` returns after :meth:`stop` is called (from a signal handler, another task or
+    another thread), once the message in hand finished and the finished offsets are committed.
+    One runner is one Kafka consumer; run several processes (or runners) with the same group to
+    scale out.
     """
 
     def __init__(
@@ -130,6 +146,18 @@ class ConsumerRunner:
             config = dataclasses.replace(config, **settings)
         if not callable(handler):
             raise ConfigurationError(f"handler must be callable, got {handler!r}")
+        if is_coroutine_handler(handler) != _ASYNC:
+            raise ConfigurationError(
+                f"{type(self).__name__} runs "
+                + ("coroutine functions" if _ASYNC else "plain functions")
+                + f" as handler(uow, message), got {handler!r}: the sync runner takes plain "
+                "functions, the asyncio runner coroutine functions"
+            )
+        if outbox.is_async != _ASYNC:
+            raise ConfigurationError(
+                f"{type(self).__name__} needs an outbox of its flavour "
+                f"({'asyncio' if _ASYNC else 'sync'}), got {type(outbox).__name__}"
+            )
         self.config = config.validate()
         self.outbox = outbox
         self._handler = handler
@@ -185,7 +213,8 @@ class ConsumerRunner:
             )  # fmt: skip
             while not self._stopping.is_set():
                 self._heartbeat = time.monotonic()
-                for message in self._consumer.consume(self.config.batch_size, self._poll_timeout()):
+                timeout = self._poll_timeout()
+                for message in self._consumer.consume(self.config.batch_size, timeout):
                     self._accept(message)
                 self._work()
                 self._commit_if_due()
@@ -240,8 +269,15 @@ class ConsumerRunner:
     def _on_revoke(self, partitions: list[TP]) -> None:
         # The new owner starts at the committed offset: commit what is finished. Messages in a
         # backlog are dropped here and redelivered there; a unit of work that committed but
-        # whose offset did not is replayed there, not applied twice.
-        self._commit(sync=True, only=partitions)
+        # whose offset did not is replayed there, not applied twice. Rebalance callbacks run
+        # inside a client call, on the client's thread: the commit is made right there.
+        consumer = self._consumer
+        offsets = self._partitions.to_commit(partitions)
+        if consumer is not None and offsets:
+            try:
+                self._on_commit(None, consumer.commit_now(offsets))
+            except ConsumerError as exc:
+                log.warning("offset commit of %s failed: %s", _describe(offsets), exc)
         self._forget(partitions)
         log.info("revoked %s", _describe(partitions))
 
@@ -551,7 +587,7 @@ def consume(
     install_signal_handlers: bool = True,
     **settings: Any,
 ) -> None:
-    """Run a :class:`ConsumerRunner` until SIGTERM or SIGINT (the simple, blocking form).
+    """Run :class:`ConsumerRunner` until SIGTERM or SIGINT (the simple form).
 
     ``settings`` are the :class:`ConsumerRunner` keywords (``topics``, ``group``,
     ``bootstrap_servers``, ``kafka_config``, ``key_func``...). A signal lets the message in
@@ -561,6 +597,14 @@ def consume(
     runner = ConsumerRunner(outbox, handler, **settings)
     with stop_on_signals(runner.stop, enabled=install_signal_handlers):
         runner.run()
+
+
+def is_coroutine_handler(handler: object) -> bool:
+    """True when calling ``handler`` returns a coroutine: a coroutine function (also behind
+    ``functools.partial`` or as a bound method) or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)  # noqa: B004 -- the method, not callable()
+    )
 
 
 def _describe(partitions: Iterable[tuple[Any, ...]]) -> str:
