@@ -4,7 +4,8 @@
 their originals across processes), some poison (the handler raises PermanentError) and some
 without an idempotency key. Afterwards: exactly one business row per good key, every offset
 committed (no message lost), and the dead-letter topic holds exactly the poison keys and the
-key-less messages. The same run with Redis shut down must give the same outcome.
+key-less messages. The same run with Redis shut down must give the same outcome, and so must the
+asyncio runner (`outbox consume` runs a coroutine handler on it).
 """
 
 from __future__ import annotations
@@ -41,15 +42,24 @@ OUTBOX_BIN = str(Path(sys.executable).with_name("outbox"))
 ROOT = Path(__file__).resolve().parents[2]
 
 
+INSERT_EFFECT = sa.text("INSERT INTO effects (key, n, pid) VALUES (:key, :n, pg_backend_pid())")
+
+
 def handle(uow: Any, message: Any) -> dict[str, int]:
     """The consumers' handler (imported by `outbox consume` as a module:function)."""
     body = json.loads(message.value())
     if body["poison"]:
         raise PermanentError(f"message {body['n']} cannot be applied")
-    uow.connection.execute(
-        sa.text("INSERT INTO effects (key, n, pid) VALUES (:key, :n, pg_backend_pid())"),
-        {"key": uow.key, "n": body["n"]},
-    )
+    uow.connection.execute(INSERT_EFFECT, {"key": uow.key, "n": body["n"]})
+    return {"n": body["n"]}
+
+
+async def handle_async(uow: Any, message: Any) -> dict[str, int]:
+    """The same handler for the asyncio runner."""
+    body = json.loads(message.value())
+    if body["poison"]:
+        raise PermanentError(f"message {body['n']} cannot be applied")
+    await uow.connection.execute(INSERT_EFFECT, {"key": uow.key, "n": body["n"]})
     return {"n": body["n"]}
 
 
@@ -171,9 +181,11 @@ def fleet(tmp_path: Path) -> Iterator[Callable[[list[str]], Fleet]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("handler", ["handle", "handle_async"], ids=["sync", "asyncio"])
 @pytest.mark.parametrize("redis_state", ["redis-up", "redis-down"])
 def test_kill_restart_three_consumers_exactly_once(
     redis_state: str,
+    handler: str,
     kafka_bootstrap: str,
     database_url: str,
     engine: sa.Engine,
@@ -197,7 +209,7 @@ def test_kill_restart_three_consumers_exactly_once(
     per_partition = produce(kafka_bootstrap, topic, first)
 
     command = [
-        OUTBOX_BIN, "consume", f"{__name__}:handle", "--topic", topic, "--group", group,
+        OUTBOX_BIN, "consume", f"{__name__}:{handler}", "--topic", topic, "--group", group,
         "--database-url", database_url, "--redis-url", redis.url,
         "--bootstrap-servers", kafka_bootstrap, "--log-level", "WARNING",
     ]  # fmt: skip
