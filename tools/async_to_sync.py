@@ -30,6 +30,7 @@ PAIRS: list[tuple[str, str]] = [
     ("outbox/_pg/transaction_async.py", "outbox/_pg/transaction.py"),
     ("outbox/_redis/cache_async.py", "outbox/_redis/cache.py"),
     ("outbox/uow_async.py", "outbox/uow.py"),
+    ("outbox/uow_batch_async.py", "outbox/uow_batch.py"),
     ("outbox/consumer_async.py", "outbox/consumer.py"),
 ]
 
@@ -64,10 +65,11 @@ RULES: list[Rule] = [
     Rule(r"\bAsyncHandler\b", "Handler"),
     Rule(r"\bAsyncKafkaConsumer\b", "KafkaConsumer"),
     Rule(r"\bAsyncDeadLetterProducer\b", "DeadLetterProducer"),
+    Rule(r"\b(_?)Async(Batch|BatchUnitOfWork|BatchAttempt|BatchGroup|MessageBatch)\b", r"\1\2"),
     Rule(r"\baob\b", "ob"),
     Rule(r"^_ASYNC = True$", "_ASYNC = False"),
     # Modules that have a twin.
-    Rule(r"\b(transaction|cache|uow)_async\b", r"\1"),
+    Rule(r"\b(transaction|cache|uow|uow_batch)_async\b", r"\1"),
     # The language.
     Rule(r"\basync def\b", "def"),
     Rule(r"\basync with\b", "with"),
@@ -84,6 +86,10 @@ RULES: list[Rule] = [
     Rule(
         r"^from sqlalchemy\.ext\.asyncio import AsyncConnection, AsyncEngine$",
         "from sqlalchemy import Connection, Engine",
+    ),
+    Rule(
+        r"^from sqlalchemy\.ext\.asyncio import AsyncConnection, AsyncSession$",
+        "from sqlalchemy import Connection\nfrom sqlalchemy.orm import Session",
     ),
     Rule(r"(?<![.\w])AsyncConnection\b", "Connection"),
     Rule(r"(?<![.\w])AsyncEngine\b", "Engine"),

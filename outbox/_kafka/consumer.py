@@ -146,12 +146,20 @@ class KafkaConsumer:
             on_lost=lambda _c, partitions: on_lost(_pairs(partitions)),
         )
 
-    def consume(self, max_messages: int, timeout: float) -> list[Message]:
-        """Up to ``max_messages`` records, waiting at most ``timeout`` seconds.
+    def consume(self, max_messages: int, timeout: float, wait: float = 0.0) -> list[Message]:
+        """Up to ``max_messages`` records: waits at most ``timeout`` seconds for the first, then
+        at most ``wait`` seconds for more (librdkafka waits the whole time it is given unless
+        the batch fills up, so the two waits are asked for separately).
 
         Error events are logged and left out (librdkafka recovers from them); a fatal one raises
         :class:`~outbox.errors.ConsumerError`.
         """
+        messages = self._consume(1, timeout)
+        if messages and max_messages > 1:
+            messages += self._consume(max_messages - 1, wait)
+        return messages
+
+    def _consume(self, max_messages: int, timeout: float) -> list[Message]:
         try:
             batch = self._consumer.consume(max_messages, timeout)
         except KafkaException as exc:
@@ -264,9 +272,9 @@ class AsyncKafkaConsumer:
         """See :meth:`KafkaConsumer.subscribe`."""
         self._client.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke, on_lost=on_lost)
 
-    async def consume(self, max_messages: int, timeout: float) -> list[Message]:
+    async def consume(self, max_messages: int, timeout: float, wait: float = 0.0) -> list[Message]:
         """See :meth:`KafkaConsumer.consume`."""
-        return await self._thread.run(self._client.consume, max_messages, timeout)
+        return await self._thread.run(self._client.consume, max_messages, timeout, wait)
 
     async def commit(
         self, offsets: Sequence[tuple[str, int, int]], *, sync: bool

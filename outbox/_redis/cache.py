@@ -109,5 +109,34 @@ class OutcomeCache:
         except (RedisError, OSError) as exc:
             self._failed("SET", exc)
 
+    def get_many(self, scope: str, keys: list[str]) -> list[CachedOutcome | None]:
+        """:meth:`get` of many keys in one round trip (a pipeline of single-key reads, which
+        Redis Cluster splits by node); every answer is ``None`` when Redis fails."""
+        if not keys or not self.available():
+            return [None] * len(keys)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(self.redis_key(scope, key))
+            raws = pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._failed("GET", exc)
+            return [None] * len(keys)
+        return [None if raw is None else decode_entry(raw) for raw in raws]
+
+    def put_many(self, scope: str, outcomes: list[tuple[str, CachedOutcome, float | None]]) -> None:
+        """:meth:`put` of many ``(key, outcome, ttl)`` in one round trip; call only after the
+        PostgreSQL commit that made them final."""
+        if not outcomes or not self.available():
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, outcome, ttl in outcomes:
+                px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))
+                pipe.set(self.redis_key(scope, key), encode_entry(outcome), px=px)
+            pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._failed("SET", exc)
+
     def close(self) -> None:
         self._client.close()

@@ -2,12 +2,14 @@
 
 An outage is not the messages' fault: no attempt may be counted against them, nothing may be
 dead-lettered, and once the database answers again every message is applied exactly once, in
-order, with every offset committed -- by either flavour of the runner.
+order, with every offset committed -- by either flavour of the runner. The connection is cut
+while a handler is running (a micro-batch is in flight): its whole batch is lost and tried again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from typing import Any
@@ -40,16 +42,24 @@ def test_database_outage_retries_without_dead_letters(
         conn.execute(
             sa.text("CREATE TABLE effects (seq serial, key text NOT NULL, value text NOT NULL)")
         )
-    produce(kafka_bootstrap, topic, [keyed(f"k{i}", f"v{i}") for i in range(COUNT)])
+    produce(kafka_bootstrap, topic, [keyed(f"k{i}", f"v{i}") for i in range(COUNT // 2)])
 
     insert = sa.text("INSERT INTO effects (key, value) VALUES (:k, :v)")
+    # The handler of this message waits (once) until the connection is cut.
+    blocker = f"k{COUNT // 2 + 5}"
+    reached, cut = threading.Event(), threading.Event()
 
     def handle(uow: Any, message: Any) -> None:
-        time.sleep(0.02)  # keeps messages in flight when the connection is cut
+        if uow.key == blocker and not cut.is_set():
+            reached.set()
+            cut.wait(30)
         uow.connection.execute(insert, {"k": uow.key, "v": message.value().decode()})
 
     async def handle_async(uow: Any, message: Any) -> None:
-        await asyncio.sleep(0.02)
+        if uow.key == blocker and not cut.is_set():
+            reached.set()
+            while not cut.is_set():
+                await asyncio.sleep(0.01)
         await uow.connection.execute(insert, {"k": uow.key, "v": message.value().decode()})
 
     def effects() -> list[str]:
@@ -73,7 +83,10 @@ def test_database_outage_retries_without_dead_letters(
     running = Running(runner, registry)
     try:
         wait_for(lambda: len(effects()) >= 5, 60, "the consumer applies messages")
+        produce(kafka_bootstrap, topic, [keyed(f"k{i}", f"v{i}") for i in range(COUNT // 2, COUNT)])
+        assert reached.wait(30), "the handler reaches the message it waits at"
         proxy.cut()  # every pooled connection dies; new ones are refused
+        cut.set()
         wait_for(
             lambda: metric(running, "outbox_consumer_failed_total", topic=topic,
                            kind="database_unavailable") >= 5,
@@ -85,6 +98,7 @@ def test_database_outage_retries_without_dead_letters(
         wait_for(lambda: len(effects()) >= COUNT, 60, "every message applied after the outage")
         running.stop()
     finally:
+        cut.set()
         runner.stop()
         running.thread.join(30)
         if ob is not None:
