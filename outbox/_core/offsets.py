@@ -153,21 +153,12 @@ class Assignment(Generic[M]):
 
 def fair_shares(sizes: list[int], limit: int) -> list[int]:
     """How many of ``sizes[i]`` waiting messages to take from each partition, ``limit`` in all:
-    an equal share each, and what a partition cannot use goes to the others (earlier
-    partitions get the remainder of an uneven split)."""
+    as even as can be -- a partition gets less than another only when it has no more -- and
+    the remainder of an uneven split goes to the partitions with the most waiting."""
     shares = [0] * len(sizes)
     left = limit
-    open_ = [i for i, size in enumerate(sizes) if size > 0]
-    while left > 0 and open_:
-        each, extra = divmod(left, len(open_))
-        still = []
-        for rank, i in enumerate(open_):
-            give = min(sizes[i] - shares[i], each + (1 if rank < extra else 0))
-            shares[i] += give
-            left -= give
-            if shares[i] < sizes[i]:
-                still.append(i)
-        if len(still) == len(open_):
-            break  # every share was used in full: nothing is left to hand out
-        open_ = still
+    by_size = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    for rank, i in enumerate(by_size):
+        shares[i] = min(sizes[i], left // (len(by_size) - rank))
+        left -= shares[i]
     return shares
