@@ -66,6 +66,16 @@ def register(subparsers: Any) -> None:
         "--dlq-suffix", default=".dlq",
         help="dead-letter topic of TOPIC is TOPIC+suffix (default .dlq)",
     )  # fmt: skip
+    p.add_argument(
+        "--batch-size", type=int, default=ConsumerConfig.batch_size,
+        help="messages per PostgreSQL transaction, each in a savepoint "
+        f"(default {ConsumerConfig.batch_size}; 1: a transaction per message)",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-wait", type=float, default=ConsumerConfig.batch_wait,
+        help="seconds a batch that is not full waits for more messages "
+        f"(default {ConsumerConfig.batch_wait:g})",
+    )  # fmt: skip
     add_flags(p, CONSUMER_METRICS_PORT, "log_level")
     p.set_defaults(func=command)
 
@@ -87,6 +97,8 @@ def command(args: argparse.Namespace) -> int:
         key_header=args.key_header,
         max_attempts=args.max_attempts,
         dlq_topic_suffix=args.dlq_suffix,
+        batch_size=args.batch_size,
+        batch_wait=args.batch_wait,
     ).validate()
     if is_coroutine_handler(handler):
         asyncio.run(_consume_async(args, database_url, handler, config))
