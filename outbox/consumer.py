@@ -38,7 +38,6 @@ calls.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import inspect
 import logging
 import threading
@@ -47,6 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from outbox._core import claim, validate as _validate
+from outbox._core.batching import Entry, Fate, Round, Slice
 from outbox._core.deadletter import DeadLetter, DeadLetterInfo, Reason
 from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
 from outbox._core.failures import is_permanent
@@ -348,7 +348,7 @@ class ConsumerRunner:
             log.debug("dropped %s[%d]@%d: partition no longer assigned", topic, partition, offset)
             return
         state.backlog.append(message)
-        self._metrics.consumed.labels(self.config.group, topic).inc()
+        self._metrics.received(self.config.group, topic)
 
     # -- the work ------------------------------------------------------------------------------
     #
@@ -382,21 +382,21 @@ class ConsumerRunner:
 
     def _round(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> bool:
         """One micro-batch; False when nothing moved."""
-        rnd = _Round(time.perf_counter())
+        rnd = Round(time.perf_counter())
         slices = []
         for tp, state, messages in plan:
             entries = self._read(rnd, tp, state, messages)
             if entries:
-                slices.append(_Slice(tp, state, entries))
+                slices.append(Slice(tp, state, entries))
         cache = self.outbox.cache
-        looked_up = [e for sl in slices for e in sl.entries if e.fate is _Fate.OPEN]
+        looked_up = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
         if cache is not None and looked_up:
             stored = cache.get_many(self._scope, [e.key for e in looked_up])
             for entry, outcome in zip(looked_up, stored, strict=True):
                 entry.cached = outcome
         for sl in slices:
             self._answer_from_cache(rnd, sl)
-        if any(e.fate is _Fate.OPEN for sl in slices for e in sl.entries):
+        if any(e.fate is Fate.OPEN for sl in slices for e in sl.entries):
             self._run_batch(rnd, slices)
         for sl in slices:
             self._settle(rnd, sl)
@@ -407,12 +407,12 @@ class ConsumerRunner:
         return rnd.moved
 
     def _read(
-        self, rnd: _Round, tp: TP, state: Partition[Message], messages: list[Message]
-    ) -> list[_Entry]:
+        self, rnd: Round, tp: TP, state: Partition[Message], messages: list[Message]
+    ) -> list[Entry[Message]]:
         """A partition's messages for the round, keys read, in order. Messages that need no
         unit of work (no usable key, a dead letter decided before) are decided here; a head
         that must run alone (no batches, or a batch of its failed as a whole) runs here."""
-        sl = _Slice(tp, state, [])
+        sl = Slice(tp, state, [])
         entries = sl.entries
         for message in messages:
             if self._stopping.is_set() or self._partitions.get(tp) is not state:
@@ -426,7 +426,7 @@ class ConsumerRunner:
                 if self._alone(rnd, tp, state, message):
                     continue
                 break
-            entry = _Entry(message, offset, "", None)
+            entry = Entry(message, offset, "", None)
             outcome = self._decided(message, tries)
             if outcome is None:
                 try:
@@ -459,7 +459,7 @@ class ConsumerRunner:
             return self._send_dead_letter(message, tries, tries.dead_letter)
         return None
 
-    def _alone(self, rnd: _Round, tp: TP, state: Partition[Message], message: Message) -> bool:
+    def _alone(self, rnd: Round, tp: TP, state: Partition[Message], message: Message) -> bool:
         """Try the head by itself, in a unit of work of its own; True when it finished."""
         self._heartbeat = time.monotonic()
         started = time.perf_counter()
@@ -477,10 +477,10 @@ class ConsumerRunner:
             rnd.dead_lettered.add(tp)
         return True
 
-    def _answer_from_cache(self, rnd: _Round, sl: _Slice) -> None:
+    def _answer_from_cache(self, rnd: Round, sl: Slice[Message]) -> None:
         """Duplicates the Redis fast path knows: no transaction for them."""
         for i, entry in enumerate(sl.entries):
-            if entry.fate is not _Fate.OPEN or entry.cached is None:
+            if entry.fate is not Fate.OPEN or entry.cached is None:
                 continue
             tries = sl.state.tries(entry.offset, sl.is_head(entry))
             try:
@@ -493,18 +493,18 @@ class ConsumerRunner:
                 del sl.entries[i:]
                 return
 
-    def _run_batch(self, rnd: _Round, slices: list[_Slice]) -> None:
+    def _run_batch(self, rnd: Round, slices: list[Slice[Message]]) -> None:
         """The messages that need the database, in one transaction."""
         seen: set[str] = set()
         for sl in slices:
             for i, entry in enumerate(sl.entries):
-                if entry.fate is not _Fate.OPEN:
+                if entry.fate is not Fate.OPEN:
                     continue
                 if entry.key in seen:  # a duplicate within the batch: decided next round
                     del sl.entries[i:]
                     break
                 seen.add(entry.key)
-        todo = [e for sl in slices for e in sl.entries if e.fate is _Fate.OPEN]
+        todo = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
         if not todo:
             return
         rnd.moved = True
@@ -527,10 +527,10 @@ class ConsumerRunner:
             batch.close()
         rnd.committed = batch.committed
 
-    def _run_each(self, rnd: _Round, batch: Batch, slices: list[_Slice]) -> None:
+    def _run_each(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
         for sl in slices:
             for i, entry in enumerate(sl.entries):
-                if entry.fate is not _Fate.OPEN:
+                if entry.fate is not Fate.OPEN:
                     continue
                 if (
                     not batch.usable()
@@ -547,17 +547,17 @@ class ConsumerRunner:
                     del sl.entries[i:]
                     break
 
-    def _run_group(self, rnd: _Round, batch: Batch, slices: list[_Slice]) -> None:
+    def _run_group(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
         """A batch handler: the messages whose work must run go to it together, in one
         savepoint; the others (duplicates, keys held elsewhere...) are decided one by one."""
-        group: list[tuple[_Slice, _Entry]] = []
+        group: list[tuple[Slice[Message], Entry[Message]]] = []
         for sl in slices:
             for i, entry in enumerate(sl.entries):
-                if entry.fate is not _Fate.OPEN:
+                if entry.fate is not Fate.OPEN:
                     continue
                 if batch.claim(entry.key).runnable:
                     group.append((sl, entry))
-                    entry.fate = _Fate.PENDING
+                    entry.fate = Fate.PENDING
                     continue
                 tries = sl.state.tries(entry.offset, sl.is_head(entry))
                 outcome = self._run(entry.message, tries, entry.key, entry.fingerprint, batch)
@@ -566,7 +566,7 @@ class ConsumerRunner:
                     break
         if len(group) == 1:  # alone, a failure is its own
             sl, entry = group[0]
-            entry.fate = _Fate.OPEN
+            entry.fate = Fate.OPEN
             tries = sl.state.tries(entry.offset, sl.is_head(entry))
             outcome = self._run(entry.message, tries, entry.key, entry.fingerprint, batch)
             if not self._place(rnd, sl, entry, outcome):
@@ -590,7 +590,7 @@ class ConsumerRunner:
             for sl, _entry in group:
                 self._metrics.failed.labels(self.config.group, sl.tp[0], Failure.ERROR).inc()
             for sl in {id(sl): sl for sl, _ in group}.values():
-                first = next(i for i, e in enumerate(sl.entries) if e.fate is _Fate.PENDING)
+                first = next(i for i, e in enumerate(sl.entries) if e.fate is Fate.PENDING)
                 del sl.entries[first:]
             if not batch.usable() and database_unavailable(error):
                 return  # tried again, in order, once PostgreSQL answers
@@ -601,21 +601,21 @@ class ConsumerRunner:
                 len(group), one_line(error),
             )  # fmt: skip
 
-    def _batch_failed(self, slices: list[_Slice], error: Exception) -> None:
+    def _batch_failed(self, slices: list[Slice[Message]], error: Exception) -> None:
         """The batch's transaction failed as a whole (its claim or its commit): nothing of it
         was committed. An outage is waited out by each partition's first message that needs
         it; any other failure cannot be laid at one message's door, so those messages are tried
         one at a time."""
         if database_unavailable(error):
             for sl in slices:
-                entry = next((e for e in sl.entries if e.fate is not _Fate.FINISHED), None)
-                if entry is not None and entry.fate in (_Fate.OPEN, _Fate.PENDING):
+                entry = next((e for e in sl.entries if e.fate is not Fate.FINISHED), None)
+                if entry is not None and entry.fate in (Fate.OPEN, Fate.PENDING):
                     tries = sl.state.tries(entry.offset, sl.is_head(entry))
                     self._dispose(entry.message, tries, error, key=entry.key)
                     del sl.entries[sl.entries.index(entry) + 1 :]
             return
         for sl in slices:
-            pending = [e.offset for e in sl.entries if e.fate in (_Fate.OPEN, _Fate.PENDING)]
+            pending = [e.offset for e in sl.entries if e.fate in (Fate.OPEN, Fate.PENDING)]
             if pending:
                 sl.state.isolated_to = max(sl.state.isolated_to, pending[-1])
         log.warning(
@@ -623,44 +623,36 @@ class ConsumerRunner:
             sum(len(sl.entries) for sl in slices), one_line(error),
         )  # fmt: skip
 
-    def _place(self, rnd: _Round, sl: _Slice, entry: _Entry, outcome: Outcome) -> bool:
+    def _place(
+        self, rnd: Round, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
+    ) -> bool:
         """Note what became of a message of the round; False when its partition stops there."""
         rnd.moved = True
         if outcome is Outcome.RETRY:
             return False
         if outcome is Outcome.PROCESSED:
-            entry.fate = _Fate.PENDING  # finished once the batch commits
+            entry.fate = Fate.PENDING  # finished once the batch commits
             return True
         if sl.is_head(entry):
             self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
-            entry.fate = _Fate.FINISHED
+            entry.fate = Fate.FINISHED
         else:  # finished whatever becomes of the batch, once the messages before it are
-            entry.fate = _Fate.SETTLED
+            entry.fate = Fate.SETTLED
             entry.outcome = outcome
         return True
 
-    def _settle(self, rnd: _Round, sl: _Slice) -> None:
+    def _settle(self, rnd: Round, sl: Slice[Message]) -> None:
         """After the batch: finish the partition's messages in order, up to the first one that
         is not finished (its batch did not commit, it must be tried again, or it was not
         reached)."""
         if self._partitions.get(sl.tp) is not sl.state:
             return  # revoked meanwhile: the new owner replays whatever committed
-        for entry in sl.entries:
-            if entry.fate is _Fate.FINISHED:
-                continue
-            if entry.fate is _Fate.PENDING and rnd.committed:
-                outcome = Outcome.PROCESSED
-            elif entry.fate is _Fate.SETTLED and entry.outcome is not None:
-                outcome = entry.outcome
-            else:
-                return
-            if not sl.is_head(entry):
-                return
+        for entry, outcome in list(sl.finishable(rnd.committed)):
             self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
-            entry.fate = _Fate.FINISHED
+            entry.fate = Fate.FINISHED
 
     def _finish(
-        self, rnd: _Round, tp: TP, state: Partition[Message], message: Message, outcome: Outcome
+        self, rnd: Round, tp: TP, state: Partition[Message], message: Message, outcome: Outcome
     ) -> None:
         """The head ``message`` finished with ``outcome``."""
         self._pop(tp, state, message)
@@ -678,7 +670,7 @@ class ConsumerRunner:
             coordinates(following)[2] if following is not None else None,
         )
 
-    def _record(self, rnd: _Round) -> None:
+    def _record(self, rnd: Round) -> None:
         """Metrics of the round's messages: each gets an equal share of the round's time."""
         if not rnd.finished:
             return
@@ -917,57 +909,6 @@ def _batch_results(results: Any, units: Sequence[UnitOfWork]) -> list[Any]:
             f"message, got {type(results).__name__}"
         )
     )
-
-
-class _Fate(enum.Enum):
-    """Where a message of a micro-batch stands."""
-
-    OPEN = "open"
-    """Not decided yet."""
-    PENDING = "pending"
-    """Its unit of work is in the batch: finished once the batch commits."""
-    SETTLED = "settled"
-    """Decided without the batch (a replay) but behind a message that waits for it."""
-    FINISHED = "finished"
-    """Finished and taken off its partition's backlog."""
-
-
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    message: Message
-    offset: int
-    key: str
-    fingerprint: str | None
-    cached: Any = None  # the outcome Redis holds for the key, if any
-    fate: _Fate = _Fate.OPEN
-    outcome: Outcome | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class _Slice:
-    """A partition's messages in a micro-batch, in offset order."""
-
-    tp: TP
-    state: Partition[Message]
-    entries: list[_Entry]
-
-    def is_head(self, entry: _Entry) -> bool:
-        """True when ``entry`` is its partition's head: every message before it finished."""
-        return self.at_head(entry.message)
-
-    def at_head(self, message: Message) -> bool:
-        return bool(self.state.backlog) and self.state.backlog[0] is message
-
-
-@dataclasses.dataclass(slots=True)
-class _Round:
-    """What one micro-batch did."""
-
-    started: float
-    moved: bool = False
-    committed: bool = False
-    finished: list[tuple[str, Outcome]] = dataclasses.field(default_factory=list)
-    dead_lettered: set[TP] = dataclasses.field(default_factory=set)
 
 
 class _MissingKey(Exception):

@@ -23,6 +23,8 @@ broken connection is invalidated so the pool never hands it out again.
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 import weakref
 from typing import Any
@@ -138,22 +140,36 @@ def _execute_text(
 
 def _array_text(values: list[Any]) -> bytes:
     """A one-dimensional array in PostgreSQL's text form (``{"a",NULL,"\\x00"}``), to be
-    quoted as one literal; the server reads it as the parameter's array type."""
-    elements = []
-    for value in values:
-        if value is None:
-            elements.append("NULL")
-        elif isinstance(value, bool):
-            elements.append("t" if value else "f")
-        elif isinstance(value, int | uuid.UUID):
-            elements.append(str(value))
-        elif isinstance(value, str):
-            elements.append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
-        elif isinstance(value, bytes):
-            elements.append('"\\\\x' + value.hex() + '"')
-        else:
-            raise TypeError(f"cannot bind {type(value).__name__} in an array literal")
-    return ("{" + ",".join(elements) + "}").encode()
+    quoted as one literal; the server reads it as the parameter's array type. The elements are
+    all of one type, or None."""
+    kinds = set(map(type, values))
+    kinds.discard(type(None))
+    if kinds == {str} and not _CONTROL.search("".join(filter(None, values))):
+        # Without control characters, JSON quotes strings exactly as an array literal does
+        # (a backslash before each quote and backslash), and null reads as NULL.
+        text = json.dumps(values, ensure_ascii=False, separators=(",", ":"))[1:-1]
+    elif kinds <= {int, uuid.UUID} and None not in values:
+        text = ",".join(map(str, values))
+    else:
+        elements = []
+        for value in values:
+            if value is None:
+                elements.append("NULL")
+            elif isinstance(value, bool):
+                elements.append("t" if value else "f")
+            elif isinstance(value, int | uuid.UUID):
+                elements.append(str(value))
+            elif isinstance(value, str):
+                elements.append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+            elif isinstance(value, bytes):
+                elements.append('"\\\\x' + value.hex() + '"')
+            else:
+                raise TypeError(f"cannot bind {type(value).__name__} in an array literal")
+        text = ",".join(elements)
+    return ("{" + text + "}").encode()
+
+
+_CONTROL = re.compile("[\x00-\x1f]")
 
 
 def _begin_command(driver: psycopg.AsyncConnection[Any]) -> str:

@@ -165,6 +165,7 @@ def test_keys_and_values_of_any_shape_survive_the_batch_statements(
     ob: outbox.Outbox, engine: sa.Engine
 ) -> None:
     keys = ['quo"te', "back\\slash", "it's", "{brace,comma}", "NULL", "ünï ☃", " spaced "]
+    keys += ["new\nline", "tab\there"]  # control characters: quoted element by element
     batch = Batch.open(ob, SCOPE, keys)
     try:
         for i, key in enumerate(keys):
