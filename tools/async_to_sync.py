@@ -31,7 +31,16 @@ PAIRS: list[tuple[str, str]] = [
     ("outbox/_redis/cache_async.py", "outbox/_redis/cache.py"),
     ("outbox/uow_async.py", "outbox/uow.py"),
     ("outbox/guard_async.py", "outbox/guard.py"),
+    ("outbox/uow_batch_async.py", "outbox/uow_batch.py"),
+    ("outbox/consumer_async.py", "outbox/consumer.py"),
 ]
+
+# Names of an asyncio source that its sync target offers as well, so that one public module holds
+# both flavours (``from outbox.consumer import AsyncConsumerRunner``): imported from the source
+# and listed in the target's ``__all__``.
+REEXPORTS: dict[str, tuple[str, ...]] = {
+    "outbox/consumer.py": ("AsyncConsumerRunner",),
+}
 
 
 @dataclass(frozen=True)
@@ -59,10 +68,15 @@ RULES: list[Rule] = [
     Rule(r"\bAsyncRedisClient\b", "RedisClient"),
     Rule(r"\bAsyncClient\b", "Client"),
     Rule(r"\bas_async_client\b", "as_client"),
+    Rule(r"\bAsyncConsumerRunner\b", "ConsumerRunner"),
+    Rule(r"\bAsyncHandler\b", "Handler"),
+    Rule(r"\bAsyncKafkaConsumer\b", "KafkaConsumer"),
+    Rule(r"\bAsyncDeadLetterProducer\b", "DeadLetterProducer"),
+    Rule(r"\b(_?)Async(Batch|BatchUnitOfWork|BatchAttempt|BatchGroup|MessageBatch)\b", r"\1\2"),
     Rule(r"\baob\b", "ob"),
     Rule(r"^_ASYNC = True$", "_ASYNC = False"),
     # Modules that have a twin.
-    Rule(r"\b(transaction|cache)_async\b", r"\1"),
+    Rule(r"\b(transaction|cache|uow|uow_batch)_async\b", r"\1"),
     # The language.
     Rule(r"\basync def\b", "def"),
     Rule(r"\basync with\b", "with"),
@@ -79,6 +93,10 @@ RULES: list[Rule] = [
     Rule(
         r"^from sqlalchemy\.ext\.asyncio import AsyncConnection, AsyncEngine$",
         "from sqlalchemy import Connection, Engine",
+    ),
+    Rule(
+        r"^from sqlalchemy\.ext\.asyncio import AsyncConnection, AsyncSession$",
+        "from sqlalchemy import Connection\nfrom sqlalchemy.orm import Session",
     ),
     Rule(r"(?<![.\w])AsyncConnection\b", "Connection"),
     Rule(r"(?<![.\w])AsyncEngine\b", "Engine"),
@@ -109,6 +127,23 @@ def convert(text: str, rules: Sequence[Rule], used: dict[Rule, int]) -> str:
     return text
 
 
+def reexport(text: str, source: str, names: Sequence[str]) -> str:
+    """Import ``names`` from the module of ``source`` into ``text`` and add them to its
+    ``__all__`` (ruff sorts both afterwards)."""
+    if not names:
+        return text
+    module = source.removesuffix(".py").replace("/", ".")
+    future = "from __future__ import annotations\n"
+    if future not in text or "__all__ = [\n" not in text:
+        raise SystemExit(
+            f"{source}: a re-export needs its __future__ import and a multi-line __all__"
+        )
+    imports = "".join(f"from {module} import {name} as {name}\n" for name in names)
+    listed = "".join(f'    "{name}",\n' for name in names)
+    text = text.replace(future, future + imports, 1)
+    return text.replace("__all__ = [\n", "__all__ = [\n" + listed, 1)
+
+
 def _ruff(args: list[str], text: str, target: Path, root: Path) -> str:
     command = [sys.executable, "-m", "ruff", *args, "--stdin-filename", str(target), "-"]
     try:
@@ -132,9 +167,13 @@ def generate(
     out: dict[Path, str] = {}
     for source, target in pairs:
         text = convert((root / source).read_text(encoding="utf-8"), rules, used)
+        text = reexport(text, source, REEXPORTS.get(target, ()))
         path = root / target
         text = _ruff(
-            ["check", "--fix", "--select", "I,F401", "--quiet", "--exit-zero"], text, path, root
+            ["check", "--fix", "--select", "I,F401,RUF022", "--quiet", "--exit-zero"],
+            text,
+            path,
+            root,
         )
         text = _ruff(["format", "--quiet"], text, path, root)
         out[path] = HEADER.format(source=source) + text

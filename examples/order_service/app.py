@@ -1,9 +1,11 @@
-"""The order service of the example: two handlers for `outbox consume`.
+"""The order service of the example: handlers for `outbox consume`.
 
 * ``accept_order`` (group ``order-service``, topic ``order.requests``) writes an order row and
   publishes ``order.accepted`` through the outbox -- in one transaction with the idempotency key.
   Its work is :func:`place_order`, which the HTTP door (``api.py``, ``POST /orders`` with an
   ``Idempotency-Key``) runs too: two doors, one unit of work.
+  ``accept_order_async`` is the same handler for asyncio services: `outbox consume` runs a
+  coroutine handler on the asyncio runner. Both may serve the same group side by side.
 * ``ship_order`` (group ``shipping``, topic ``order.accepted``) reacts to that event by writing a
   shipment row. The relay sets each event's ``X-Idempotency-Key`` to its event id, so a re-sent
   event is absorbed here too.
@@ -20,7 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from outbox import PermanentError, UnitOfWork
+from outbox import AsyncUnitOfWork, PermanentError, UnitOfWork
 
 
 class Base(DeclarativeBase):
@@ -83,6 +85,29 @@ def accept_order(uow: UnitOfWork, message: Any) -> dict[str, int]:
     dead-lettered."""
     request = json.loads(message.value())
     return place_order(uow, request["customer"], request["amount_cents"])  # stored with the key
+
+
+async def accept_order_async(uow: AsyncUnitOfWork, message: Any) -> dict[str, int]:
+    """:func:`accept_order` for the asyncio runner (``uow.session`` is an ``AsyncSession``)."""
+    order = new_order(uow.key, json.loads(message.value()))
+    uow.session.add(order)
+    await uow.session.flush()
+    uow.publish(topic("order.accepted"), accepted(order), key=str(order.id))  # only buffers
+    return {"order_id": order.id}
+
+
+def new_order(request_id: str, request: dict[str, Any]) -> Order:
+    """The order row for a request (not yet added to a session)."""
+    if request["amount_cents"] <= 0:
+        # Retrying cannot fix this: record the key as failed and dead-letter the message.
+        raise PermanentError(f"order amount must be positive, got {request['amount_cents']}")
+    return Order(request_id=request_id, customer=request["customer"],
+                 amount_cents=request["amount_cents"])  # fmt: skip
+
+
+def accepted(order: Order) -> dict[str, Any]:
+    """The ``order.accepted`` event of an order."""
+    return {"order_id": order.id, "customer": order.customer, "amount_cents": order.amount_cents}
 
 
 def ship_order(uow: UnitOfWork, message: Any) -> dict[str, int]:

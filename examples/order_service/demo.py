@@ -1,4 +1,5 @@
-"""Run the whole example: relay, two order-service consumers, one shipping consumer.
+"""Run the whole example: relay, two order-service consumers (one sync, one asyncio), one
+shipping consumer.
 
     python demo.py --database-url postgresql+psycopg://... --bootstrap-servers localhost:9092 \\
         [--redis-url redis://localhost:6379/0] [--orders 500] [--duplicates 0.3]
@@ -270,7 +271,9 @@ class Pipeline:
         consume = [sys.executable, "-m", "outbox.cli", "consume"]
         flags = [*self._kafka_flags(), "--log-level", "INFO", *self.consumer_args]
         for i in range(self.consumers):
-            self.spawn(f"order-service-{i}", [*consume, "app:accept_order", "--topic",
+            # Every other one runs the coroutine handler: the asyncio runner, in the same group.
+            handler = "app:accept_order" if i % 2 == 0 else "app:accept_order_async"
+            self.spawn(f"order-service-{i}", [*consume, handler, "--topic",
                        self.requests_topic, "--group", self.order_group, *flags])  # fmt: skip
         self.spawn("shipping", [*consume, "app:ship_order", "--topic", self.accepted_topic,
                    "--group", self.shipping_group, *flags])  # fmt: skip

@@ -4,16 +4,22 @@ Messages of a partition are worked on strictly in offset order; the head of a pa
 is the message in hand. An offset is committed only behind a *finished* message (last finished +
 1), so a commit never passes an unfinished one, and only when it moves past what the broker
 already confirmed.
+
+A micro-batch takes messages from the heads of the partitions that are not waiting for a retry
+(:meth:`Assignment.take`), shared out evenly (:func:`fair_shares`) so that one busy partition
+cannot crowd out the others.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from outbox._core.deadletter import DeadLetter
+from outbox._core.disposition import Outcome
 
 M = TypeVar("M")
 
@@ -22,32 +28,58 @@ TP = tuple[str, int]
 
 
 @dataclass
-class Partition(Generic[M]):
-    """What the runner holds for one assigned partition.
+class Tries:
+    """What the attempts at one unfinished message came to so far.
+
+    ``attempts`` counts its failures against ``max_attempts``; ``waits`` paces retries that are
+    not the message's fault and do not count; ``retry_at`` is when it may be tried again.
+    ``dead_letter`` is its dead letter once decided, so that a retry only sends it. ``done`` is
+    set once the message is dead-lettered (the broker confirmed) while a message before it is
+    not finished yet: it is never tried again, and finishes when its turn comes.
+    """
+
+    attempts: int = 0
+    waits: int = 0
+    retry_at: float = 0.0
+    dead_letter: DeadLetter | None = None
+    done: Outcome | None = None
+
+
+@dataclass
+class Partition(Tries, Generic[M]):
+    """What the runner holds for one assigned partition; its own :class:`Tries` are the head's.
 
     ``backlog`` keeps received messages in offset order; its head is the message being worked
-    on. ``next_offset`` is the offset to commit; ``committed`` the last one the broker confirmed.
-    ``attempts`` counts the head's failures against ``max_attempts``; ``waits`` paces retries
-    that are not the message's fault and do not count. ``dead_letter`` is the head's dead letter
-    once decided, so that a retry only sends it.
+    on, and the partition waits while the head's ``retry_at`` lies ahead. A micro-batch also
+    tries messages behind the head: what their attempts came to is kept in ``ahead``, by
+    offset, until they become the head. ``next_offset`` is the offset to commit; ``committed``
+    the last one the broker confirmed. Messages up to offset ``isolated_to`` run one per
+    transaction: a batch of theirs failed as a whole, and alone each failure is its own.
     """
 
     backlog: deque[M] = field(default_factory=deque)
     next_offset: int | None = None
     committed: int | None = None
-    attempts: int = 0
-    waits: int = 0
-    retry_at: float = 0.0
-    dead_letter: DeadLetter | None = None
+    isolated_to: int = -1
+    ahead: dict[int, Tries] = field(default_factory=dict)
 
-    def finish(self, offset: int) -> None:
-        """The head (at ``offset``) is finished: its successor may be committed."""
+    def finish(self, offset: int, next_head: int | None = None) -> None:
+        """The head (at ``offset``) is finished: its successor may be committed. The tries of
+        the message behind it (at ``next_head``), if any were kept, become the head's."""
         self.backlog.popleft()
         self.next_offset = offset + 1
-        self.attempts = 0
-        self.waits = 0
-        self.retry_at = 0.0
-        self.dead_letter = None
+        tries = self.ahead.pop(next_head, None) if next_head is not None else None
+        if tries is None:
+            tries = Tries()
+        self.attempts = tries.attempts
+        self.waits = tries.waits
+        self.retry_at = tries.retry_at
+        self.dead_letter = tries.dead_letter
+        self.done = tries.done
+
+    def tries(self, offset: int, head: bool) -> Tries:
+        """The tries of the message at ``offset``: the partition's own for the head."""
+        return self if head else self.ahead.setdefault(offset, Tries())
 
 
 class Assignment(Generic[M]):
@@ -99,6 +131,17 @@ class Assignment(Generic[M]):
         if state is not None and offset >= 0:
             state.committed = max(state.committed or 0, offset)
 
+    def take(self, limit: int, now: float) -> list[tuple[TP, Partition[M], list[M]]]:
+        """Up to ``limit`` messages from the heads of the partitions not waiting for a retry,
+        each partition's in offset order, shared out by :func:`fair_shares`."""
+        ready = [(tp, s) for tp, s in self._partitions.items() if s.backlog and s.retry_at <= now]
+        shares = fair_shares([len(s.backlog) for _, s in ready], limit)
+        return [
+            (tp, s, list(itertools.islice(s.backlog, n)))
+            for (tp, s), n in zip(ready, shares, strict=True)
+            if n
+        ]
+
     def next_retry(self, now: float, longest: float) -> float:
         """Seconds until a message in hand is due again, at most ``longest``."""
         timeout = longest
@@ -106,3 +149,16 @@ class Assignment(Generic[M]):
             if state.backlog:
                 timeout = min(timeout, max(0.0, state.retry_at - now))
         return timeout
+
+
+def fair_shares(sizes: list[int], limit: int) -> list[int]:
+    """How many of ``sizes[i]`` waiting messages to take from each partition, ``limit`` in all:
+    as even as can be -- a partition gets less than another only when it has no more -- and
+    the remainder of an uneven split goes to the partitions with the most waiting."""
+    shares = [0] * len(sizes)
+    left = limit
+    by_size = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    for rank, i in enumerate(by_size):
+        shares[i] = min(sizes[i], left // (len(by_size) - rank))
+        left -= shares[i]
+    return shares

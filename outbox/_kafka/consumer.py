@@ -4,6 +4,11 @@ Partitions cross this boundary as ``(topic, partition)`` pairs and offsets to co
 ``(topic, partition, offset)`` triples; client errors become :class:`~outbox.errors.ConsumerError`
 (a configuration the client refuses, :class:`~outbox.errors.ConfigurationError`). Messages are
 confluent-kafka's own: handlers get them unchanged.
+
+:class:`KafkaConsumer` serves the sync runner; :class:`AsyncKafkaConsumer` is the same consumer
+for the asyncio runner, its blocking calls made on the client's own thread. The runner is written
+once against the asyncio face, and its sync twin generated (``tools/async_to_sync.py`` renames
+one class to the other and drops the ``await``).
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from typing import Any, NamedTuple
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from outbox._kafka.config import refused
+from outbox._kafka.thread import ClientThread
 from outbox.errors import ConsumerError, InvalidKeyError
 
 __all__ = [
     "TP",
+    "AsyncKafkaConsumer",
     "Committed",
     "KafkaConsumer",
     "Message",
@@ -139,12 +146,20 @@ class KafkaConsumer:
             on_lost=lambda _c, partitions: on_lost(_pairs(partitions)),
         )
 
-    def consume(self, max_messages: int, timeout: float) -> list[Message]:
-        """Up to ``max_messages`` records, waiting at most ``timeout`` seconds.
+    def consume(self, max_messages: int, timeout: float, wait: float = 0.0) -> list[Message]:
+        """Up to ``max_messages`` records: waits at most ``timeout`` seconds for the first, then
+        at most ``wait`` seconds for more (librdkafka waits the whole time it is given unless
+        the batch fills up, so the two waits are asked for separately).
 
         Error events are logged and left out (librdkafka recovers from them); a fatal one raises
         :class:`~outbox.errors.ConsumerError`.
         """
+        messages = self._consume(1, timeout)
+        if messages and max_messages > 1:
+            messages += self._consume(max_messages - 1, wait)
+        return messages
+
+    def _consume(self, max_messages: int, timeout: float) -> list[Message]:
         try:
             batch = self._consumer.consume(max_messages, timeout)
         except KafkaException as exc:
@@ -175,6 +190,11 @@ class KafkaConsumer:
         except KafkaException as exc:
             raise ConsumerError(str(exc)) from exc
         return []
+
+    def commit_now(self, offsets: Sequence[tuple[str, int, int]]) -> list[Committed]:
+        """A synchronous :meth:`commit` on the calling thread: for rebalance callbacks, which
+        run inside :meth:`consume` and must commit before they return."""
+        return self.commit(offsets, sync=True)
 
     def pause(self, tp: TP) -> None:
         """Stop fetching ``tp`` (if not paused already).
@@ -219,3 +239,68 @@ class KafkaConsumer:
             self._consumer.close()
         except (KafkaException, RuntimeError) as exc:
             raise ConsumerError(str(exc)) from exc
+
+
+class AsyncKafkaConsumer:
+    """:class:`KafkaConsumer` for asyncio callers.
+
+    The calls that block (:meth:`consume`, :meth:`commit`, :meth:`close`) are coroutines that
+    run on the consumer's own thread, one at a time, in the order they were made; the callbacks
+    given here run on that thread too, inside :meth:`consume`. The calls that return at once
+    (subscribing, pausing, resuming) and :meth:`commit_now`, which the rebalance callbacks make
+    on the consumer's thread, are plain calls.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        *,
+        on_error: Callable[[str, bool], None],
+        on_commit: Callable[[str | None, list[Committed]], None],
+    ) -> None:
+        self._client = KafkaConsumer(config, on_error=on_error, on_commit=on_commit)
+        self._thread = ClientThread("outbox-kafka-consumer")
+
+    def subscribe(
+        self,
+        topics: Sequence[str],
+        *,
+        on_assign: Callable[[list[TP]], None],
+        on_revoke: Callable[[list[TP]], None],
+        on_lost: Callable[[list[TP]], None],
+    ) -> None:
+        """See :meth:`KafkaConsumer.subscribe`."""
+        self._client.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke, on_lost=on_lost)
+
+    async def consume(self, max_messages: int, timeout: float, wait: float = 0.0) -> list[Message]:
+        """See :meth:`KafkaConsumer.consume`."""
+        return await self._thread.run(self._client.consume, max_messages, timeout, wait)
+
+    async def commit(
+        self, offsets: Sequence[tuple[str, int, int]], *, sync: bool
+    ) -> list[Committed]:
+        """See :meth:`KafkaConsumer.commit`."""
+        return await self._thread.run(self._client.commit, offsets, sync=sync)
+
+    def commit_now(self, offsets: Sequence[tuple[str, int, int]]) -> list[Committed]:
+        """See :meth:`KafkaConsumer.commit_now` (rebalance callbacks only: it blocks)."""
+        return self._client.commit_now(offsets)
+
+    def pause(self, tp: TP) -> None:
+        """See :meth:`KafkaConsumer.pause`."""
+        self._client.pause(tp)
+
+    def resume(self, tp: TP) -> None:
+        """See :meth:`KafkaConsumer.resume`."""
+        self._client.resume(tp)
+
+    def release(self, partitions: Iterable[TP]) -> None:
+        """See :meth:`KafkaConsumer.release`."""
+        self._client.release(partitions)
+
+    async def close(self) -> None:
+        """See :meth:`KafkaConsumer.close`; the consumer's thread ends afterwards."""
+        try:
+            await self._thread.run(self._client.close)
+        finally:
+            self._thread.close()

@@ -1,7 +1,8 @@
 """The dead-letter producer: produces a dead letter and waits until the broker confirmed it.
 
 What a dead letter holds and why it is written is decided in :mod:`outbox._core.deadletter`;
-this module only talks to Kafka.
+this module only talks to Kafka. :class:`AsyncDeadLetterProducer` is the same producer for the
+asyncio runner: the wait for the broker's confirmation runs on the producer's own thread.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from outbox._core.deadletter import DeadLetter, dead_letter_headers, dead_letter_topic
 from outbox._kafka.config import refused
 from outbox._kafka.consumer import coordinates, message_headers
+from outbox._kafka.thread import ClientThread
 from outbox.errors import DeadLetterError
 
 log = logging.getLogger("outbox.dlq")
@@ -129,3 +131,25 @@ class DeadLetterProducer:
             left = self._producer.flush(self._timeout)
         if left:
             log.warning("%d dead letter(s) were not confirmed before shutdown", left)
+
+
+class AsyncDeadLetterProducer:
+    """:class:`DeadLetterProducer` for asyncio callers: producing a dead letter and waiting for
+    its confirmation (up to ``timeout``) run on the producer's own thread."""
+
+    def __init__(
+        self, config: Mapping[str, Any], *, group: str, suffix: str, timeout: float = 30.0
+    ) -> None:
+        self._client = DeadLetterProducer(config, group=group, suffix=suffix, timeout=timeout)
+        self._thread = ClientThread("outbox-dead-letters")
+
+    async def send_message(self, message: Message, letter: DeadLetter) -> None:
+        """See :meth:`DeadLetterProducer.send_message`."""
+        await self._thread.run(self._client.send_message, message, letter)
+
+    async def close(self) -> None:
+        """See :meth:`DeadLetterProducer.close`; the producer's thread ends afterwards."""
+        try:
+            await self._thread.run(self._client.close)
+        finally:
+            self._thread.close()

@@ -239,3 +239,106 @@ def outbox_insert(schema: str | None, locks: int) -> sa.TextClause:
 def idempotency_key_complete_joined(schema: str | None, events: int, locks: int) -> sa.TextClause:
     """:func:`idempotency_key_complete` as a text() clause for the caller's connection."""
     return sa.text(_named(idempotency_key_complete(schema, events, locks).direct))
+
+
+# -- many keys in one transaction: the consumer runner's micro-batches ------------------------
+#
+# A batch claims all its keys in one round trip, runs each message's unit of work in a savepoint
+# and writes every key's final row and every outbox row in one statement with its COMMIT. The
+# statements take arrays, so one prepared statement serves every batch size.
+
+
+@dataclass(frozen=True)
+class ManyStatements:
+    idempotency_keys_lock: Prepared
+    idempotency_keys_read: Prepared
+    idempotency_keys_complete: Prepared
+
+
+@functools.cache
+def many_statements(schema: str | None) -> ManyStatements:
+    schema = validate_schema_name(schema)
+    keys = qualified(schema, IDEMPOTENCY_KEYS)
+    # Try every key's transaction-scoped advisory lock (never waits): one row, the answers in
+    # the order of the ids given.
+    lock = (
+        "SELECT array_agg(pg_try_advisory_xact_lock(l.id) ORDER BY l.n) "
+        "FROM unnest($1::bigint[]) WITH ORDINALITY AS l(id, n)"
+    )
+    # Run as a statement of its own after the locks: its snapshot is taken once the locks are
+    # held, so it sees the outcome of any attempt that held one of them before (that attempt's
+    # commit became visible before its locks were released). One statement reading and locking
+    # would miss such an outcome and run the key's work again (its final insert would then fail).
+    # One index lookup per key, whatever the planner knows: as a prepared statement this gets a
+    # generic plan, and `key = ANY($2)` there may become a scan of the whole scope (planned while
+    # the table was small, it stays so as it grows). The LATERAL subquery with OFFSET 0 cannot be
+    # flattened into a hash join.
+    read = (
+        "SELECT k.key, k.status, k.fingerprint, k.result::text AS result, k.error, "
+        "EXTRACT(EPOCH FROM now() - k.updated_at)::float8 AS age "
+        "FROM unnest($2::text[]) AS r(key) CROSS JOIN LATERAL "
+        f"(SELECT * FROM {keys} AS k WHERE k.scope = $1 AND k.key = r.key OFFSET 0) AS k"
+    )
+    # Every key's final row (completed with its result, or failed with its error) and every
+    # outbox row, in the order given: run last, after the business writes of every message took
+    # their locks, as the single unit of work's final statement is.
+    complete = (
+        f"WITH done AS (INSERT INTO {keys} (scope, key, status, fingerprint, result, error) "
+        "SELECT $1, r.key, r.status, r.fingerprint, CAST(r.result AS jsonb), r.error "
+        "FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) "
+        "AS r(key, status, fingerprint, result, error)) "
+        f"INSERT INTO {qualified(schema, OUTBOX)} "
+        "(event_id, topic, key, value, headers, key_hash) "
+        "SELECT e.event_id, e.topic, e.key, e.value, CAST(e.headers AS jsonb), e.key_hash "
+        "FROM unnest($7::uuid[], $8::text[], $9::bytea[], $10::bytea[], $11::text[], "
+        "$12::integer[]) WITH ORDINALITY AS e(event_id, topic, key, value, headers, key_hash, n) "
+        # The order locks of the batch's message keys (ascending), taken by a one-time filter
+        # before any outbox id is drawn, as in the single unit of work's final statement.
+        "WHERE (SELECT count(pg_advisory_xact_lock(o.id)) FROM unnest($13::bigint[]) AS o(id)) "
+        "= cardinality($13::bigint[]) "
+        "ORDER BY e.n"
+    )
+    return ManyStatements(
+        idempotency_keys_lock=_prepared_many(
+            "outbox_keys_lock", schema, lock, [("lock_ids", "bigint[]")]
+        ),
+        idempotency_keys_read=_prepared_many(
+            "outbox_keys_read", schema, read, [("scope", "text"), ("keys", "text[]")]
+        ),
+        idempotency_keys_complete=_prepared_many(
+            "outbox_keys_complete",
+            schema,
+            complete,
+            [
+                ("scope", "text"),
+                ("keys", "text[]"),
+                ("statuses", "text[]"),
+                ("fingerprints", "text[]"),
+                ("results", "text[]"),
+                ("errors", "text[]"),
+                ("event_ids", "uuid[]"),
+                ("topics", "text[]"),
+                ("event_keys", "bytea[]"),
+                ("values", "bytea[]"),
+                ("headers", "text[]"),
+                ("key_hashes", "integer[]"),
+                ("order_locks", "bigint[]"),
+            ],
+        ),
+    )
+
+
+def _prepared_many(
+    prefix: str, schema: str | None, body: str, args: list[tuple[str, str]]
+) -> Prepared:
+    name = f"{prefix}_{_digest(schema, body)}"  # see the claim's name
+    direct = body
+    for n in range(len(args), 0, -1):  # $10 before $1
+        direct = direct.replace(f"${n}", f"%({args[n - 1][0]})s")
+    return Prepared(
+        name,
+        f"PREPARE {name} ({', '.join(t for _, t in args)}) AS {body}",
+        f"EXECUTE {name} ({', '.join(f'%({a})s' for a, _ in args)})",
+        direct,
+        tuple(a for a, _ in args),
+    )

@@ -14,6 +14,9 @@ Round trips are most of a short transaction's cost, so the toolkit keeps its own
   restored before the connection goes back to the pool.
 * The final statement and ``COMMIT`` travel in one message too, the statement PREPAREd once
   per connection so the server does not plan it every time.
+* A batch of units of work (the consumer runner's micro-batches) claims all its keys with
+  ``BEGIN`` in one message (:meth:`Transaction.begin_with_many`) and runs each unit of work
+  in a savepoint that it releases and sets anew in one message (:meth:`Transaction.renew`).
 
 Driver errors are translated here, the one place, into SQLAlchemy's exception types, and a
 broken connection is invalidated so the pool never hands it out again.
@@ -21,6 +24,8 @@ broken connection is invalidated so the pool never hands it out again.
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 import weakref
 from typing import Any
@@ -46,6 +51,9 @@ _wanted: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[Prepared]] = (
 
 _GUARDED = "outbox.unit_of_work_open"
 _ENDED = "outbox.unit_of_work_rolled_back"
+
+# The savepoint a batch runs each unit of work in.
+_SAVEPOINT = "outbox_unit"
 
 
 def _refuse_commit(conn: sa.Connection) -> None:
@@ -120,9 +128,45 @@ def _execute_text(driver: psycopg.Connection[Any], p: Prepared, params: dict[str
             literals.append(b"'" + escaping.escape_bytea(value) + b"'")
         elif isinstance(value, uuid.UUID):
             literals.append(b"'" + str(value).encode() + b"'")
+        elif isinstance(value, list):
+            literals.append(escaping.escape_literal(_array_text(value)))
         else:
             raise TypeError(f"cannot bind {type(value).__name__} as a literal")
     return b"EXECUTE " + p.name.encode() + b" (" + b", ".join(literals) + b")"
+
+
+def _array_text(values: list[Any]) -> bytes:
+    """A one-dimensional array in PostgreSQL's text form (``{"a",NULL,"\\x00"}``), to be
+    quoted as one literal; the server reads it as the parameter's array type. The elements are
+    all of one type, or None."""
+    kinds = set(map(type, values))
+    kinds.discard(type(None))
+    if kinds == {str} and not _CONTROL.search("".join(filter(None, values))):
+        # Without control characters, JSON quotes strings exactly as an array literal does
+        # (a backslash before each quote and backslash), and null reads as NULL.
+        text = json.dumps(values, ensure_ascii=False, separators=(",", ":"))[1:-1]
+    elif kinds <= {int, uuid.UUID} and None not in values:
+        text = ",".join(map(str, values))
+    else:
+        elements = []
+        for value in values:
+            if value is None:
+                elements.append("NULL")
+            elif isinstance(value, bool):
+                elements.append("t" if value else "f")
+            elif isinstance(value, int | uuid.UUID):
+                elements.append(str(value))
+            elif isinstance(value, str):
+                elements.append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+            elif isinstance(value, bytes):
+                elements.append('"\\\\x' + value.hex() + '"')
+            else:
+                raise TypeError(f"cannot bind {type(value).__name__} in an array literal")
+        text = ",".join(elements)
+    return ("{" + text + "}").encode()
+
+
+_CONTROL = re.compile("[\x00-\x1f]")
 
 
 def _begin_command(driver: psycopg.Connection[Any]) -> str:
@@ -170,6 +214,15 @@ class Transaction:
         :meth:`commit_with` could not send prepared) are PREPAREd in the same message, before
         ``BEGIN``, where a failure cannot harm a transaction.
         """
+        rows = self.begin_with_many([claim], params)
+        return rows[0][0]
+
+    def begin_with_many(
+        self, statements: list[Prepared], params: dict[str, Any], *, savepoint: bool = False
+    ) -> list[list[tuple[Any, ...]]]:
+        """:meth:`begin_with` for several statements, run in order in the same round trip;
+        returns the rows of each. With ``savepoint``, a savepoint for the first unit of work of
+        a batch is set in that round trip too (see :meth:`renew`)."""
         driver = self._driver
         known = _prepared.setdefault(driver, set())
         self._saved_autocommit = driver.autocommit
@@ -177,14 +230,15 @@ class Transaction:
             driver.set_autocommit(True)
             begin = _begin_command(driver)
             wanted = _wanted.setdefault(driver, set())
+            body = b"; ".join(_execute_text(driver, p, params) for p in statements)
+            if savepoint:
+                body += f"; SAVEPOINT {_SAVEPOINT}".encode()
             for _attempt in range(2):
-                missing = [p for p in (claim, *wanted) if p.name not in known]
+                missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
                 cursor = driver.cursor()
                 try:
-                    cursor.execute(
-                        f"{prefix}{begin}; ".encode() + _execute_text(driver, claim, params)
-                    )
+                    cursor.execute(f"{prefix}{begin}; ".encode() + body)
                 except (
                     psycopg.errors.InvalidSqlStatementName,
                     psycopg.errors.DuplicatePreparedStatement,
@@ -203,21 +257,51 @@ class Transaction:
                 wanted.clear()
                 for _ in range(len(missing) + 1):
                     cursor.nextset()
-                row = cursor.fetchone()
+                rows = []
+                for i in range(len(statements)):
+                    if i:
+                        cursor.nextset()
+                    rows.append([tuple(row) for row in cursor.fetchall()])
                 break
             else:  # pragma: no cover - two stale records in a row means a concurrent DEALLOCATE
                 raise psycopg.errors.InvalidSqlStatementName(
                     "prepared statements of this connection keep disappearing"
                 )
         except psycopg.Error as exc:
-            raise self._translate(claim.execute, params, exc) from exc
+            raise self._translate(statements[0].execute, params, exc) from exc
         # SQLAlchemy's own transaction object over the server transaction: ORM sessions and
         # Core statements on this connection join it, and never commit it themselves.
         self.connection.begin()
         self.connection.info[_ENDED] = False
         self.connection.info[_GUARDED] = True
-        assert row is not None
-        return tuple(row)
+        return rows
+
+    def renew(self, *, rollback: bool) -> None:
+        """End the savepoint of a batch's unit of work and set the next one, in one round trip.
+
+        ``rollback`` undoes what was done since the savepoint was set (``ROLLBACK TO`` keeps the
+        savepoint); otherwise it is released and set anew. Locks taken before it stay held.
+        """
+        sql = (
+            f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}"
+            if rollback
+            else f"RELEASE SAVEPOINT {_SAVEPOINT}; SAVEPOINT {_SAVEPOINT}"
+        )
+        try:
+            self._driver.execute(sql.encode())
+        except psycopg.Error as exc:
+            raise self._translate(sql, {}, exc) from exc
+
+    def usable(self) -> bool:
+        """True while the server transaction is open (possibly failed, awaiting a rollback to a
+        savepoint) on a live connection; false once the body ended it or the connection died."""
+        driver = self._driver
+        if driver.broken or driver.closed or self.connection.invalidated:
+            return False
+        return driver.pgconn.transaction_status in (
+            pq.TransactionStatus.INTRANS,
+            pq.TransactionStatus.INERROR,
+        )
 
     def execute(self, sql: str, params: dict[str, Any]) -> Any:
         try:

@@ -188,5 +188,47 @@ class AsyncOutcomeCache:
         except Exception as exc:  # after the commit: the outcome stands, whatever Redis does
             self._failed("SET", exc)
 
+    async def get_many(self, scope: str, keys: list[str]) -> list[CachedOutcome | None]:
+        """:meth:`get` of many keys in one round trip (a pipeline of single-key reads, which
+        Redis Cluster splits by node); every answer is ``None`` when Redis fails."""
+        signer = self._signer
+        if not keys or signer is None or not self.available():
+            return [None] * len(keys)
+        redis_keys = [self.redis_key(scope, key) for key in keys]
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for redis_key in redis_keys:
+                pipe.get(redis_key)
+            raws = await pipe.execute()
+        except Exception as exc:  # a Redis failure is a miss, never an error
+            self._failed("GET", exc)
+            return [None] * len(keys)
+        now_ms = int(time.time() * 1000)
+        return [
+            None if raw is None else decode_entry(raw, signer, redis_key, now_ms)
+            for raw, redis_key in zip(raws, redis_keys, strict=True)
+        ]
+
+    async def put_many(
+        self, scope: str, outcomes: list[tuple[str, CachedOutcome, float | None]]
+    ) -> None:
+        """:meth:`put` of many ``(key, outcome, ttl)`` in one round trip; call only after the
+        PostgreSQL commit that made them final."""
+        signer = self._signer
+        if not outcomes or signer is None or not self.available():
+            return
+        now_ms = int(time.time() * 1000)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, outcome, ttl in outcomes:
+                px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))
+                redis_key = self.redis_key(scope, key)
+                entry = encode_entry(outcome, signer, redis_key, now_ms + px)
+                if entry is not None:
+                    pipe.set(redis_key, entry, px=px)
+            await pipe.execute()
+        except Exception as exc:  # after the commit: the outcomes stand, whatever Redis does
+            self._failed("SET", exc)
+
     async def close(self) -> None:
         await self._client.aclose()

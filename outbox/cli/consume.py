@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
@@ -23,9 +26,11 @@ from outbox.cli._common import (
     resolve_flags,
 )
 from outbox.config import ConsumerConfig
-from outbox.consumer import ConsumerRunner, Handler, serve_metrics
+from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, serve_metrics
+from outbox.consumer_async import is_coroutine_handler
 from outbox.errors import ConfigurationError
 from outbox.uow import Outbox
+from outbox.uow_async import AsyncOutbox
 
 log = logging.getLogger("outbox.consumer")
 
@@ -37,7 +42,8 @@ def register(subparsers: Any) -> None:
         help="run a handler on Kafka messages, at most once per idempotency key",
         description="Consume TOPICs as consumer group GROUP and run HANDLER (module:function, "
         "called as handler(uow, message)) inside a unit of work keyed by each message's "
-        "X-Idempotency-Key header. SIGTERM/SIGINT finish the message in hand, commit and exit 0.",
+        "X-Idempotency-Key header. An async def HANDLER runs on the asyncio runner. "
+        "SIGTERM/SIGINT finish the message in hand, commit and exit 0.",
     )
     p.add_argument("handler", metavar="HANDLER", help="module:function, e.g. app.consumers:handle")
     p.add_argument(
@@ -63,6 +69,16 @@ def register(subparsers: Any) -> None:
         "--dlq-suffix", default=".dlq",
         help="dead-letter topic of TOPIC is TOPIC+suffix (default .dlq)",
     )  # fmt: skip
+    p.add_argument(
+        "--batch-size", type=int, default=ConsumerConfig.batch_size,
+        help="messages per PostgreSQL transaction, each in a savepoint "
+        f"(default {ConsumerConfig.batch_size}; 1: a transaction per message)",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-wait", type=float, default=ConsumerConfig.batch_wait,
+        help="seconds a batch that is not full waits for more messages "
+        f"(default {ConsumerConfig.batch_wait:g})",
+    )  # fmt: skip
     add_flags(p, CONSUMER_METRICS_PORT, "log_level")
     p.set_defaults(func=command)
 
@@ -81,6 +97,8 @@ def config_from_args(args: argparse.Namespace) -> ConsumerConfig:
         key_header=args.key_header,
         max_attempts=args.max_attempts,
         dlq_topic_suffix=args.dlq_suffix,
+        batch_size=args.batch_size,
+        batch_wait=args.batch_wait,
     ).validate()
 
 
@@ -91,30 +109,58 @@ def command(args: argparse.Namespace) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     handler = load_handler(args.handler)
+    if is_coroutine_handler(handler):
+        asyncio.run(_consume_async(args, database_url, handler, config))
+        return EXIT_OK
     ob = Outbox(database_url, redis_url=args.redis_url, schema=args.schema)
     try:
         runner = ConsumerRunner(ob, handler, config)
-        server = None
-        if args.metrics_port:
-            server = serve_metrics(runner, args.metrics_port)
-            log.info("metrics on :%d/metrics, health on :%d/healthz", server.port, server.port)
-        log.info(
-            "database %s, redis %s",
-            redact_url(database_url),
-            redact_url(args.redis_url) if args.redis_url else "off",
-        )
-        try:
-            with stop_on_signals(runner.stop):
-                runner.run()
-        finally:
-            if server is not None:
-                server.close()
+        with _serving(runner, args, database_url):
+            runner.run()
     finally:
         ob.close()
     return EXIT_OK
 
 
-def load_handler(ref: str) -> Handler:
+async def _consume_async(
+    args: argparse.Namespace,
+    database_url: str,
+    handler: Callable[..., Any],
+    config: ConsumerConfig,
+) -> None:
+    ob = AsyncOutbox(database_url, redis_url=args.redis_url, schema=args.schema)
+    try:
+        runner = AsyncConsumerRunner(ob, handler, config)
+        with _serving(runner, args, database_url):
+            await runner.run()
+    finally:
+        await ob.close()
+
+
+@contextmanager
+def _serving(
+    runner: ConsumerRunner | AsyncConsumerRunner, args: argparse.Namespace, database_url: str
+) -> Iterator[None]:
+    """Around a runner's run(): the metrics and health endpoints, and SIGTERM/SIGINT to stop."""
+    server = None
+    if args.metrics_port:
+        server = serve_metrics(runner, args.metrics_port)
+        log.info("metrics on :%d/metrics, health on :%d/healthz", server.port, server.port)
+    log.info(
+        "database %s, redis %s, %s runner",
+        redact_url(database_url),
+        redact_url(args.redis_url) if args.redis_url else "off",
+        "asyncio" if isinstance(runner, AsyncConsumerRunner) else "sync",
+    )
+    try:
+        with stop_on_signals(runner.stop):
+            yield
+    finally:
+        if server is not None:
+            server.close()
+
+
+def load_handler(ref: str) -> Callable[..., Any]:
     """Import ``module:attribute`` (attribute may be dotted) and check that it is callable."""
     module_name, parts = check_handler_reference(ref)
     attr = ".".join(parts)
@@ -132,5 +178,5 @@ def load_handler(ref: str) -> Handler:
             raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r}") from exc
     if not callable(obj):
         raise ConfigurationError(f"handler {ref!r} is not callable")
-    handler: Handler = obj
+    handler: Callable[..., Any] = obj
     return handler

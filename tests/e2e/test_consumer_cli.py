@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from confluent_kafka import Producer
 
@@ -27,6 +28,12 @@ def handle(uow: Any, message: Any) -> str:
     return "ok"
 
 
+async def handle_async(uow: Any, message: Any) -> str:
+    """A coroutine handler: `outbox consume` runs it on the asyncio runner."""
+    await uow.connection.execute(sa.text("INSERT INTO seen (key) VALUES (:k)"), {"k": uow.key})
+    return "ok"
+
+
 def test_missing_group_is_a_usage_error() -> None:
     result = subprocess.run(
         [OUTBOX_BIN, "consume", "tests.e2e.test_consumer_cli:handle", "--topic", "t",
@@ -39,8 +46,18 @@ def test_missing_group_is_a_usage_error() -> None:
     assert "--group is required (or set OUTBOX_CONSUMER_GROUP)" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("handler", "runner"),
+    [("handle", "sync"), ("handle_async", "asyncio")],
+    ids=["sync", "asyncio"],
+)
 def test_consume_serves_metrics_and_exits_0_on_sigterm(
-    kafka_bootstrap: str, database_url: str, engine: sa.Engine, tmp_path: Path
+    kafka_bootstrap: str,
+    database_url: str,
+    engine: sa.Engine,
+    tmp_path: Path,
+    handler: str,
+    runner: str,
 ) -> None:
     topic = f"cli-{uuid.uuid4().hex[:10]}"
     create_topic(kafka_bootstrap, topic, partitions=1)
@@ -54,7 +71,7 @@ def test_consume_serves_metrics_and_exits_0_on_sigterm(
     port = free_port()
     log = (tmp_path / "consume.log").open("wb")
     proc = subprocess.Popen(
-        [OUTBOX_BIN, "consume", "tests.e2e.test_consumer_cli:handle", "--topic", topic,
+        [OUTBOX_BIN, "consume", f"tests.e2e.test_consumer_cli:{handler}", "--topic", topic,
          "--group", f"g-{uuid.uuid4().hex[:8]}", "--database-url", database_url,
          "--bootstrap-servers", kafka_bootstrap, "--kafka-config", "session.timeout.ms=2000",
          "--kafka-config", "heartbeat.interval.ms=200",
@@ -80,6 +97,7 @@ def test_consume_serves_metrics_and_exits_0_on_sigterm(
         assert scrape("/healthz") == "ok\n"  # the same port answers the health check
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, (tmp_path / "consume.log").read_text()
+        assert f", {runner} runner" in (tmp_path / "consume.log").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

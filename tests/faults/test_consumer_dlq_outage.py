@@ -1,28 +1,32 @@
 """The broker becomes unreachable just as a message must be dead-lettered.
 
 The offset must not be committed and the key not recorded as failed until the dead letter is
-confirmed; once the network is back the message is dead-lettered exactly once.
+confirmed; once the network is back the message is dead-lettered exactly once. Both flavours of
+the runner: the asyncio one waits for the broker on its producer's thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from confluent_kafka import Producer
 from prometheus_client import CollectorRegistry
 
-from outbox import Outbox, PermanentError
-from outbox.consumer import ConsumerRunner
+from outbox import AsyncOutbox, Outbox, PermanentError
+from outbox.consumer import AsyncConsumerRunner, ConsumerRunner
 from tests.fixtures.common import free_port, wait_for
 from tests.fixtures.consumer import KAFKA, Running, committed, read_topic
 from tests.fixtures.kafka import create_topic
 
 
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
 def test_dead_letter_waits_for_the_broker_and_is_written_once(
-    tansu: Any, tcp_proxy: Any, database_url: str
+    tansu: Any, tcp_proxy: Any, database_url: str, flavour: str
 ) -> None:
     advertised = free_port()
     broker = tansu(advertised_port=advertised)
@@ -43,13 +47,24 @@ def test_dead_letter_waits_for_the_broker_and_is_written_once(
         release.wait(30)
         raise PermanentError("cannot apply")
 
-    ob = Outbox(database_url)
+    async def handle_async(uow: Any, message: Any) -> None:
+        entered.set()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        raise PermanentError("cannot apply")
+
+    ob = Outbox(database_url)  # the test reads the key's status through it
     registry = CollectorRegistry()
-    runner = ConsumerRunner(
-        ob, handle, topics=[topic], group=group, bootstrap_servers=bootstrap,
+    settings: dict[str, Any] = dict(
+        topics=[topic], group=group, bootstrap_servers=bootstrap,
         kafka_config=KAFKA, dlq_timeout=1.0, retry_backoff=0.1,
         retry_backoff_max=0.5, metrics_registry=registry,
     )  # fmt: skip
+    runner: ConsumerRunner | AsyncConsumerRunner
+    if flavour == "sync":
+        runner = ConsumerRunner(ob, handle, **settings)
+    else:  # closed in the runner's event loop by Running
+        runner = AsyncConsumerRunner(AsyncOutbox(database_url), handle_async, **settings)
     running = Running(runner, registry)
 
     def unavailable() -> float:

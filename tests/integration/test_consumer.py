@@ -1,4 +1,5 @@
-"""ConsumerRunner against real PostgreSQL, Redis and a Kafka-protocol broker (in-process runner)."""
+"""ConsumerRunner against real PostgreSQL, Redis and a Kafka-protocol broker (in-process runner),
+one message per transaction and in micro-batches."""
 
 from __future__ import annotations
 
@@ -62,12 +63,15 @@ def outbox(database_url: str, redis_url: str, redis_prefix: str) -> Iterator[Out
         ob.close()
 
 
-@pytest.fixture
-def start(kafka_bootstrap: str) -> Iterator[Callable[..., Running]]:
+@pytest.fixture(params=[1, 500], ids=["alone", "batches"])
+def start(kafka_bootstrap: str, request: pytest.FixtureRequest) -> Iterator[Callable[..., Running]]:
+    """Runners that take one message per transaction (``batch_size=1``: the runner before
+    micro-batches) or batches of up to 500: every test holds for both."""
     running: list[Running] = []
 
     def make(outbox: Outbox, handler: Any, topic: str, **options: Any) -> Running:
         options.setdefault("group", f"g-{uuid.uuid4().hex[:8]}")
+        options.setdefault("batch_size", request.param)
         registry = options.setdefault("metrics_registry", CollectorRegistry())
         runner = ConsumerRunner(
             outbox, handler, topics=[topic], bootstrap_servers=kafka_bootstrap,

@@ -2,11 +2,13 @@
 
 Offsets are committed only on revocation and shutdown here (the periodic commit is pushed out
 of reach), so the test sees whether a revoked member committed what it had finished: if it had
-not, the next owner would receive finished messages again and replay them.
+not, the next owner would receive finished messages again and replay them. Both flavours of the
+runner: the asyncio one meets its rebalance callbacks on its Kafka client's thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -17,8 +19,8 @@ import sqlalchemy as sa
 from confluent_kafka import Producer
 from prometheus_client import CollectorRegistry
 
-from outbox import Outbox
-from outbox.consumer import ConsumerRunner
+from outbox import AsyncOutbox, Outbox
+from outbox.consumer import AsyncConsumerRunner, ConsumerRunner
 from tests.fixtures.common import wait_for
 from tests.fixtures.consumer import KAFKA, Running, committed, rows
 from tests.fixtures.kafka import create_topic
@@ -28,6 +30,7 @@ COUNT = 2000
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -41,6 +44,7 @@ def test_revoked_partitions_commit_finished_work_and_nothing_applies_twice(
     engine: sa.Engine,
     caplog: pytest.LogCaptureFixture,
     strategy: str,
+    flavour: str,
 ) -> None:
     caplog.set_level("INFO", logger="outbox.consumer")
     topic = f"rebalance-{uuid.uuid4().hex[:10]}"
@@ -64,12 +68,15 @@ def test_revoked_partitions_commit_finished_work_and_nothing_applies_twice(
     slow = threading.Event()
     slow.set()
 
+    insert = sa.text("INSERT INTO effects (key, value) VALUES (:k, :w)")
+
     def handle(uow: Any, message: Any) -> None:
         time.sleep(0.01 if slow.is_set() else 0.002)
-        uow.connection.execute(
-            sa.text("INSERT INTO effects (key, value) VALUES (:k, :w)"),
-            {"k": uow.key, "w": threading.current_thread().name},
-        )
+        uow.connection.execute(insert, {"k": uow.key, "w": threading.current_thread().name})
+
+    async def handle_async(uow: Any, message: Any) -> None:
+        await asyncio.sleep(0.01 if slow.is_set() else 0.002)
+        await uow.connection.execute(insert, {"k": uow.key, "w": threading.current_thread().name})
 
     ob = Outbox(database_url)
     registries: list[CollectorRegistry] = []
@@ -77,8 +84,8 @@ def test_revoked_partitions_commit_finished_work_and_nothing_applies_twice(
 
     def start() -> Running:
         registry = CollectorRegistry()
-        runner = ConsumerRunner(
-            ob, handle, topics=[topic], group=group, bootstrap_servers=kafka_bootstrap,
+        settings: dict[str, Any] = dict(
+            topics=[topic], group=group, bootstrap_servers=kafka_bootstrap,
             # A longer session than the other tests: a member frozen for a moment on a loaded
             # machine must not lose its partitions (lost partitions are not committed).
             kafka_config={**KAFKA, "session.timeout.ms": 6000, "heartbeat.interval.ms": 500,
@@ -86,6 +93,11 @@ def test_revoked_partitions_commit_finished_work_and_nothing_applies_twice(
             commit_interval=3600,
             batch_size=50, metrics_registry=registry,
         )  # fmt: skip
+        runner: ConsumerRunner | AsyncConsumerRunner
+        if flavour == "sync":
+            runner = ConsumerRunner(ob, handle, **settings)
+        else:  # an outbox of its own, in the runner's event loop (closed there by Running)
+            runner = AsyncConsumerRunner(AsyncOutbox(database_url), handle_async, **settings)
         registries.append(registry)
         running.append(Running(runner, registry))
         return running[-1]

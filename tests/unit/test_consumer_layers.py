@@ -41,13 +41,16 @@ def test_only_the_kafka_adapter_imports_confluent_kafka() -> None:
             assert path.parent.name == "_kafka", f"{path.relative_to(PACKAGE)} imports it"
 
 
-@pytest.mark.parametrize("module", ["consumer.py", "consumer_metrics.py", "cli/consume.py"])
+@pytest.mark.parametrize(
+    "module", ["consumer.py", "consumer_async.py", "consumer_metrics.py", "cli/consume.py"]
+)
 def test_the_consumer_uses_the_adapters_not_the_drivers(module: str) -> None:
     drivers = {"confluent_kafka", "psycopg", "sqlalchemy", "redis"}
     assert not {name for name in imported(PACKAGE / module) if name.split(".")[0] in drivers}
 
 
-def test_the_runner_has_no_command_line() -> None:
-    names = imported(PACKAGE / "consumer.py")
+@pytest.mark.parametrize("module", ["consumer.py", "consumer_async.py"])
+def test_the_runner_has_no_command_line(module: str) -> None:
+    names = imported(PACKAGE / module)
     assert "argparse" not in names
     assert not {name for name in names if name.startswith("outbox.cli")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -158,3 +159,57 @@ def test_database_outages_are_told_apart_from_failed_statements() -> None:
     unique = psycopg.errors.UniqueViolation("duplicate key")
     assert not database_unavailable(sa.exc.IntegrityError("INSERT", {}, unique))
     assert not database_unavailable(ValueError("bad payload"))
+
+
+def test_each_runner_takes_handlers_and_outboxes_of_its_flavour() -> None:
+    import functools
+    import inspect
+
+    from outbox import AsyncOutbox, Outbox
+    from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, consume
+    from outbox.consumer_async import consume as consume_async, is_coroutine_handler
+
+    def plain(uow: Any, message: Any) -> None:
+        return None
+
+    async def coroutine(uow: Any, message: Any) -> None:
+        return None
+
+    class Callable:
+        async def __call__(self, uow: Any, message: Any) -> None:
+            return None
+
+    assert is_coroutine_handler(coroutine)
+    assert is_coroutine_handler(functools.partial(coroutine))
+    assert is_coroutine_handler(Callable())
+    assert not is_coroutine_handler(plain)
+    assert not is_coroutine_handler(lambda uow, message: None)
+    assert inspect.iscoroutinefunction(consume_async) and not inspect.iscoroutinefunction(consume)
+
+    settings: dict[str, Any] = {"topics": ["orders"], "group": "g", "bootstrap_servers": "k:1"}
+    url = "postgresql+psycopg://nobody@127.0.0.1:1/none"  # nothing connects
+    ob, aob = Outbox(url), AsyncOutbox(url)
+    try:
+        assert isinstance(ConsumerRunner(ob, plain, **settings), ConsumerRunner)
+        for handler in (coroutine, Callable()):
+            assert isinstance(AsyncConsumerRunner(aob, handler, **settings), AsyncConsumerRunner)
+        with pytest.raises(ConfigurationError, match="ConsumerRunner runs plain functions"):
+            ConsumerRunner(ob, coroutine, **settings)
+        with pytest.raises(ConfigurationError, match="AsyncConsumerRunner runs coroutine"):
+            AsyncConsumerRunner(aob, plain, **settings)
+        with pytest.raises(ConfigurationError, match=r"outbox of its flavour \(sync\)"):
+            ConsumerRunner(aob, plain, **settings)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match=r"outbox of its flavour \(asyncio\)"):
+            AsyncConsumerRunner(ob, coroutine, **settings)  # type: ignore[arg-type]
+    finally:
+        ob.close()
+        asyncio.run(aob.close())
+
+
+def test_the_sync_module_offers_both_runners() -> None:
+    import outbox.consumer
+    import outbox.consumer_async
+
+    assert outbox.consumer.AsyncConsumerRunner is outbox.consumer_async.AsyncConsumerRunner
+    assert "AsyncConsumerRunner" in outbox.consumer.__all__
+    assert "ConsumerRunner" in outbox.consumer.__all__

@@ -22,7 +22,7 @@ from outbox._core.disposition import (
     classify,
 )
 from outbox._core.failures import is_permanent
-from outbox._core.offsets import Assignment
+from outbox._core.offsets import Assignment, fair_shares
 from outbox.errors import (
     DeadLetterError,
     InvalidKeyError,
@@ -382,3 +382,64 @@ def test_the_poll_waits_no_longer_than_the_next_retry() -> None:
     waiting.retry_at = 100.2
     assert assignment.next_retry(now=100.0, longest=0.5) == pytest.approx(0.2)
     assert assignment.next_retry(now=101.0, longest=0.5) == 0.0  # overdue: do not wait
+
+
+# -- micro-batches --------------------------------------------------------------------------------
+
+
+def test_fair_shares_split_a_batch_evenly_and_pass_on_what_a_partition_cannot_use() -> None:
+    assert fair_shares([10, 10, 10], 10) == [3, 3, 4]
+    assert fair_shares([1, 100, 100], 10) == [1, 4, 5]
+    assert fair_shares([1, 3, 2], 5) == [1, 2, 2]
+    assert fair_shares([0, 5], 10) == [0, 5]
+    assert fair_shares([3, 3], 10) == [3, 3]
+    assert fair_shares([2, 5, 2], 1) == [0, 1, 0]  # the longest backlog first
+    assert fair_shares([], 5) == []
+
+
+@given(st.lists(st.integers(0, 50), max_size=8), st.integers(1, 200))
+def test_fair_shares_take_as_much_as_there_is_and_never_more(sizes: list[int], limit: int) -> None:
+    shares = fair_shares(sizes, limit)
+    assert sum(shares) == min(limit, sum(sizes))
+    assert all(0 <= share <= size for share, size in zip(shares, sizes, strict=True))
+    # Even: a partition gets less than another only when it has no more to give.
+    for i, (share, size) in enumerate(zip(shares, sizes, strict=True)):
+        if share < size:
+            assert all(other <= share + 1 for other in shares[:i] + shares[i + 1 :])
+
+
+def test_a_batch_takes_from_the_heads_of_the_partitions_that_do_not_wait() -> None:
+    assignment: Assignment[str] = Assignment()
+    assignment.assign([("t", 0), ("t", 1), ("t", 2)])
+    p0, p1, p2 = (assignment.get(("t", i)) for i in range(3))
+    assert p0 is not None and p1 is not None and p2 is not None
+    p0.backlog.extend(["a0", "a1", "a2", "a3"])
+    p1.backlog.extend(["b0", "b1"])
+    p2.backlog.extend(["c0"])
+    p2.retry_at = 100.5  # its head waits for a retry
+    plan = assignment.take(5, now=100.0)
+    assert [(tp, messages) for tp, _, messages in plan] == [
+        (("t", 0), ["a0", "a1", "a2"]),
+        (("t", 1), ["b0", "b1"]),
+    ]
+    assert [m for _, _, messages in assignment.take(5, now=101.0) for m in messages] == [
+        "a0", "a1", "b0", "b1", "c0",
+    ]  # fmt: skip
+    assert list(p0.backlog) == ["a0", "a1", "a2", "a3"]  # taking removes nothing
+
+
+def test_what_attempts_behind_the_head_came_to_is_kept_until_it_is_the_head() -> None:
+    assignment: Assignment[str] = Assignment()
+    assignment.assign([("t", 0)])
+    state = assignment.get(("t", 0))
+    assert state is not None
+    state.backlog.extend(["m10", "m11", "m12"])
+    assert state.tries(10, head=True) is state  # the head's tries are the partition's own
+    behind = state.tries(11, head=False)
+    behind.attempts, behind.retry_at = 2, 55.0
+    assert state.tries(11, head=False) is behind
+    state.finish(10, next_head=11)
+    assert (state.attempts, state.retry_at) == (2, 55.0)  # m11 is the head: its tries came along
+    assert state.ahead == {}
+    state.finish(11, next_head=12)
+    assert (state.attempts, state.retry_at, state.done) == (0, 0.0, None)

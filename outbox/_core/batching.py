@@ -1,0 +1,90 @@
+"""Where the messages of a consumer micro-batch stand, and which of them are finished.
+
+A batch takes messages from the heads of several partitions (each partition's in offset order:
+a :class:`Slice`). Each message (an :class:`Entry`) ends the batch with a :class:`Fate`: finished
+at once (a replay, a confirmed dead letter at its partition's head), finished once the batch's
+transaction commits (its unit of work is in it), finished whatever the batch does but behind a
+message that waits for it, or not finished. :meth:`Slice.finishable` walks a partition's
+messages in order and yields those that are finished after the batch, up to the first that is
+not: a partition's offset never passes an unfinished message.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from outbox._core.claim import StoredOutcome
+from outbox._core.disposition import Outcome
+from outbox._core.offsets import TP, Partition
+
+M = TypeVar("M")
+
+
+class Fate(enum.Enum):
+    """Where a message of a micro-batch stands."""
+
+    OPEN = "open"
+    """Not decided yet."""
+    PENDING = "pending"
+    """Its unit of work is in the batch: finished once the batch commits."""
+    SETTLED = "settled"
+    """Decided without the batch (a replay) but behind a message that waits for it."""
+    FINISHED = "finished"
+    """Finished and taken off its partition's backlog."""
+
+
+@dataclass(slots=True)
+class Entry(Generic[M]):
+    """A message of a micro-batch, its key read."""
+
+    message: M
+    offset: int
+    key: str
+    fingerprint: str | None
+    cached: StoredOutcome | None = None  # what Redis holds for the key, if anything
+    fate: Fate = Fate.OPEN
+    outcome: Outcome | None = None  # a SETTLED message's outcome
+
+
+@dataclass(slots=True)
+class Slice(Generic[M]):
+    """A partition's messages in a micro-batch, in offset order."""
+
+    tp: TP
+    state: Partition[M]
+    entries: list[Entry[M]]
+
+    def is_head(self, entry: Entry[M]) -> bool:
+        """True when ``entry`` is its partition's head: every message before it finished."""
+        return self.at_head(entry.message)
+
+    def at_head(self, message: M) -> bool:
+        return bool(self.state.backlog) and self.state.backlog[0] is message
+
+    def finishable(self, committed: bool) -> Iterator[tuple[Entry[M], Outcome]]:
+        """The messages finished after the batch (``committed``: its transaction committed),
+        with their outcomes, in order and up to the first one that is not."""
+        for entry in self.entries:
+            if entry.fate is Fate.FINISHED:
+                continue
+            if entry.fate is Fate.PENDING and committed:
+                yield entry, Outcome.PROCESSED
+            elif entry.fate is Fate.SETTLED and entry.outcome is not None:
+                yield entry, entry.outcome
+            else:
+                return
+
+
+@dataclass(slots=True)
+class Round:
+    """What one micro-batch did: whether anything moved, whether its transaction committed, the
+    messages it finished (topic and outcome) and the partitions it dead-lettered in."""
+
+    started: float
+    moved: bool = False
+    committed: bool = False
+    finished: list[tuple[str, Outcome]] = field(default_factory=list)
+    dead_lettered: set[TP] = field(default_factory=set)
