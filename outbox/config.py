@@ -272,11 +272,6 @@ class ConsumerConfig:
         _validate.check_header_name(self.key_header, ConfigurationError)
         check_int("max_attempts", self.max_attempts, 1, 1_000_000)
         check_int("batch_size", self.batch_size, 1, 1_000_000)
-        if not 0 <= self.batch_wait <= self.poll_timeout:
-            raise ConfigurationError(
-                f"batch_wait must be between 0 and poll_timeout ({self.poll_timeout:g}s), "
-                f"got {self.batch_wait!r}"
-            )
         for name in (
             "retry_backoff",
             "retry_backoff_max",
@@ -287,6 +282,16 @@ class ConsumerConfig:
             "commit_interval",
         ):
             check_seconds(name, getattr(self, name), MAX_TIMEOUT)
+        wait = self.batch_wait
+        if (
+            isinstance(wait, bool)
+            or not isinstance(wait, int | float)
+            or not 0 <= wait <= self.poll_timeout
+        ):
+            raise ConfigurationError(
+                f"batch_wait must be a number of seconds between 0 and poll_timeout "
+                f"({self.poll_timeout:g}s), got {shown(wait)}"
+            )
         auto_commit = str(kafka_config.get("enable.auto.commit", "false")).lower()
         if auto_commit in ("true", "1"):
             raise ConfigurationError(
