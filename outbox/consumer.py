@@ -24,9 +24,18 @@ letter). Redelivery after a crash or a rebalance is absorbed by the idempotency 
 or ``outbox consume app:handle --topic orders --group billing``. The delivery semantics
 (offsets, retries, dead letters, rebalances) are described in ``docs/consumer.md``.
 
-This module is the loop: poll, :func:`outbox._core.disposition.classify` what one attempt at a
-message came to, carry the verdict out, commit offsets behind finished messages. The Kafka
-clients are in :mod:`outbox._kafka`, the dead-letter format in :mod:`outbox._core.deadletter`.
+For handlers whose effects are not in PostgreSQL, the runner takes an
+:class:`~outbox.guard.RedisGuard` instead of the outbox: each message's handler then
+runs as ``handler(claim, message)`` under ``guard.claim(key, scope=<group>)``, one message at
+a time, and the offset moves once the guard stored the outcome in Redis
+(:mod:`outbox.consumer_guarded`; ``docs/guard.md``, "A guarded consumer").
+
+This module is the loop: poll, hand the received messages to the micro-batch rounds
+(:mod:`outbox.consumer_rounds`), which hand each message to an attempt
+(:mod:`outbox.consumer_attempt`: unit of work, :func:`outbox._core.disposition.classify`,
+the verdict carried out; or :mod:`outbox.consumer_guarded` under the guard), and commit
+offsets behind finished messages. The Kafka clients are in
+:mod:`outbox._kafka`, the dead-letter format in :mod:`outbox._core.deadletter`.
 
 Both flavours come from one source: ``outbox/consumer_async.py`` (asyncio) is written by hand and
 ``outbox/consumer.py`` (sync, which offers the asyncio runner too) is generated from it by
@@ -42,16 +51,12 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from outbox._core import claim, validate as _validate
-from outbox._core.batching import Entry, Fate, Round, Slice
-from outbox._core.deadletter import DeadLetter, DeadLetterInfo, Reason
-from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
-from outbox._core.failures import is_permanent
-from outbox._core.offsets import TP, Assignment, Partition, Tries
-from outbox._core.redact import one_line
+from outbox._core.deadletter import DeadLetterInfo, Reason
+from outbox._core.disposition import Outcome
+from outbox._core.offsets import TP, Assignment
 from outbox._core.retry import backoff_delay
 from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
@@ -65,21 +70,26 @@ from outbox.config import (
     ConsumerConfig,
 )
 from outbox.consumer_async import AsyncConsumerRunner as AsyncConsumerRunner
-from outbox.consumer_metrics import ConsumerMetrics, serve_metrics
-from outbox.errors import (
-    ConfigurationError,
-    ConsumerError,
-    DeadLetterError,
-    KeyReuseError,
-    PreviouslyFailed,
-    SerializationError,
+from outbox.consumer_attempt import (
+    BATCH_HANDLER,
+    Attempts,
+    FingerprintFunc,
+    KeyFunc,
+    Verdicts,
+    batch_handler,
 )
-from outbox.uow_batch import Batch, MessageBatch
+from outbox.consumer_guarded import GuardedAttempts
+from outbox.consumer_metrics import ConsumerMetrics, serve_metrics
+from outbox.consumer_rounds import Rounds
+from outbox.errors import ConfigurationError, ConsumerError
+from outbox.guard import Claim, RedisGuard
+from outbox.uow import Outbox
+from outbox.uow_batch import MessageBatch
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from outbox.uow import Outbox, UnitOfWork
+    from outbox.uow import UnitOfWork
 
 __all__ = [
     "ENV_GROUP",
@@ -91,6 +101,7 @@ __all__ = [
     "ConsumerRunner",
     "DeadLetterInfo",
     "FingerprintFunc",
+    "GuardedHandler",
     "Handler",
     "KeyFunc",
     "MessageBatch",
@@ -114,14 +125,21 @@ Handler = Callable[["UnitOfWork", Message], Any]
 The return value must be JSON-serializable; it is stored with the key and replayed to
 duplicates (the handler is not called for them).
 """
-KeyFunc = Callable[[Message], "str | None"]
-"""``key_func(message) -> str | None``: the idempotency key of a message (None: none)."""
-FingerprintFunc = Callable[[Message], "str | None"]
-"""``fingerprint_func(message) -> str | None``: a request hash stored with the key."""
+GuardedHandler = Callable[[Claim, Message], Any]
+"""``def handler(claim, message) -> result``: apply one message under its guard's claim
+(a runner given an :class:`~outbox.guard.RedisGuard`). The return value must be
+JSON-serializable; it is stored as the claim's result and replayed to duplicates.
+"""
 
 
 class ConsumerRunner:
     """Feeds Kafka messages through units of work and commits offsets behind them.
+
+    ``outbox`` is an :class:`~outbox.uow.Outbox`, or an
+    :class:`~outbox.guard.RedisGuard` for handlers whose effects are not in
+    PostgreSQL: the handler is then ``handler(claim, message)``, each message runs under a claim
+    of its key, one at a time (``batch_size`` must be 1, its default there), and no batch
+    handler is taken.
 
     ``ConsumerRunner(outbox, handler, topics=[...], group="billing",
     bootstrap_servers=..., kafka_config={...}, key_header=..., max_attempts=5,
@@ -138,8 +156,8 @@ class ConsumerRunner:
 
     def __init__(
         self,
-        outbox: Outbox,
-        handler: Handler,
+        outbox: Outbox | RedisGuard,
+        handler: Handler | GuardedHandler,
         config: ConsumerConfig | None = None,
         *,
         key_func: KeyFunc | None = None,
@@ -147,43 +165,60 @@ class ConsumerRunner:
         metrics_registry: CollectorRegistry | None = None,
         **settings: Any,
     ) -> None:
+        guarded = isinstance(outbox, RedisGuard)
+        if not guarded and not isinstance(outbox, Outbox):
+            raise ConfigurationError(
+                f"{type(self).__name__} needs an outbox of its flavour "
+                f"({'asyncio' if _ASYNC else 'sync'}): an {Outbox.__name__} or an "
+                f"{RedisGuard.__name__}, got {type(outbox).__name__}"
+            )
         if config is None:
+            if guarded:
+                settings.setdefault("batch_size", 1)
             config = ConsumerConfig(**settings)
         elif settings:
             config = dataclasses.replace(config, **settings)
         if not callable(handler):
             raise ConfigurationError(f"handler must be callable, got {handler!r}")
+        unit = "claim" if guarded else "uow"
         if is_coroutine_handler(handler) != _ASYNC:
             raise ConfigurationError(
                 f"{type(self).__name__} runs "
                 + ("coroutine functions" if _ASYNC else "plain functions")
-                + f" as handler(uow, message), got {handler!r}: the sync runner takes plain "
+                + f" as handler({unit}, message), got {handler!r}: the sync runner takes plain "
                 "functions, the asyncio runner coroutine functions"
             )
-        if outbox.is_async != _ASYNC:
-            raise ConfigurationError(
-                f"{type(self).__name__} needs an outbox of its flavour "
-                f"({'asyncio' if _ASYNC else 'sync'}), got {type(outbox).__name__}"
-            )
         self.config = config.validate()
-        self.outbox = outbox
-        self._handler: Callable[..., Any] = handler
-        self._batch_form = bool(getattr(handler, BATCH_HANDLER, False))
-        self._key_func = key_func
-        self._fingerprint_func = fingerprint_func
-        self._scope = config.effective_scope
-        self._permanent_errors = outbox.config.permanent_errors
+        self.outbox: Outbox | None = None
+        self.guard: RedisGuard | None = None
+        self._scope = self.config.effective_scope
         self.metrics_registry = metrics_registry
         self._metrics = ConsumerMetrics.for_registry(metrics_registry)
         self._stopping = threading.Event()
         self._partitions: Assignment[Message] = Assignment()
         self._consumer: KafkaConsumer | None = None
-        self._dlq: DeadLetterProducer | None = None
         self._last_commit = 0.0
         self._fatal: str | None = None
         self._running = threading.Lock()
         # Last turn of the poll loop (monotonic); None while the loop is not running.
         self._heartbeat: float | None = None
+        self._attempts: Verdicts
+        rules = {"key_func": key_func, "fingerprint_func": fingerprint_func, "beat": self._beat}
+        if isinstance(outbox, RedisGuard):
+            _check_guarded(self.config, handler)
+            self.guard = outbox
+            self._attempts = GuardedAttempts(outbox, handler, self.config, self._metrics, **rules)
+        else:
+            self.outbox = outbox
+            self._attempts = Attempts(outbox, handler, self.config, self._metrics, **rules)
+        self._rounds = Rounds(
+            self._attempts,
+            self.config,
+            self._partitions,
+            self._metrics,
+            stopping=self._stopping,
+            beat=self._beat,
+        )
 
     # -- public --------------------------------------------------------------------------------
 
@@ -203,7 +238,7 @@ class ConsumerRunner:
                 on_error=self._on_client_error,
                 on_commit=self._on_commit,
             )
-            self._dlq = DeadLetterProducer(
+            self._attempts.dlq = DeadLetterProducer(
                 producer_config(bootstrap, self.config.kafka_config, purpose="dead-letter"),
                 group=self.config.group,
                 suffix=self.config.dlq_topic_suffix,
@@ -262,6 +297,9 @@ class ConsumerRunner:
             and time.monotonic() - beat <= max_silence
         )
 
+    def _beat(self) -> None:
+        self._heartbeat = time.monotonic()
+
     # -- partitions and offsets ----------------------------------------------------------------
 
     def _on_client_error(self, error: str, fatal: bool) -> None:
@@ -299,6 +337,7 @@ class ConsumerRunner:
 
     def _forget(self, partitions: list[TP]) -> None:
         self._partitions.forget(partitions)
+        self._metrics.unassigned(self.config.group, partitions)
         if self._consumer is not None:
             self._consumer.release(partitions)
 
@@ -333,6 +372,14 @@ class ConsumerRunner:
     def _commit_if_due(self) -> None:
         if time.monotonic() - self._last_commit >= self.config.commit_interval:
             self._commit(sync=False)
+            self._report_lag()
+
+    def _report_lag(self) -> None:
+        consumer = self._consumer
+        if consumer is not None:
+            highs = consumer.high_watermarks(tp for tp, _ in self._partitions.items())
+            lags = self._partitions.lags(highs, lambda message: coordinates(message)[2])
+            self._metrics.lagging(self.config.group, lags)
 
     def _poll_timeout(self) -> float:
         longest = min(self.config.poll_timeout, self.config.commit_interval)
@@ -350,17 +397,7 @@ class ConsumerRunner:
         state.backlog.append(message)
         self._metrics.received(self.config.group, topic)
 
-    # -- the work ------------------------------------------------------------------------------
-    #
-    # A round is one micro-batch: up to batch_size messages from the heads of the partitions
-    # that are not waiting (each partition's in offset order). Duplicates the Redis fast path
-    # knows are answered without a transaction; the others run in ONE transaction, each in a
-    # savepoint (uow_batch). A message is *finished* -- its offset may be committed --
-    # once everything before it in its partition is finished and it is: replayed, dead-lettered
-    # (confirmed), or processed in a batch that committed. A message that must be tried again
-    # stops its partition's share of the round; what its attempts came to is kept (its Tries)
-    # until it is the head. With batch_size=1 every message is the head and runs in a unit of
-    # work of its own.
+    # -- the work (outbox.consumer_rounds) -------------------------------------------------
 
     def _work(self) -> None:
         """Work through what was received, a micro-batch at a time, until every partition's
@@ -369,7 +406,13 @@ class ConsumerRunner:
         assert consumer is not None
         while not self._stopping.is_set():
             plan = self._partitions.take(self.config.batch_size, time.monotonic())
-            if not plan or not self._round(plan):
+            if not plan:
+                break
+            rnd = self._rounds.round(plan)
+            if rnd.dead_lettered:
+                # Shrinks the window in which a crash would dead-letter a message again.
+                self._commit(sync=True, only=sorted(rnd.dead_lettered))
+            if not rnd.moved:
                 break
             self._commit_if_due()
         now = time.monotonic()
@@ -379,481 +422,6 @@ class ConsumerRunner:
             elif state.retry_at > now:
                 # Its partition waits; the backlog keeps what was received after the head.
                 consumer.pause(key)
-
-    def _round(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> bool:
-        """One micro-batch; False when nothing moved."""
-        rnd = Round(time.perf_counter())
-        slices = []
-        for tp, state, messages in plan:
-            entries = self._read(rnd, tp, state, messages)
-            if entries:
-                slices.append(Slice(tp, state, entries))
-        cache = self.outbox.cache
-        looked_up = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
-        if cache is not None and looked_up:
-            stored = cache.get_many(self._scope, [e.key for e in looked_up])
-            for entry, outcome in zip(looked_up, stored, strict=True):
-                entry.cached = outcome
-        for sl in slices:
-            self._answer_from_cache(rnd, sl)
-        if any(e.fate is Fate.OPEN for sl in slices for e in sl.entries):
-            self._run_batch(rnd, slices)
-        for sl in slices:
-            self._settle(rnd, sl)
-        self._record(rnd)
-        if rnd.dead_lettered:
-            # Shrinks the window in which a crash would dead-letter a message a second time.
-            self._commit(sync=True, only=sorted(rnd.dead_lettered))
-        return rnd.moved
-
-    def _read(
-        self, rnd: Round, tp: TP, state: Partition[Message], messages: list[Message]
-    ) -> list[Entry[Message]]:
-        """A partition's messages for the round, keys read, in order. Messages that need no
-        unit of work (no usable key, a dead letter decided before) are decided here; a head
-        that must run alone (no batches, or a batch of its failed as a whole) runs here."""
-        sl = Slice(tp, state, [])
-        entries = sl.entries
-        for message in messages:
-            if self._stopping.is_set() or self._partitions.get(tp) is not state:
-                break  # stopping, or revoked while a dead-letter commit served a rebalance
-            offset = coordinates(message)[2]
-            head = sl.at_head(message)
-            tries = state.tries(offset, head)
-            if not head and tries.retry_at > time.monotonic():
-                break  # tried before in a batch that did not commit: it waits its turn
-            if head and (self.config.batch_size == 1 or offset <= state.isolated_to):
-                if self._alone(rnd, tp, state, message):
-                    continue
-                break
-            entry = Entry(message, offset, "", None)
-            outcome = self._decided(message, tries)
-            if outcome is None:
-                try:
-                    key, fingerprint = self._read_key(message)
-                    if key is not None:
-                        _validate.check_key(key)
-                        _validate.check_fingerprint(fingerprint)
-                except Exception as exc:
-                    outcome = self._dispose(message, tries, exc, reading=Key.UNREADABLE)
-                else:
-                    if key is None:
-                        outcome = self._dispose(message, tries, None, reading=Key.MISSING)
-                    else:
-                        entry.key, entry.fingerprint = key, fingerprint
-            if outcome is None:
-                entries.append(entry)
-            elif not self._place(rnd, sl, entry, outcome):
-                break
-            else:
-                entries.append(entry)
-        return entries
-
-    def _decided(self, message: Message, tries: Tries) -> Outcome | None:
-        """The outcome of a message decided before (a dead letter confirmed, or one to send
-        now), or None."""
-        if tries.done is not None:
-            return tries.done
-        if tries.dead_letter is not None:  # only the dead letter itself is left to send
-            self._heartbeat = time.monotonic()
-            return self._send_dead_letter(message, tries, tries.dead_letter)
-        return None
-
-    def _alone(self, rnd: Round, tp: TP, state: Partition[Message], message: Message) -> bool:
-        """Try the head by itself, in a unit of work of its own; True when it finished."""
-        self._heartbeat = time.monotonic()
-        started = time.perf_counter()
-        outcome = None
-        try:
-            outcome = self._apply(message, state)
-        finally:
-            seconds = time.perf_counter() - started
-            self._metrics.attempted(self.config.group, tp[0], outcome, seconds)
-        rnd.moved = True
-        if outcome is Outcome.RETRY:
-            return False
-        self._pop(tp, state, message)
-        if outcome is Outcome.DEAD_LETTERED:
-            rnd.dead_lettered.add(tp)
-        return True
-
-    def _answer_from_cache(self, rnd: Round, sl: Slice[Message]) -> None:
-        """Duplicates the Redis fast path knows: no transaction for them."""
-        for i, entry in enumerate(sl.entries):
-            if entry.fate is not Fate.OPEN or entry.cached is None:
-                continue
-            tries = sl.state.tries(entry.offset, sl.is_head(entry))
-            try:
-                claim.verdict(self._scope, entry.key, entry.fingerprint, entry.cached, False)
-                outcome = self._dispose(entry.message, tries, None, key=entry.key, replayed=True)
-            except (KeyReuseError, PreviouslyFailed) as exc:
-                self._heartbeat = time.monotonic()
-                outcome = self._dispose(entry.message, tries, exc, key=entry.key)
-            if not self._place(rnd, sl, entry, outcome):
-                del sl.entries[i:]
-                return
-
-    def _run_batch(self, rnd: Round, slices: list[Slice[Message]]) -> None:
-        """The messages that need the database, in one transaction."""
-        seen: set[str] = set()
-        for sl in slices:
-            for i, entry in enumerate(sl.entries):
-                if entry.fate is not Fate.OPEN:
-                    continue
-                if entry.key in seen:  # a duplicate within the batch: decided next round
-                    del sl.entries[i:]
-                    break
-                seen.add(entry.key)
-        todo = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
-        if not todo:
-            return
-        rnd.moved = True
-        try:
-            batch = Batch.open(self.outbox, self._scope, [e.key for e in todo])
-        except Exception as exc:
-            self._batch_failed(slices, exc)
-            return
-        try:
-            if self._batch_form:
-                self._run_group(rnd, batch, slices)
-            else:
-                self._run_each(rnd, batch, slices)
-            if batch.usable():
-                try:
-                    batch.commit()
-                except Exception as exc:
-                    self._batch_failed(slices, exc)
-        finally:
-            batch.close()
-        rnd.committed = batch.committed
-
-    def _run_each(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
-        for sl in slices:
-            for i, entry in enumerate(sl.entries):
-                if entry.fate is not Fate.OPEN:
-                    continue
-                if (
-                    not batch.usable()
-                    or batch.staged_bytes >= _BATCH_BYTES
-                    or self._stopping.is_set()
-                    or self._partitions.get(sl.tp) is not sl.state
-                ):
-                    del sl.entries[i:]
-                    break
-                self._heartbeat = time.monotonic()
-                tries = sl.state.tries(entry.offset, sl.is_head(entry))
-                outcome = self._run(entry.message, tries, entry.key, entry.fingerprint, batch)
-                if not self._place(rnd, sl, entry, outcome):
-                    del sl.entries[i:]
-                    break
-
-    def _run_group(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
-        """A batch handler: the messages whose work must run go to it together, in one
-        savepoint; the others (duplicates, keys held elsewhere...) are decided one by one."""
-        group: list[tuple[Slice[Message], Entry[Message]]] = []
-        for sl in slices:
-            for i, entry in enumerate(sl.entries):
-                if entry.fate is not Fate.OPEN:
-                    continue
-                if batch.claim(entry.key).runnable:
-                    group.append((sl, entry))
-                    entry.fate = Fate.PENDING
-                    continue
-                tries = sl.state.tries(entry.offset, sl.is_head(entry))
-                outcome = self._run(entry.message, tries, entry.key, entry.fingerprint, batch)
-                if not self._place(rnd, sl, entry, outcome):
-                    del sl.entries[i:]
-                    break
-        if len(group) == 1:  # alone, a failure is its own
-            sl, entry = group[0]
-            entry.fate = Fate.OPEN
-            tries = sl.state.tries(entry.offset, sl.is_head(entry))
-            outcome = self._run(entry.message, tries, entry.key, entry.fingerprint, batch)
-            if not self._place(rnd, sl, entry, outcome):
-                del sl.entries[sl.entries.index(entry) :]
-            return
-        if not group:
-            return
-        self._heartbeat = time.monotonic()
-        try:
-            with batch.units_of_work([(e.key, e.fingerprint) for _, e in group]) as units:
-                handed = MessageBatch(
-                    [(u, e.message) for u, (_, e) in zip(units, group, strict=True)]
-                )
-                results = _batch_results(self._handler(handed), units)
-                for uow, result in zip(units, results, strict=True):
-                    _store_result(uow, result)
-        except (Exception, _Carried) as exc:
-            # One failure for them all: which message caused it is not known. Each is tried
-            # alone next, where a failure is its own (counted, dead-lettered as usual).
-            error = exc.error if isinstance(exc, _Carried) else exc
-            for sl, _entry in group:
-                self._metrics.failed.labels(self.config.group, sl.tp[0], Failure.ERROR).inc()
-            for sl in {id(sl): sl for sl, _ in group}.values():
-                first = next(i for i, e in enumerate(sl.entries) if e.fate is Fate.PENDING)
-                del sl.entries[first:]
-            if not batch.usable() and database_unavailable(error):
-                return  # tried again, in order, once PostgreSQL answers
-            for sl, entry in group:
-                sl.state.isolated_to = max(sl.state.isolated_to, entry.offset)
-            log.warning(
-                "a batch handler failed for %d messages; trying them one at a time: %s",
-                len(group), one_line(error),
-            )  # fmt: skip
-
-    def _batch_failed(self, slices: list[Slice[Message]], error: Exception) -> None:
-        """The batch's transaction failed as a whole (its claim or its commit): nothing of it
-        was committed. An outage is waited out by each partition's first message that needs
-        it; any other failure cannot be laid at one message's door, so those messages are tried
-        one at a time."""
-        if database_unavailable(error):
-            for sl in slices:
-                entry = next((e for e in sl.entries if e.fate is not Fate.FINISHED), None)
-                if entry is not None and entry.fate in (Fate.OPEN, Fate.PENDING):
-                    tries = sl.state.tries(entry.offset, sl.is_head(entry))
-                    self._dispose(entry.message, tries, error, key=entry.key)
-                    del sl.entries[sl.entries.index(entry) + 1 :]
-            return
-        for sl in slices:
-            pending = [e.offset for e in sl.entries if e.fate in (Fate.OPEN, Fate.PENDING)]
-            if pending:
-                sl.state.isolated_to = max(sl.state.isolated_to, pending[-1])
-        log.warning(
-            "a batch of %d messages failed as a whole; trying them one at a time: %s",
-            sum(len(sl.entries) for sl in slices), one_line(error),
-        )  # fmt: skip
-
-    def _place(
-        self, rnd: Round, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
-    ) -> bool:
-        """Note what became of a message of the round; False when its partition stops there."""
-        rnd.moved = True
-        if outcome is Outcome.RETRY:
-            return False
-        if outcome is Outcome.PROCESSED:
-            entry.fate = Fate.PENDING  # finished once the batch commits
-            return True
-        if sl.is_head(entry):
-            self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
-            entry.fate = Fate.FINISHED
-        else:  # finished whatever becomes of the batch, once the messages before it are
-            entry.fate = Fate.SETTLED
-            entry.outcome = outcome
-        return True
-
-    def _settle(self, rnd: Round, sl: Slice[Message]) -> None:
-        """After the batch: finish the partition's messages in order, up to the first one that
-        is not finished (its batch did not commit, it must be tried again, or it was not
-        reached)."""
-        if self._partitions.get(sl.tp) is not sl.state:
-            return  # revoked meanwhile: the new owner replays whatever committed
-        for entry, outcome in list(sl.finishable(rnd.committed)):
-            self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
-            entry.fate = Fate.FINISHED
-
-    def _finish(
-        self, rnd: Round, tp: TP, state: Partition[Message], message: Message, outcome: Outcome
-    ) -> None:
-        """The head ``message`` finished with ``outcome``."""
-        self._pop(tp, state, message)
-        rnd.finished.append((tp[0], outcome))
-        if outcome is Outcome.DEAD_LETTERED:
-            rnd.dead_lettered.add(tp)
-
-    @staticmethod
-    def _pop(tp: TP, state: Partition[Message], message: Message) -> None:
-        """Take the finished head off its partition; the message behind it becomes the head."""
-        assert state.backlog and state.backlog[0] is message, f"{tp} finishes out of order"
-        following = state.backlog[1] if len(state.backlog) > 1 else None
-        state.finish(
-            coordinates(message)[2],
-            coordinates(following)[2] if following is not None else None,
-        )
-
-    def _record(self, rnd: Round) -> None:
-        """Metrics of the round's messages: each gets an equal share of the round's time."""
-        if not rnd.finished:
-            return
-        seconds = (time.perf_counter() - rnd.started) / len(rnd.finished)
-        for topic, outcome in rnd.finished:
-            self._metrics.attempted(self.config.group, topic, outcome, seconds)
-
-    def _read_key(self, message: Message) -> tuple[str | None, str | None]:
-        if self._key_func is not None:
-            key = self._key_func(message)
-        else:
-            key = header_key(message, self.config.key_header)
-        fingerprint = self._fingerprint_func(message) if self._fingerprint_func else None
-        return key, fingerprint
-
-    def _apply(self, message: Message, tries: Tries) -> Outcome:
-        """One attempt at ``message`` in a unit of work of its own: read its key, run the unit
-        of work, carry out the verdict."""
-        decided = self._decided(message, tries)
-        if decided is not None:
-            return decided
-        try:
-            key, fingerprint = self._read_key(message)
-        except Exception as exc:
-            return self._dispose(message, tries, exc, reading=Key.UNREADABLE)
-        if key is None:
-            return self._dispose(message, tries, None, reading=Key.MISSING)
-        return self._run(message, tries, key, fingerprint, self.outbox)
-
-    def _run(
-        self,
-        message: Message,
-        tries: Tries,
-        key: str,
-        fingerprint: str | None,
-        units: Outbox | Batch,
-    ) -> Outcome:
-        """Run ``message``'s unit of work (its own, or one of a batch) and carry out the
-        verdict."""
-        sent = replayed = False
-        try:
-            with units.unit_of_work(key, scope=self._scope, fingerprint=fingerprint) as uow:
-                replayed = uow.replayed
-                if not replayed:
-                    try:
-                        result = self._call(uow, message)
-                    except BaseException as exc:
-                        if not is_permanent(exc, self._permanent_errors):
-                            raise
-                        # Dead-letter while the key is still held, before the unit of work
-                        # records the failure by the same rule: a key recorded as failed has
-                        # always been dead-lettered, so its redeliveries need no second one.
-                        self._dead_letter_permanent(message, tries, exc)
-                        sent = True
-                        raise
-                    _store_result(uow, result)
-        except _Carried as exc:
-            return self._dispose(message, tries, exc.error, key=key)
-        except Exception as exc:
-            return self._dispose(message, tries, exc, key=key, dead_lettered=sent)
-        return self._dispose(message, tries, None, key=key, replayed=replayed)
-
-    def _call(self, uow: UnitOfWork, message: Message) -> Any:
-        """The handler's result for ``message`` (a batch handler gets a batch of one)."""
-        if not self._batch_form:
-            return self._handler(uow, message)
-        return _batch_results(self._handler(MessageBatch([(uow, message)])), [uow])[0]
-
-    def _dispose(
-        self,
-        message: Message,
-        tries: Tries,
-        error: BaseException | None,
-        *,
-        key: str | None = None,
-        reading: Key = Key.FOUND,
-        replayed: bool = False,
-        dead_lettered: bool = False,
-    ) -> Outcome:
-        """:func:`classify` what the attempt came to, and carry the verdict out."""
-        verdict = classify(
-            error,
-            attempts=tries.attempts,
-            max_attempts=self.config.max_attempts,
-            key=reading,
-            replayed=replayed,
-            dead_lettered=dead_lettered,
-            database_unavailable=error is not None and database_unavailable(error),
-        )
-        if verdict.counts:
-            tries.attempts += 1
-        if verdict.failure is not None:
-            self._metrics.failed.labels(self.config.group, message.topic(), verdict.failure).inc()
-        if verdict.action is Action.RETRY:
-            assert error is not None
-            return self._retry(message, tries, verdict, error, key)
-        if verdict.action is Action.DEAD_LETTER:
-            assert verdict.reason is not None
-            if error is None:  # no key
-                error = _MissingKey(
-                    f"no {self.config.key_header!r} header: without an idempotency key the "
-                    "message cannot be applied at most once; have the producer set the header "
-                    "(the outbox relay always does) or pass key_func"
-                )
-            elif verdict.exhausted:
-                log.error(
-                    "%s failed %d times, dead-lettering it: %s",
-                    _where(message), tries.attempts, one_line(error), exc_info=error,
-                )  # fmt: skip
-            tries.dead_letter = DeadLetter.from_exception(
-                verdict.reason, error, max(1, tries.attempts)
-            )
-            return self._send_dead_letter(message, tries, tries.dead_letter)
-        if verdict.outcome is Outcome.PREVIOUSLY_FAILED:
-            log.info(
-                "%s: key %r failed permanently earlier and was dead-lettered then; "
-                "acknowledged without a second dead letter", _where(message), key,
-            )  # fmt: skip
-        elif verdict.outcome is Outcome.DEAD_LETTERED:  # confirmed inside the unit of work
-            assert error is not None and verdict.reason is not None
-            tries.done = Outcome.DEAD_LETTERED
-            self._count_dead_letter(message, verdict.reason)
-            log.warning("dead-lettered %s (key %r): %s", _where(message), key, one_line(error))
-        return verdict.outcome
-
-    def _retry(
-        self,
-        message: Message,
-        tries: Tries,
-        verdict: Disposition,
-        error: BaseException,
-        key: str | None,
-    ) -> Outcome:
-        """Schedule the same message again after the verdict's backoff."""
-        if verdict.schedule is Schedule.IN_PROGRESS:
-            base, cap = self.config.in_progress_backoff, self.config.in_progress_backoff_max
-        else:
-            base, cap = self.config.retry_backoff, self.config.retry_backoff_max
-        if verdict.counts:
-            delay = backoff_delay(tries.attempts, base, cap)
-        else:  # not the message's fault: paced by its own count, never exhausts its attempts
-            tries.waits += 1
-            delay = backoff_delay(tries.waits, base, cap)
-        tries.retry_at = time.monotonic() + delay
-        where = _where(message)
-        if verdict.failure is Failure.KEY_IN_PROGRESS:
-            log.debug("%s: key %r in progress elsewhere; retry in %.3fs", where, key, delay)
-        elif verdict.failure is Failure.DATABASE_UNAVAILABLE:
-            log.warning(
-                "%s: PostgreSQL unavailable (%s); retrying in %.2fs, attempts not counted",
-                where, one_line(error), delay,
-            )  # fmt: skip
-        elif verdict.failure is Failure.DEAD_LETTER_UNAVAILABLE:
-            log.error("%s: %s; retrying in %.2fs", where, error, delay)
-        else:
-            log.warning(
-                "%s failed (attempt %d of %d), retrying in %.2fs: %s",
-                where, tries.attempts, self.config.max_attempts, delay, one_line(error),
-            )  # fmt: skip
-        return Outcome.RETRY
-
-    def _dead_letter_permanent(self, message: Message, tries: Tries, exc: BaseException) -> None:
-        letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, exc, tries.attempts + 1)
-        self._metrics.failed.labels(self.config.group, message.topic(), Failure.PERMANENT).inc()
-        assert self._dlq is not None
-        try:
-            self._dlq.send_message(message, letter)
-        except DeadLetterError as unconfirmed:
-            raise _Carried(unconfirmed) from unconfirmed
-
-    def _send_dead_letter(self, message: Message, tries: Tries, letter: DeadLetter) -> Outcome:
-        assert self._dlq is not None
-        try:
-            self._dlq.send_message(message, letter)
-        except DeadLetterError as exc:
-            return self._dispose(message, tries, exc)
-        tries.done = Outcome.DEAD_LETTERED
-        self._count_dead_letter(message, letter.reason)
-        log.warning("dead-lettered %s (%s): %s", _where(message), letter.reason, letter.error)
-        return Outcome.DEAD_LETTERED
-
-    def _count_dead_letter(self, message: Message, reason: Reason) -> None:
-        self._metrics.dead_lettered.labels(self.config.group, message.topic(), reason).inc()
 
     def _shutdown(self) -> None:
         consumer = self._consumer
@@ -866,90 +434,24 @@ class ConsumerRunner:
                 except ConsumerError as exc:
                     log.warning("closing the Kafka consumer failed: %s", exc)
                 self._consumer = None
-        if self._dlq is not None:
-            self._dlq.close()
-            self._dlq = None
+        if self._attempts.dlq is not None:
+            self._attempts.dlq.close()
+            self._attempts.dlq = None
         self._partitions.clear()
         log.info("consumer of group %r stopped", self.config.group)
 
 
-BATCH_HANDLER = "__outbox_batch_handler__"
-
-# A micro-batch takes no more messages once its events hold this many bytes: they are written in
-# its last statement, which must not grow without bound.
-_BATCH_BYTES = 4 * 1024 * 1024
-
-
-def batch_handler(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``handler`` as taking a whole micro-batch: ``handler(batch)`` instead of
-    ``handler(uow, message)``.
-
-    ``batch`` (:class:`MessageBatch`) iterates ``(uow, message)`` pairs in partition-offset
-    order, each message with its own unit of work; ``batch.connection`` / ``batch.session`` are
-    the batch's one transaction, for bulk statements. Set each ``uow.result`` (or return a list
-    with one result per message) and publish with ``uow.publish``. Only messages whose work must
-    run are in it: duplicates are replayed without it. When it raises, none of its messages is
-    committed, and each is then given to it alone (a batch of one), so that the failure lands on
-    the message that causes it.
-    """
-    setattr(handler, BATCH_HANDLER, True)
-    return handler
-
-
-def _batch_results(results: Any, units: Sequence[UnitOfWork]) -> list[Any]:
-    """What a batch handler returned, as one result per unit of work: ``None`` keeps each
-    ``uow.result``; a list gives them in order."""
-    if results is None:
-        return [uow.result for uow in units]
-    if isinstance(results, list | tuple) and len(results) == len(units):
-        return list(results)
-    raise _Carried(
-        SerializationError(
-            f"a batch handler returns None or a list of {len(units)} result(s), one per "
-            f"message, got {type(results).__name__}"
-        )
-    )
-
-
-class _MissingKey(Exception):
-    """Stands for the error of a message that carries no idempotency key."""
-
-
-class _Carried(BaseException):
-    """Carries ``error`` out of a unit of work, which rolls back without recording the key as
-    failed: a handler result the key cannot store, or a dead letter the broker did not confirm.
-
-    A BaseException, so that no ``OutboxConfig.permanent_errors`` entry (even ``Exception``) can
-    make the unit of work record a failure for such a message.
-    """
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _store_result(uow: UnitOfWork, result: Any) -> None:
-    """Store the handler's ``result`` with the key, or raise :class:`_Carried` (rolled back)."""
-    try:
-        uow.result = result
-    except SerializationError as exc:
-        raise _Carried(
-            SerializationError(
-                f"the handler's return value cannot be stored as the key's result ({exc}); "
-                "return JSON-compatible data (dict, list, str, number, bool or None)"
-            )
-        ) from exc
-
-
 def consume(
-    outbox: Outbox,
-    handler: Handler,
+    outbox: Outbox | RedisGuard,
+    handler: Handler | GuardedHandler,
     *,
     install_signal_handlers: bool = True,
     **settings: Any,
 ) -> None:
     """Run :class:`ConsumerRunner` until SIGTERM or SIGINT (the simple form).
 
+    ``outbox`` is an :class:`~outbox.uow.Outbox` or an
+    :class:`~outbox.guard.RedisGuard` (see :class:`ConsumerRunner`).
     ``settings`` are the :class:`ConsumerRunner` keywords (``topics``, ``group``,
     ``bootstrap_servers``, ``kafka_config``, ``key_func``...). A signal lets the message in
     hand finish, commits the finished offsets and returns. Signal handlers are installed only
@@ -958,6 +460,22 @@ def consume(
     runner = ConsumerRunner(outbox, handler, **settings)
     with stop_on_signals(runner.stop, enabled=install_signal_handlers):
         runner.run()
+
+
+def _check_guarded(config: ConsumerConfig, handler: object) -> None:
+    """Refuse what a runner under the Redis guard cannot do: there is no transaction for
+    messages to share, so no micro-batches and no batch handler."""
+    if config.batch_size != 1:
+        raise ConfigurationError(
+            f"a runner with a Redis guard handles one message at a time: batch_size must be 1, "
+            f"got {config.batch_size} (micro-batches share a PostgreSQL transaction, which a "
+            "guard does not have)"
+        )
+    if getattr(handler, BATCH_HANDLER, False):
+        raise ConfigurationError(
+            "a runner with a Redis guard takes handler(claim, message), not a @batch_handler: "
+            "batches need an outbox"
+        )
 
 
 def is_coroutine_handler(handler: object) -> bool:
@@ -971,7 +489,3 @@ def is_coroutine_handler(handler: object) -> bool:
 def _describe(partitions: Iterable[tuple[Any, ...]]) -> str:
     parts = [f"{p[0]}[{p[1]}]" for p in partitions]
     return ", ".join(parts) if parts else "nothing"
-
-
-def _where(message: Message) -> str:
-    return f"{message.topic()}[{message.partition()}]@{message.offset()}"

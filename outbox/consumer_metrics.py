@@ -8,11 +8,20 @@ The collectors are created once per registry and shared by the runners of a proc
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any, Protocol
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from outbox._core.disposition import Outcome
 from outbox.metrics import MetricsServer
@@ -62,7 +71,8 @@ class ConsumerMetrics:
         )  # fmt: skip
         self.processed = Counter(
             "outbox_consumer_processed",
-            "Messages whose handler ran and whose unit of work committed.",
+            "Messages whose handler ran and whose unit of work committed (or, under a Redis "
+            "guard, whose outcome was stored).",
             labels, registry=registry,
         )  # fmt: skip
         self.replayed = Counter(
@@ -74,7 +84,7 @@ class ConsumerMetrics:
         self.failed = Counter(
             "outbox_consumer_failed",
             "Attempts that did not finish a message (kind: error, permanent, key_in_progress, "
-            "dead_letter_unavailable, database_unavailable).",
+            "dead_letter_unavailable, database_unavailable, guard_unavailable, lease_lost).",
             (*labels, "kind"), registry=registry,
         )  # fmt: skip
         self.dead_lettered = Counter(
@@ -87,6 +97,25 @@ class ConsumerMetrics:
             "Time to handle one attempt at a message (unit of work included).",
             labels, registry=registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+        )  # fmt: skip
+        self.batch_size = Histogram(
+            "outbox_consumer_batch_size",
+            "Messages finished per micro-batch (a round of the runner: one PostgreSQL "
+            "transaction for the messages that need one; duplicates answered by Redis count too).",
+            ("group",), registry=registry,
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),
+        )  # fmt: skip
+        self.batch_seconds = Histogram(
+            "outbox_consumer_batch_seconds",
+            "Time to work through one micro-batch, its transaction's commit included.",
+            ("group",), registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+        )  # fmt: skip
+        self.lag = Gauge(
+            "outbox_consumer_lag",
+            "Messages of an assigned partition not finished yet: the partition's high watermark "
+            "(as of the last fetch) minus the next offset to commit. Updated at offset commits.",
+            ("group", "topic", "partition"), registry=registry,
         )  # fmt: skip
         self._series: dict[tuple[str, str], _Series] = {}
 
@@ -112,6 +141,22 @@ class ConsumerMetrics:
             series.replayed_completed.inc()
         elif outcome is Outcome.PREVIOUSLY_FAILED:
             series.replayed_failed.inc()
+
+    def batch(self, group: str, messages: int, seconds: float) -> None:
+        """A micro-batch finished ``messages`` messages in ``seconds``."""
+        self.batch_size.labels(group).observe(messages)
+        self.batch_seconds.labels(group).observe(seconds)
+
+    def lagging(self, group: str, lags: Iterable[tuple[str, int, int]]) -> None:
+        """``(topic, partition, lag)`` of assigned partitions whose lag is known."""
+        for topic, partition, lag in lags:
+            self.lag.labels(group, topic, str(partition)).set(lag)
+
+    def unassigned(self, group: str, partitions: Iterable[tuple[str, int]]) -> None:
+        """Partitions no longer assigned: their lag is another member's to report."""
+        for topic, partition in partitions:
+            with contextlib.suppress(KeyError):
+                self.lag.remove(group, topic, str(partition))
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry | None) -> ConsumerMetrics:

@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from outbox._core import guard as core, validate as _validate
+from outbox._core.failures import is_permanent
 from outbox._heartbeat import Heartbeat
 from outbox._redis import guard as rg
 from outbox.config import DEFAULT_SCOPE
@@ -37,7 +38,6 @@ from outbox.errors import (
     ConfigurationError,
     GuardUnavailable,
     LeaseLost,
-    PermanentError,
     ReplayedWriteError,
 )
 
@@ -68,6 +68,8 @@ class RedisGuard:
     * ``renew``: renew the lease every third of it while a body runs (off by default: a renewed
       lease also keeps a key held by an owner that is alive but stuck).
     * ``prefix``: the start of every Redis key the guard writes.
+    * ``permanent_errors``: exception classes that, like
+      :class:`~outbox.errors.PermanentError`, record the key as failed.
 
     Settings are checked at once, before any Redis command: a bad one raises
     :class:`~outbox.errors.ConfigurationError`.
@@ -84,6 +86,7 @@ class RedisGuard:
         renew: bool = False,
         prefix: str = core.DEFAULT_PREFIX,
         cluster: bool = False,
+        permanent_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.settings = core.GuardSettings(
             lease=lease,
@@ -92,6 +95,7 @@ class RedisGuard:
             failed_ttl=failed_ttl,
             prefix=prefix,
             renew=renew,
+            permanent_errors=permanent_errors,
         ).validate()
         if not isinstance(cluster, bool):
             raise ConfigurationError(f"cluster must be True or False, got {cluster!r}")
@@ -107,8 +111,9 @@ class RedisGuard:
 
         Entering the block gives one of: the key is this owner's (``replayed`` false: run the
         body; a clean exit stores ``claim.result``, :class:`~outbox.errors.PermanentError`
-        stores the failure, any other exception frees the key at once); a stored result
-        (``replayed`` true: return ``claim.result``); or an exception --
+        (or one of ``permanent_errors``) stores the failure, any other exception frees the key
+        at once); a stored result (``replayed`` true: return ``claim.result``); or an
+        exception --
         :class:`~outbox.errors.KeyInProgress` (another owner holds the key; never waits),
         :class:`~outbox.errors.PreviouslyFailed`, :class:`~outbox.errors.KeyReuseError`
         (another ``fingerprint``), :class:`~outbox.errors.GuardUnavailable` (policy
@@ -315,7 +320,7 @@ class Claim:
         settings = self._guard.settings
         if exc is None:
             self._finish("C", self._result_json, settings.completed_ttl_ms)
-        elif isinstance(exc, PermanentError):
+        elif is_permanent(exc, settings.permanent_errors):
             self._finish("F", core.error_text(exc), settings.failed_ttl_ms)
         else:
             # Any other exception frees the key at once, so that a retry runs immediately.

@@ -60,12 +60,11 @@ from outbox._core.delivery import (
     single_round,
     split_claim,
 )
-from outbox._core.durations import format_ranges
-from outbox._core.lanes import configured_lane_counts, ownership_from_locks, plan_rebalance
 from outbox._core.redact import one_line, redact_url
 from outbox._core.retry import Backoff
 from outbox._kafka.producer import KafkaProducer, Outcome, RecordTuple
 from outbox._kafka.records import build_records, build_records_checked
+from outbox._otel import spans
 from outbox._pg import lanes as pg_lanes
 from outbox._pg.errors import database_unavailable, is_database_error
 from outbox._pg.relay import (
@@ -83,6 +82,7 @@ from outbox._pg.wakeup import Listener
 from outbox.config import RelayConfig as RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError, PublishError
 from outbox.metrics import RelayMetrics
+from outbox.relay_lanes import LaneOwnership
 
 log = logging.getLogger("outbox.relay")
 
@@ -151,8 +151,7 @@ class Relay:
         # Set while the loop waits for work (tests and benchmarks wait for an idle relay).
         self.idle = threading.Event()
         self.metrics = RelayMetrics()
-        self.owned: set[int] = set()
-        self.pid: int | None = None
+        self.lanes = LaneOwnership(self.config, self.metrics)
         self.totals = BatchResult()
         self.engine = relay_engine(self.url)
         self.sql = OutboxStatements.for_schema(config.schema)
@@ -161,7 +160,6 @@ class Relay:
         )
         self._producer: KafkaProducer | None = None
         self._conn: sa.Connection | None = None
-        self._next_rebalance = 0.0
         self._next_stats = 0.0
         self._kafka_backoff = Backoff(config.backoff_initial, config.backoff_max)
         # Claim without skipping until another transaction's lock gets in the way; then claim
@@ -173,6 +171,16 @@ class Relay:
         # draining (to give the announcement back).
         self._announce = self._announced = self._draining = False
         self._db_backoff = Backoff(config.backoff_initial, config.backoff_max)
+
+    @property
+    def owned(self) -> set[int]:
+        """The lanes this relay owns right now."""
+        return self.lanes.owned
+
+    @property
+    def pid(self) -> int | None:
+        """The backend pid of this relay's database session (None while disconnected)."""
+        return self.lanes.pid
 
     # ------------------------------------------------------------------------------ control
 
@@ -188,25 +196,11 @@ class Relay:
 
     def _connect(self) -> sa.Connection:
         conn = self.engine.connect()
-        schema = self.config.schema
         try:
-            pid = pg_lanes.register(conn, schema, self.config.lanes)
-            counts = configured_lane_counts(pg_lanes.read_locks(conn, schema), schema)
-            conn.commit()
+            self.lanes.register(conn)
         except Exception:
             conn.close()
             raise
-        others = counts - {self.config.lanes}
-        if others:
-            conn.close()
-            raise ConfigurationError(
-                f"other relays of this outbox run with --lanes {sorted(others)}, this one with "
-                f"--lanes {self.config.lanes}: every relay must use the same lane count (stop "
-                "them all and restart with one value)"
-            )
-        self.pid = pid
-        self.owned = set()
-        self._next_rebalance = 0.0
         self.metrics.database_up = True
         self.metrics.up.set(1)
         return conn
@@ -215,8 +209,7 @@ class Relay:
         self._ahead = None
         self._announce = self._announced = False  # the lock went with the session
         conn, self._conn = self._conn, None
-        self.owned = set()
-        self.metrics.lanes_owned.set(0)
+        self.lanes.lost()
         self.metrics.database_up = False
         self.metrics.up.set(0)
         if conn is not None:
@@ -224,40 +217,6 @@ class Relay:
                 conn.invalidate()
             with contextlib.suppress(Exception):
                 conn.close()
-
-    def _rebalance(self, conn: sa.Connection) -> None:
-        schema = self.config.schema
-        owners = ownership_from_locks(pg_lanes.read_locks(conn, schema), schema)
-        mine = set(owners.get(self.pid or -1, ()))
-        if mine != self.owned:
-            log.warning(
-                "event=lanes_mismatch expected=%s actual=%s",
-                format_ranges(self.owned),
-                format_ranges(mine),
-            )
-            self.owned = mine
-        others = {lane for pid, held in owners.items() if pid != self.pid for lane in held}
-        plan = plan_rebalance(
-            self.config.lanes, len(owners), self.owned, others, seed=self.pid or 0
-        )
-        if plan.release:
-            pg_lanes.release(conn, schema, plan.release)
-            self.owned -= set(plan.release)
-        got: list[int] = []
-        if plan.acquire:
-            got = pg_lanes.try_acquire(conn, schema, plan.acquire)
-            self.owned |= set(got)
-        conn.commit()
-        self.metrics.lanes_owned.set(len(self.owned))
-        if plan.release or got:
-            log.info(
-                "event=lanes_changed relays=%d owned=%d target=%d took=%s gave_back=%s",
-                len(owners),
-                len(self.owned),
-                plan.target,
-                format_ranges(got),
-                format_ranges(plan.release),
-            )
 
     def _refresh_stats(self, conn: sa.Connection) -> None:
         stats = outbox_stats(conn, self.sql)
@@ -280,7 +239,7 @@ class Relay:
             conn,
             self.sql,
             lanes=self.config.lanes,
-            owned=sorted(self.owned),
+            owned=sorted(self.lanes.owned),
             batch_size=self.config.batch_size,
             uncontended=uncontended,
             savepoint=savepoint,
@@ -302,7 +261,11 @@ class Relay:
         """While Kafka confirms the batch in hand: claim the next one in the same transaction
         (the batch in hand is already deleted there, so the claim passes over it), or nothing
         when a lock gets in the way, a rebalance is due or the relay stops."""
-        if self._contended or self.stop_event.is_set() or time.monotonic() >= self._next_rebalance:
+        if (
+            self._contended
+            or self.stop_event.is_set()
+            or time.monotonic() >= self.lanes.next_rebalance
+        ):
             return None
         outbox_savepoint(conn, "outbox_ahead")
         fetched = self._claim(conn, uncontended=True, savepoint="outbox_ahead")
@@ -325,7 +288,7 @@ class Relay:
         """
         result = BatchResult()
         batch, self._ahead = self._ahead, None
-        if not self.owned:
+        if not self.lanes.owned:
             return result
         started = time.monotonic()
         if batch is None:
@@ -357,6 +320,21 @@ class Relay:
                 outbox_delete_confirmed(conn, self.sql, ids)
                 ahead = self._claim_ahead(conn)
             return producer.finish(sending, self.stop_event, self.config.shutdown_grace)
+
+        if spans is not None:
+            untraced = send
+
+            def send(todo: list[int]) -> list[Outcome | None]:
+                # `send {topic}` spans linked to the rows' stored contexts; the records carry
+                # those stored contexts (their headers), never these spans'.
+                sending = spans.start_send(rows, todo)
+                try:
+                    outcomes = untraced(todo)
+                except BaseException as exc:
+                    spans.end_send(sending, None, exc)
+                    raise
+                spans.end_send(sending, outcomes)
+                return outcomes
 
         outcomes, result.sent, gaps = deliver_in_rounds(
             keys, topics, send, failed=batch.unsendable, stopping=self.stop_event.is_set
@@ -470,14 +448,14 @@ class Relay:
                 if self._conn is None:
                     self._conn = self._connect()
                     if self._db_backoff.failures:
-                        log.info("event=database_reconnected pid=%s", self.pid)
+                        log.info("event=database_reconnected pid=%s", self.lanes.pid)
                     self._db_backoff.succeeded()
                 conn = self._conn
                 now = time.monotonic()
-                if now >= self._next_rebalance:
+                if now >= self.lanes.next_rebalance:
                     self._ahead = None  # its rows are no longer locked; lanes may move
-                    self._rebalance(conn)
-                    self._next_rebalance = now + self.config.rebalance_interval
+                    self.lanes.rebalance(conn)
+                    self.lanes.next_rebalance = now + self.config.rebalance_interval
                 if not once and now >= self._next_stats:
                     self._refresh_stats(conn)
                     self._next_stats = now + self.config.stats_interval
@@ -518,7 +496,7 @@ class Relay:
             if result.sent and result.failed:
                 continue
             if once:
-                if not self.owned and self._conn is not None:
+                if not self.lanes.owned and self._conn is not None:
                     self._sleep(0.05)  # waiting for a lane to become free
                     continue
                 if result.sent == 0:
@@ -528,7 +506,8 @@ class Relay:
                 self._announce = True  # then one more claim before waiting
             elif not self.kick.is_set():
                 timeout = min(
-                    self.config.poll_interval, max(0.0, self._next_rebalance - time.monotonic())
+                    self.config.poll_interval,
+                    max(0.0, self.lanes.next_rebalance - time.monotonic()),
                 )
                 self.idle.set()
                 self.kick.wait(timeout)

@@ -25,11 +25,9 @@ decisions (the claim's verdict, permanence, event encoding) live in :mod:`outbox
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Literal
 
@@ -38,18 +36,17 @@ from sqlalchemy.orm import Session
 
 from outbox._core import claim, validate as _validate
 from outbox._core.claim import StoredOutcome
-from outbox._core.events import Event, encode_event, event_params
+from outbox._core.events import event_params
 from outbox._core.failures import is_permanent
 from outbox._core.urls import check_redis_url
+from outbox._otel import encode_event
 from outbox._pg.after_commit import defer
 from outbox._pg.engines import engine_for, notifier_engine
 from outbox._pg.errors import unique_violation_of
-from outbox._pg.identity import cache_identity, identity_of, read_identity
+from outbox._pg.identity import cache_identity, read_identity
 from outbox._pg.statements import (
-    JoinedStatements,
     Statements,
     idempotency_key_complete,
-    idempotency_key_complete_joined,
     joined_statements,
     outbox_insert,
     statements,
@@ -60,7 +57,11 @@ from outbox._redis.cache import OutcomeCache, make_client
 from outbox._redis.clients import check_flavour
 from outbox.config import DEFAULT_SCOPE, OutboxConfig
 from outbox.decorators import make_idempotent
-from outbox.errors import ConfigurationError, KeyInProgress, ReplayedWriteError
+from outbox.errors import ConfigurationError, KeyInProgress
+from outbox.uow_joined import JoinedUnits, check_joinable
+from outbox.uow_unit import UnitOfWork, close_unit, completion
+
+__all__ = ["Outbox", "UnitOfWork"]
 
 log = logging.getLogger("outbox.uow")
 
@@ -69,122 +70,6 @@ _ASYNC = False
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
-
-
-@dataclass(slots=True)
-class _Joined:
-    """A unit of work inside the caller's transaction: its connection, the savepoint the unit
-    of work runs in, and the caller's session (if it handed one over)."""
-
-    connection: Connection
-    savepoint: Any
-    session: Session | None
-
-
-class UnitOfWork:
-    """One attempt at the work for an idempotency key.
-
-    ``replayed`` is true for a duplicate of a completed key: ``result`` holds the stored result
-    and every write (``session``, ``connection``, ``publish``, assigning ``result``) raises
-    :class:`~outbox.errors.ReplayedWriteError`.
-    """
-
-    def __init__(
-        self,
-        outbox: Outbox,
-        scope: str,
-        key: str,
-        fingerprint: str | None,
-        tx: Transaction | None,
-        replayed: bool,
-        result: Any = None,
-        joined: _Joined | None = None,
-    ) -> None:
-        self._outbox = outbox
-        self._joined = joined
-        self.scope = scope
-        self.key = key
-        self.fingerprint = fingerprint
-        self.replayed = replayed
-        self._tx = tx
-        self._session: Session | None = None
-        self._result: Any = result
-        self._events: list[Event] = []
-
-    def _refuse(self, what: str) -> ReplayedWriteError:
-        return ReplayedWriteError(
-            f"{what} inside a replayed unit of work (key {self.key!r}, scope {self.scope!r}): "
-            "the key already completed; return uow.result instead of writing"
-        )
-
-    @property
-    def connection(self) -> Connection:
-        """SQLAlchemy Core connection inside the unit of work's transaction."""
-        if self.replayed:
-            raise self._refuse("database access")
-        if self._joined is not None:
-            return self._joined.connection
-        if self._tx is None:
-            raise self._refuse("database access")
-        return self._tx.connection
-
-    @property
-    def session(self) -> Session:
-        """SQLAlchemy ORM session in the same transaction: the caller's own when it handed one
-        over (``session=``), else one bound to the unit of work's connection (created on first
-        use)."""
-        if self.replayed:
-            raise self._refuse("database access")
-        joined = self._joined
-        if joined is not None and joined.session is not None:
-            return joined.session
-        if self._session is None:
-            if joined is not None:
-                self._session = Session(bind=joined.connection, autoflush=True)
-            elif self._tx is not None:
-                self._session = Session(bind=self._tx.connection, autoflush=True)
-            else:
-                raise self._refuse("database access")
-        return self._session
-
-    @property
-    def result(self) -> Any:
-        """The result stored with the key and replayed to every duplicate (JSON-serializable)."""
-        return self._result
-
-    @result.setter
-    def result(self, value: Any) -> None:
-        if self.replayed:
-            raise self._refuse("setting the result")
-        _validate.dumps_json(value, "uow.result")  # refuse early, before any I/O
-        self._result = value
-
-    @property
-    def event_ids(self) -> list[uuid.UUID]:
-        """Ids of the events published so far in this unit of work."""
-        return [event.event_id for event in self._events]
-
-    def publish(
-        self,
-        topic: str,
-        value: Any,
-        key: str | bytes | None = None,
-        headers: dict[str, str | bytes] | None = None,
-    ) -> uuid.UUID:
-        """Append an event to the outbox; it is written when the unit of work commits.
-
-        Synchronous in both flavours: it only buffers. ``value`` may be ``bytes``, ``str``
-        (UTF-8) or anything JSON-serializable (encoded as JSON with a
-        ``content-type: application/json`` header). ``key`` is the Kafka message key (``str``,
-        ``bytes`` or ``None``); events with the same key reach Kafka in commit order. Returns
-        the event's UUID, also sent as the ``X-Idempotency-Key`` header unless ``headers`` sets
-        one. Invalid input raises before anything is written.
-        """
-        if self.replayed:
-            raise self._refuse("publish()")
-        event = encode_event(topic, value, key, headers, self._outbox.config.max_payload_bytes)
-        self._events.append(event)
-        return event.event_id
 
 
 class _Attempt:
@@ -239,7 +124,7 @@ class _Attempt:
         return False
 
 
-class Outbox:
+class Outbox(JoinedUnits):
     """Entry point: owns the engine, the optional Redis fast path and the configuration.
 
     ``Outbox("postgresql+psycopg://...", redis_url="redis://...")`` builds its own engine and
@@ -286,7 +171,7 @@ class Outbox:
             # A new connection may lead to a recreated or restored database: read its key again.
             event.listen(self.engine.pool, "connect", self._on_connect)
         self._sql: Statements = statements(self.config.schema)
-        self._joined_sql: JoinedStatements = joined_statements(self.config.schema)
+        self._joined_sql = joined_statements(self.config.schema)
         install_guard(self.engine)
         self._wakes = self.config.wake_relays
         self._notify = (
@@ -323,7 +208,7 @@ class Outbox:
         _validate.check_key(key)
         _validate.check_scope(scope)
         _validate.check_fingerprint(fingerprint)
-        _check_joinable(session, connection)
+        check_joinable(session, connection)
         return _Attempt(self, key, scope, fingerprint, session, connection)
 
     def publish(
@@ -341,12 +226,12 @@ class Outbox:
         ``X-Idempotency-Key`` set to the returned event id. Same value, key and header rules as
         :meth:`UnitOfWork.publish`; invalid input raises before anything is written.
         """
-        event = encode_event(topic, value, key, headers, self.config.max_payload_bytes)
         if isinstance(transaction, Session):
             session, connection = transaction, None
         else:
             session, connection = None, transaction
-        _check_joinable(session, connection, required=True)
+        check_joinable(session, connection, required=True)
+        event = encode_event(topic, value, key, headers, self.config.max_payload_bytes)
         params: dict[str, Any] = {}
         _size, locks = event_params([event], params, self.config.schema)
         insert = outbox_insert(self.config.schema, locks)
@@ -389,22 +274,6 @@ class Outbox:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _cached(self, cache: OutcomeCache, scope: str, key: str) -> StoredOutcome | None:
-        """The outcome Redis holds for the key, if the cache can vouch for it."""
-        if not cache.trusted and cache.available():
-            # Once per process: the key of this database's entries (outbox._pg.identity).
-            statement, params = self._identity
-            try:
-                with self.engine.connect() as conn:
-                    generation = cache.generation
-                    result = conn.exec_driver_sql(statement, params)
-                    identity = identity_of(result.first())
-            except Exception as exc:  # the database decides without the cache
-                cache.untrusted(exc)
-                return None
-            cache.trust(generation, *identity)
-        return cache.get(scope, key)
-
     def _on_connect(self, dbapi_connection: Any, _record: Any) -> None:
         """The pool opened a connection: read the database's identity on it (the database
         may have been recreated or restored since the cache's key was read)."""
@@ -415,13 +284,6 @@ class Outbox:
             self.cache.forget()
             return
         self.cache.reidentify(*identity)
-
-    def _replay(
-        self, scope: str, key: str, fingerprint: str | None, stored: StoredOutcome
-    ) -> UnitOfWork:
-        claim.verdict(scope, key, fingerprint, stored, acquired=False)  # raises unless REPLAY
-        result = json.loads(stored.result_json) if stored.result_json is not None else None
-        return UnitOfWork(self, scope, key, fingerprint, None, replayed=True, result=result)
 
     def _begin(self, key: str, scope: str, fingerprint: str | None) -> UnitOfWork:
         cache = self.cache
@@ -441,15 +303,8 @@ class Outbox:
             tx.close()
             raise
         tx.finish()  # nothing was written
-        stored = None if status is None else StoredOutcome(status, stored_fp, result_json, error)
-        claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
-        assert stored is not None
-        if cache is not None:
-            # Warm the cache: this outcome was committed by an earlier transaction.
-            ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
-            if ttl is not None:
-                cache.put(scope, key, stored, ttl)
-        return self._replay(scope, key, fingerprint, stored)
+        row = (status, stored_fp, result_json, error, age)
+        return self._replay_claimed(scope, key, fingerprint, acquired, *row)
 
     def _commit(self, uow: UnitOfWork) -> None:
         tx = uow._tx
@@ -457,16 +312,7 @@ class Outbox:
         events = uow._events
         relay_idle = None
         try:
-            result_json = _validate.dumps_json(uow._result, "uow.result")
-            if uow._session is not None:
-                uow._session.flush()
-            params: dict[str, Any] = {
-                "scope": uow.scope,
-                "key": uow.key,
-                "fingerprint": uow.fingerprint,
-                "result": result_json,
-            }
-            size, locks = event_params(events, params, self.config.schema)
+            result_json, params, size, locks = completion(uow, self.config.schema)
             statement = idempotency_key_complete(self.config.schema, len(events), locks)
             if size <= _INLINE_LIMIT and len(events) <= _INLINE_EVENTS:
                 probe = self._sql.relay_idle_probe if events and self._wakes else None
@@ -476,13 +322,13 @@ class Outbox:
                 tx.execute(statement.direct, params)
                 tx.commit()
         except BaseException as exc:
-            _close(uow)
+            close_unit(uow)
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 # Another attempt committed the key between our read and our lock: a race
                 # of microseconds. Its effects stand; ours were rolled back.
                 raise KeyInProgress(uow.scope, uow.key) from exc
             raise
-        _close(uow)
+        close_unit(uow)
         if self.cache is not None:
             self.cache.put(
                 uow.scope,
@@ -496,7 +342,7 @@ class Outbox:
         permanent = is_permanent(exc, self.config.permanent_errors)
         tx = uow._tx
         if not permanent or tx is None:
-            _close(uow)  # rolls back the business writes and the outbox rows
+            close_unit(uow)  # rolls back the business writes and the outbox rows
             return
         error = claim.failure_text(exc)
         key_lock = claim.lock_id(uow.scope, uow.key)
@@ -520,7 +366,7 @@ class Outbox:
                 },
             )
         finally:
-            _close(uow)
+            close_unit(uow)
         if not locked:
             log.warning(
                 "key %r in scope %r failed permanently but another attempt holds it now; "
@@ -534,168 +380,3 @@ class Outbox:
                 uow.key,
                 StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error),
             )
-
-    # -- joined units of work: inside the caller's transaction ------------------------------
-
-    def _begin_joined(
-        self,
-        key: str,
-        scope: str,
-        fingerprint: str | None,
-        session: Session | None,
-        connection: Connection | None,
-    ) -> UnitOfWork:
-        cache = self.cache
-        if cache is not None:
-            cached = self._cached(cache, scope, key)
-            if cached is not None:
-                return self._replay(scope, key, fingerprint, cached)
-        # The claim runs in the savepoint: its advisory lock is released if the savepoint is
-        # rolled back (the body failed) and passes to the caller's transaction when it is
-        # released (the body succeeded), to be held until the caller commits or rolls back.
-        if session is not None:
-            savepoint: Any = session.begin_nested()
-            conn = session.connection()
-        else:
-            assert connection is not None
-            savepoint = connection.begin_nested()
-            conn = connection
-        try:
-            result = conn.execute(
-                self._joined_sql.idempotency_key_claim,
-                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
-            )
-            acquired, status, stored_fp, result_json, error, age = result.one()
-        except BaseException:
-            savepoint.rollback()
-            raise
-        if status is None and acquired:
-            joined = _Joined(conn, savepoint, session)
-            return UnitOfWork(self, scope, key, fingerprint, None, replayed=False, joined=joined)
-        savepoint.rollback()  # nothing was written
-        stored = None if status is None else StoredOutcome(status, stored_fp, result_json, error)
-        claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
-        assert stored is not None
-        if cache is not None:
-            ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
-            if ttl is not None:
-                cache.put(scope, key, stored, ttl)
-        return self._replay(scope, key, fingerprint, stored)
-
-    def _after_commit(
-        self, scope: str, key: str, outcome: StoredOutcome, wake: bool
-    ) -> Callable[[], None]:
-        cache = self.cache
-
-        def run() -> None:
-            if cache is not None:
-                cache.put(scope, key, outcome)
-            if wake:
-                self._notify()
-
-        return run
-
-    def _defer(self, joined: _Joined, callback: Callable[[], None]) -> None:
-        if joined.session is not None:
-            defer(joined.session, callback)
-        else:
-            sync_connection = joined.connection
-            assert sync_connection is not None
-            defer(sync_connection, callback)
-
-    def _commit_joined(self, uow: UnitOfWork, joined: _Joined) -> None:
-        events = uow._events
-        try:
-            result_json = _validate.dumps_json(uow._result, "uow.result")
-            if joined.session is not None:
-                joined.session.flush()
-            if uow._session is not None:
-                uow._session.flush()
-            params: dict[str, Any] = {
-                "scope": uow.scope,
-                "key": uow.key,
-                "fingerprint": uow.fingerprint,
-                "result": result_json,
-            }
-            _size, locks = event_params(events, params, self.config.schema)
-            statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
-            joined.connection.execute(statement, params)
-            joined.savepoint.commit()
-        except BaseException as exc:
-            _end_joined(uow, joined, rollback=True)
-            if unique_violation_of(exc, "idempotency_keys_pkey"):
-                raise KeyInProgress(uow.scope, uow.key) from exc
-            raise
-        _end_joined(uow, joined, rollback=False)
-        outcome = StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None)
-        self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, bool(events)))
-
-    def _abort_joined(self, uow: UnitOfWork, joined: _Joined, exc: BaseException) -> None:
-        # Roll back to the savepoint: the body's writes go, the caller's other writes stay.
-        _end_joined(uow, joined, rollback=True)
-        permanent = is_permanent(exc, self.config.permanent_errors)
-        if not permanent:
-            return
-        error = claim.failure_text(exc)
-        # The savepoint's rollback released the key's lock: take it again in the caller's
-        # transaction, never waiting. Another attempt that took it in between decides the
-        # outcome instead (as in an owned unit of work).
-        result = joined.connection.execute(
-            self._joined_sql.idempotency_key_relock,
-            {"lock_id": claim.lock_id(uow.scope, uow.key)},
-        )
-        if not result.scalar():
-            log.warning(
-                "key %r in scope %r failed permanently but another attempt holds it now; "
-                "that attempt decides its outcome",
-                uow.key,
-                uow.scope,
-            )
-            return
-        recorded = joined.connection.execute(
-            self._joined_sql.idempotency_key_fail,
-            {"scope": uow.scope, "key": uow.key, "fingerprint": uow.fingerprint, "error": error},
-        )
-        if recorded.rowcount == 1:
-            outcome = StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error)
-            self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, False))
-
-
-def _end_joined(uow: UnitOfWork, joined: _Joined, *, rollback: bool) -> None:
-    """Close the unit of work's own session (never the caller's) and, on ``rollback``, roll
-    back to the savepoint if it is still open."""
-    try:
-        if rollback and joined.savepoint.is_active:
-            joined.savepoint.rollback()
-    finally:
-        if uow._session is not None:
-            uow._session.close()
-            uow._session = None
-
-
-def _check_joinable(session: object, connection: object, *, required: bool = False) -> None:
-    if session is not None and connection is not None:
-        raise ConfigurationError("pass either session= or connection=, not both")
-    if session is not None and not isinstance(session, Session):
-        raise ConfigurationError(
-            f"session= must be a SQLAlchemy {Session.__name__} for this outbox's flavour, "
-            f"got {type(session).__name__}"
-        )
-    if connection is not None and not isinstance(connection, Connection):
-        raise ConfigurationError(
-            f"connection= must be a SQLAlchemy {Connection.__name__} for this outbox's "
-            f"flavour, got {type(connection).__name__}"
-        )
-    if required and session is None and connection is None:
-        raise ConfigurationError(
-            f"publish() needs the caller's {Session.__name__} or {Connection.__name__}"
-        )
-
-
-def _close(uow: UnitOfWork) -> None:
-    if uow._session is not None:
-        uow._session.close()
-        uow._session = None
-    if uow._tx is not None:
-        uow._tx.close()
-        uow._tx = None

@@ -54,7 +54,7 @@ from outbox._core.failures import is_permanent
 from outbox._pg.statements import many_statements
 from outbox._pg.transaction import Transaction
 from outbox.errors import ConfigurationError
-from outbox.uow import UnitOfWork
+from outbox.uow_unit import UnitOfWork
 
 if TYPE_CHECKING:
     from outbox.uow import Outbox

@@ -52,7 +52,7 @@ from outbox._core.failures import is_permanent
 from outbox._pg.statements import many_statements
 from outbox._pg.transaction_async import AsyncTransaction
 from outbox.errors import ConfigurationError
-from outbox.uow_async import AsyncUnitOfWork
+from outbox.uow_unit_async import AsyncUnitOfWork
 
 if TYPE_CHECKING:
     from outbox.uow_async import AsyncOutbox

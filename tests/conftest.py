@@ -8,6 +8,7 @@ resolved lazily: a unit test that asks for none of these fixtures never touches 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -41,6 +42,7 @@ pytest_plugins = [
     "tests.fixtures.uow",
     "tests.fixtures.guard",
     "tests.fixtures.web",
+    "tests.fixtures.tracing",
 ]
 
 
@@ -63,3 +65,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
                 f"per-test database: {n} created, mean create {create_ms:.1f} ms, "
                 f"mean drop {drop_ms:.1f} ms (template {factory.template_seconds * 1000:.0f} ms)"
             )
+
+
+@pytest.fixture(scope="session")
+def outbox_databases(pg_admin_url: str) -> Iterator[Any]:
+    """outbox.testing's databases (tests/integration/test_testing.py) on the suite's server."""
+    from outbox.testing import TemplateDatabases
+
+    databases = TemplateDatabases(pg_admin_url)
+    try:
+        yield databases
+    finally:
+        databases.close()

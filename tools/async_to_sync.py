@@ -29,9 +29,14 @@ ROOT = Path(__file__).resolve().parent.parent
 PAIRS: list[tuple[str, str]] = [
     ("outbox/_pg/transaction_async.py", "outbox/_pg/transaction.py"),
     ("outbox/_redis/cache_async.py", "outbox/_redis/cache.py"),
+    ("outbox/uow_unit_async.py", "outbox/uow_unit.py"),
+    ("outbox/uow_joined_async.py", "outbox/uow_joined.py"),
     ("outbox/uow_async.py", "outbox/uow.py"),
     ("outbox/guard_async.py", "outbox/guard.py"),
     ("outbox/uow_batch_async.py", "outbox/uow_batch.py"),
+    ("outbox/consumer_attempt_async.py", "outbox/consumer_attempt.py"),
+    ("outbox/consumer_guarded_async.py", "outbox/consumer_guarded.py"),
+    ("outbox/consumer_rounds_async.py", "outbox/consumer_rounds.py"),
     ("outbox/consumer_async.py", "outbox/consumer.py"),
 ]
 
@@ -69,14 +74,19 @@ RULES: list[Rule] = [
     Rule(r"\bAsyncClient\b", "Client"),
     Rule(r"\bas_async_client\b", "as_client"),
     Rule(r"\bAsyncConsumerRunner\b", "ConsumerRunner"),
-    Rule(r"\bAsyncHandler\b", "Handler"),
+    Rule(r"\bAsync(Attempts|Rounds|JoinedUnits|Verdicts|GuardedAttempts)\b", r"\1"),
+    Rule(r"\bAsync(Guarded)?Handler\b", r"\1Handler"),
     Rule(r"\bAsyncKafkaConsumer\b", "KafkaConsumer"),
     Rule(r"\bAsyncDeadLetterProducer\b", "DeadLetterProducer"),
     Rule(r"\b(_?)Async(Batch|BatchUnitOfWork|BatchAttempt|BatchGroup|MessageBatch)\b", r"\1\2"),
     Rule(r"\baob\b", "ob"),
     Rule(r"^_ASYNC = True$", "_ASYNC = False"),
     # Modules that have a twin.
-    Rule(r"\b(transaction|cache|uow|uow_batch)_async\b", r"\1"),
+    Rule(
+        r"\b(transaction|cache|uow|uow_batch|uow_unit|uow_joined|consumer_attempt|consumer_rounds"
+        r"|consumer_guarded|guard)_async\b",
+        r"\1",
+    ),
     # The language.
     Rule(r"\basync def\b", "def"),
     Rule(r"\basync with\b", "with"),
@@ -85,6 +95,7 @@ RULES: list[Rule] = [
     Rule(r"\b__aexit__\b", "__exit__"),
     Rule(r"\baclose\b", "close"),
     Rule(r"\bAwaitable\[(\w+)\]", r"\1"),
+    Rule(r"\bAbstractAsyncContextManager\b", "AbstractContextManager"),
     # SQLAlchemy.
     Rule(
         r"^from sqlalchemy\.ext\.asyncio import AsyncConnection, AsyncEngine, AsyncSession$",

@@ -81,10 +81,14 @@ class Slice(Generic[M]):
 @dataclass(slots=True)
 class Round:
     """What one micro-batch did: whether anything moved, whether its transaction committed, the
-    messages it finished (topic and outcome) and the partitions it dead-lettered in."""
+    messages it finished (topic and outcome; heads tried alone are only counted) and the
+    partitions it dead-lettered in."""
 
     started: float
     moved: bool = False
     committed: bool = False
     finished: list[tuple[str, Outcome]] = field(default_factory=list)
     dead_lettered: set[TP] = field(default_factory=set)
+    # Heads tried alone (each timed by itself): how many finished, and the time they all took.
+    alone: int = 0
+    alone_seconds: float = 0.0

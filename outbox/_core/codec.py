@@ -14,6 +14,9 @@ from typing import Any
 CONTENT_TYPE_HEADER = "content-type"
 JSON_CONTENT_TYPE = "application/json"
 IDEMPOTENCY_HEADER = "X-Idempotency-Key"
+# W3C trace context (https://www.w3.org/TR/trace-context/): stored with an event, sent with it.
+TRACEPARENT_HEADER = "traceparent"
+TRACESTATE_HEADER = "tracestate"
 
 
 def key_hash(key: bytes | None, event_id_bytes: bytes) -> int:

@@ -62,7 +62,11 @@ class DeadLetter:
     @classmethod
     def from_exception(cls, reason: Reason, exc: BaseException, attempts: int) -> DeadLetter:
         """Describe ``exc`` (type name and message, truncated) as a dead letter."""
-        error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
+        try:
+            message = str(exc)
+        except Exception:  # a __str__ that fails must not stop the dead letter
+            message = "(the exception's message could not be read)"
+        error = f"{type(exc).__name__}: {message}"[:MAX_ERROR_TEXT]
         return cls(reason, error, type(exc).__name__, attempts)
 
 

@@ -8,11 +8,13 @@ nothing here does I/O, so every branch is unit-tested without services.
 
 Two rules hold the guarantees together:
 
-* A failure that is not the message's fault -- the key is busy in another attempt, PostgreSQL is
-  unreachable, the dead-letter topic does not confirm -- never counts as an attempt: an outage
-  must not exhaust a message's attempts and dead-letter it.
-* A message is acknowledged only once it is finished: its unit of work committed or replayed,
-  its key had failed (and was dead-lettered) before, or its dead letter was confirmed.
+* A failure that is not the message's fault -- the key is busy in another attempt (or, under the
+  Redis guard, was taken over by one), PostgreSQL or the guard's Redis is unreachable, the
+  dead-letter topic does not confirm -- never counts as an attempt: an outage must not exhaust
+  a message's attempts and dead-letter it.
+* A message is acknowledged only once it is finished: its unit of work committed or replayed
+  (or its guarded outcome was stored in Redis), its key had failed (and was dead-lettered)
+  before, or its dead letter was confirmed.
 
 Whether an exception is *permanent* is not decided here but by
 :func:`outbox._core.failures.is_permanent`, the rule the unit of work records failures by: the
@@ -28,8 +30,10 @@ from enum import StrEnum
 from outbox._core.deadletter import Reason
 from outbox.errors import (
     DeadLetterError,
+    GuardUnavailable,
     KeyInProgress,
     KeyReuseError,
+    LeaseLost,
     PreviouslyFailed,
     ValidationError,
 )
@@ -77,7 +81,8 @@ class Schedule(StrEnum):
     RETRY = "retry_backoff"
     """``retry_backoff`` doubling to ``retry_backoff_max``: failures and outages."""
     IN_PROGRESS = "in_progress_backoff"
-    """``in_progress_backoff`` doubling to ``in_progress_backoff_max``: a busy key."""
+    """``in_progress_backoff`` doubling to ``in_progress_backoff_max``: a busy key (or one
+    another guard owner took over)."""
 
 
 class Failure(StrEnum):
@@ -88,6 +93,10 @@ class Failure(StrEnum):
     KEY_IN_PROGRESS = "key_in_progress"
     DEAD_LETTER_UNAVAILABLE = "dead_letter_unavailable"
     DATABASE_UNAVAILABLE = "database_unavailable"
+    GUARD_UNAVAILABLE = "guard_unavailable"
+    """The Redis guard could not decide (or store the outcome) under ``on_redis_error="closed"``."""
+    LEASE_LOST = "lease_lost"
+    """The handler ran past its guard lease and another owner took the key over."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,12 @@ KEY_BUSY = Disposition(
 DATABASE_DOWN = Disposition(
     Action.RETRY, Outcome.RETRY, schedule=Schedule.RETRY, failure=Failure.DATABASE_UNAVAILABLE
 )
+GUARD_DOWN = Disposition(
+    Action.RETRY, Outcome.RETRY, schedule=Schedule.RETRY, failure=Failure.GUARD_UNAVAILABLE
+)
+TAKEN_OVER = Disposition(
+    Action.RETRY, Outcome.RETRY, schedule=Schedule.IN_PROGRESS, failure=Failure.LEASE_LOST
+)
 DEAD_LETTER_DOWN = Disposition(
     Action.RETRY, Outcome.RETRY, schedule=Schedule.RETRY, failure=Failure.DEAD_LETTER_UNAVAILABLE
 )
@@ -154,7 +169,10 @@ def classify(
     permanent error was dead-lettered and confirmed while the key was held.
     ``database_unavailable`` is the caller's verdict on ``error``
     (:func:`outbox._pg.errors.database_unavailable`). A :class:`~outbox.errors.DeadLetterError`
-    as ``error`` means a dead letter was not confirmed.
+    as ``error`` means a dead letter was not confirmed. Under the Redis guard,
+    :class:`~outbox.errors.GuardUnavailable` means Redis could not decide or store the outcome
+    (``on_redis_error="closed"``) and :class:`~outbox.errors.LeaseLost` that another owner took
+    the key over: neither is the message's fault.
     """
     if key is Key.UNREADABLE and error is None:
         raise ValueError("key=Key.UNREADABLE needs the error that reading the key raised")
@@ -177,6 +195,12 @@ def classify(
         return REPLAYED if replayed else PROCESSED
     if isinstance(error, KeyInProgress):
         return KEY_BUSY
+    if isinstance(error, LeaseLost):
+        # The new owner's outcome stands; the retry meets it (busy, then replayed).
+        return TAKEN_OVER
+    if isinstance(error, GuardUnavailable):
+        # Like a database outage: retried, in order, until the guard's Redis answers again.
+        return GUARD_DOWN
     if isinstance(error, PreviouslyFailed):
         # The key failed permanently before and was dead-lettered then: no second dead letter.
         return PREVIOUSLY_FAILED

@@ -45,12 +45,20 @@ def encode_event(
     key: str | bytes | None,
     headers: Mapping[str, str | bytes] | None,
     max_payload_bytes: int,
+    trace_context: Mapping[str, str] | None = None,
 ) -> Event:
-    """Check and encode one event (see :meth:`outbox.UnitOfWork.publish` for the rules)."""
+    """Check and encode one event (see :meth:`outbox.UnitOfWork.publish` for the rules).
+
+    ``trace_context`` (``traceparent``, ``tracestate``: the publish's span, see
+    :mod:`outbox._otel`) joins the headers unless the publisher set a ``traceparent`` header
+    itself: an explicit context is the publisher's decision and is stored as given.
+    """
     validate.check_topic(topic)
     key_bytes = validate.encode_message_key(key)
     checked = validate.check_headers(headers)
     validate.check_idempotency_header(checked)
+    if trace_context and not any(name.lower() == codec.TRACEPARENT_HEADER for name in checked):
+        checked.update(trace_context)
     value_bytes, content_type = validate.encode_value(value)
     validate.with_content_type(checked, content_type)
     validate.check_size(key_bytes, value_bytes, checked, max_payload_bytes)

@@ -19,6 +19,7 @@ from typing import Any
 
 from outbox._core import decorating
 from outbox._core.decorating import check_flavour
+from outbox._core.settings import check_exception_classes
 from outbox.errors import (
     ConfigurationError,
     GuardUnavailable,
@@ -56,6 +57,21 @@ def _seconds(name: str, value: object, low: float, high: float) -> float:
     return float(value)
 
 
+def check_lease(name: str, value: object) -> float:
+    """A lease: a number of seconds from :data:`MIN_LEASE` to :data:`MAX_LEASE`."""
+    return _seconds(name, value, MIN_LEASE, MAX_LEASE)
+
+
+def check_policy(name: str, value: object) -> str:
+    """``on_redis_error``: one of :data:`POLICIES`."""
+    if not isinstance(value, str) or value not in POLICIES:
+        raise ConfigurationError(
+            f"{name} must be 'closed' (refuse to run when Redis cannot answer) or "
+            f"'open' (run unguarded, the body may run twice), got {value!r}"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class GuardSettings:
     """Settings of a :class:`~outbox.guard.RedisGuard` (checked by :meth:`validate`).
@@ -64,6 +80,9 @@ class GuardSettings:
     ``failed_ttl`` how long outcomes are kept. ``on_redis_error`` is ``"closed"`` (no body runs
     when the guard cannot decide) or ``"open"`` (the body runs unguarded, with a warning).
     ``renew`` renews the lease while a body runs. ``prefix`` starts every Redis key.
+    ``permanent_errors`` are exception classes that, besides
+    :class:`~outbox.errors.PermanentError`, record the key as FAILED (the unit of work's
+    ``OutboxConfig.permanent_errors``).
     """
 
     lease: float = DEFAULT_LEASE
@@ -72,17 +91,18 @@ class GuardSettings:
     failed_ttl: float = DEFAULT_FAILED_TTL
     prefix: str = DEFAULT_PREFIX
     renew: bool = False
+    permanent_errors: tuple[type[BaseException], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.permanent_errors, list):
+            object.__setattr__(self, "permanent_errors", tuple(self.permanent_errors))
 
     def validate(self) -> GuardSettings:
         """Return ``self`` when every setting is usable; raise ``ConfigurationError`` otherwise."""
-        _seconds("lease", self.lease, MIN_LEASE, MAX_LEASE)
+        check_lease("lease", self.lease)
         _seconds("completed_ttl", self.completed_ttl, MIN_TTL, MAX_TTL)
         _seconds("failed_ttl", self.failed_ttl, MIN_TTL, MAX_TTL)
-        if not isinstance(self.on_redis_error, str) or self.on_redis_error not in POLICIES:
-            raise ConfigurationError(
-                f"on_redis_error must be 'closed' (refuse to run when Redis cannot answer) or "
-                f"'open' (run unguarded, the body may run twice), got {self.on_redis_error!r}"
-            )
+        check_policy("on_redis_error", self.on_redis_error)
         if (
             not isinstance(self.prefix, str)
             or not 0 < len(self.prefix) <= MAX_PREFIX_LENGTH
@@ -94,6 +114,7 @@ class GuardSettings:
             )
         if not isinstance(self.renew, bool):
             raise ConfigurationError(f"renew must be True or False, got {self.renew!r}")
+        check_exception_classes("permanent_errors", self.permanent_errors)
         return self
 
     @property

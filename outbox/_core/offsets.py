@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -124,6 +124,27 @@ class Assignment(Generic[M]):
             ):
                 offsets.append((tp[0], tp[1], state.next_offset))
         return offsets
+
+    def lags(
+        self, highs: Mapping[TP, int], offset_of: Callable[[M], int]
+    ) -> list[tuple[str, int, int]]:
+        """``(topic, partition, lag)`` for each assigned partition with a known high watermark
+        (``highs``) and a known position: the next offset to commit, else the last one the
+        broker confirmed, else the offset (``offset_of``) of the message in hand -- a partition
+        stuck on its first message since it was assigned lags too. The lag is how many messages
+        from there on are not finished (never negative)."""
+        lags = []
+        for tp, state in self._partitions.items():
+            high = highs.get(tp)
+            if high is None or high < 0:
+                continue
+            position = state.next_offset if state.next_offset is not None else state.committed
+            if position is None and state.backlog:
+                position = offset_of(state.backlog[0])
+            if position is None:  # nothing received, finished or committed here yet
+                continue
+            lags.append((tp[0], tp[1], max(0, high - position)))
+        return lags
 
     def confirm(self, tp: TP, offset: int) -> None:
         """The broker confirmed a commit of ``offset`` for ``tp``."""

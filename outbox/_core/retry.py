@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+_EXPONENT_CAP = 62
+
 
 def backoff_delay(
     attempt: int,
@@ -20,8 +22,10 @@ def backoff_delay(
     maximum: float,
     rand: Callable[[], float] = random.random,
 ) -> float:
-    """Delay before retry number ``attempt`` (1-based; 0 counts as 1)."""
-    nominal = min(maximum, initial * 2.0 ** max(0, attempt - 1))
+    """Delay before retry number ``attempt`` (1-based; 0 counts as 1; any count, however large:
+    an outage of days or a key held for hours keeps waiting ``maximum`` at most)."""
+    # 2**62 outgrows any cap; a larger exponent would overflow the float.
+    nominal = min(maximum, initial * 2.0 ** min(_EXPONENT_CAP, max(0, attempt - 1)))
     return float(nominal / 2 + rand() * nominal / 2)
 
 

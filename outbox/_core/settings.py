@@ -73,6 +73,18 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def check_exception_classes(name: str, value: object) -> tuple[type[BaseException], ...]:
+    """A tuple of exception classes (``permanent_errors``)."""
+    if not isinstance(value, tuple):
+        raise ConfigurationError(
+            f"{name} must be a tuple of exception classes, got {type(value).__name__}"
+        )
+    for exc_type in value:
+        if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+            raise ConfigurationError(f"{name} must hold exception classes, got {shown(exc_type)}")
+    return value
+
+
 def check_cache_prefix(prefix: object) -> str:
     """The prefix of the cache's Redis keys: 1-100 of ``[A-Za-z0-9._:-]`` (no braces, so a
     prefix never becomes a Redis Cluster hash tag)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
@@ -66,6 +66,69 @@ def coordinates(message: Message) -> tuple[str, int, int]:
     # Only records fetched from a partition reach this point, and they always carry all three.
     assert topic is not None and partition is not None and offset is not None
     return topic, partition, offset
+
+
+def make_message(
+    topic: str,
+    partition: int,
+    offset: int,
+    key: bytes | None,
+    value: bytes,
+    headers: Sequence[tuple[str, bytes]],
+) -> Message:
+    """A message as the consumer would receive it, built without a broker (``outbox.testing``):
+    a confluent-kafka ``Message`` where the client lets one be built, else an object with the
+    same accessors."""
+    try:
+        return Message(
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            key=key,
+            value=value,
+            headers=list(headers),
+        )
+    except TypeError:  # clients before 2.13 cannot build a Message
+        return cast(Message, _BuiltMessage(topic, partition, offset, key, value, list(headers)))
+
+
+class _BuiltMessage:
+    """The accessors of a received ``Message`` that the runner reads."""
+
+    __slots__ = ("_headers", "_key", "_offset", "_partition", "_topic", "_value")
+
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes,
+        headers: list[tuple[str, bytes]],
+    ) -> None:
+        self._topic, self._partition, self._offset = topic, partition, offset
+        self._key, self._value, self._headers = key, value, headers
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def value(self) -> bytes:
+        return self._value
+
+    def headers(self) -> list[tuple[str, bytes]] | None:
+        return self._headers or None
+
+    def error(self) -> None:
+        return None
 
 
 def header_key(message: Message, header: str) -> str | None:
@@ -174,6 +237,21 @@ class KafkaConsumer:
             elif err.code() != KafkaError._PARTITION_EOF:
                 log.warning("Kafka consumer error on %s: %s", message.topic(), err)
         return messages
+
+    def high_watermarks(self, partitions: Iterable[TP]) -> dict[TP, int]:
+        """The high watermark of each of ``partitions`` as of the client's last fetch from it
+        (no request to the broker); partitions not fetched from yet are left out."""
+        highs = {}
+        for topic, partition in partitions:
+            try:
+                _low, high = self._consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), cached=True
+                )
+            except KafkaException:
+                continue
+            if high is not None and high >= 0:
+                highs[(topic, partition)] = int(high)
+        return highs
 
     def commit(self, offsets: Sequence[tuple[str, int, int]], *, sync: bool) -> list[Committed]:
         """Commit ``offsets``; a synchronous commit returns the broker's answer per partition.
@@ -285,6 +363,10 @@ class AsyncKafkaConsumer:
     def commit_now(self, offsets: Sequence[tuple[str, int, int]]) -> list[Committed]:
         """See :meth:`KafkaConsumer.commit_now` (rebalance callbacks only: it blocks)."""
         return self._client.commit_now(offsets)
+
+    def high_watermarks(self, partitions: Iterable[TP]) -> dict[TP, int]:
+        """See :meth:`KafkaConsumer.high_watermarks` (local: returns at once)."""
+        return self._client.high_watermarks(partitions)
 
     def pause(self, tp: TP) -> None:
         """See :meth:`KafkaConsumer.pause`."""

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from outbox._core import settings as _settings, validate as _validate
+from outbox._core import guard as _guard, settings as _settings, validate as _validate
 from outbox._core.durations import parse_duration
 from outbox._core.redact import redact, redact_text
 from outbox._core.urls import check_database_url, check_redis_url
@@ -29,8 +29,12 @@ from outbox.config import (
     ENV_CACHE_TTL,
     ENV_CONSUMER_GROUP,
     ENV_CONSUMER_METRICS_PORT,
+    ENV_CONSUMER_TRACE_CONTEXT,
     ENV_DATABASE_URL,
     ENV_GC_BATCH_SIZE,
+    ENV_GUARD_LEASE,
+    ENV_GUARD_ON_REDIS_ERROR,
+    ENV_GUARD_REDIS_URL,
     ENV_KAFKA_BOOTSTRAP,
     ENV_KAFKA_CONFIG,
     ENV_LOG_LEVEL,
@@ -45,6 +49,7 @@ from outbox.config import (
     ENV_RETENTION,
     ENV_SCHEMA,
     MAX_LANES,
+    TRACE_CONTEXTS,
     env,
 )
 from outbox.errors import ConfigurationError, OutboxError, ValidationError
@@ -163,6 +168,31 @@ FLAGS: Mapping[str, Flag] = {
             check=lambda _name, value: check_redis_url(value),
         ),
         Flag(
+            "--guard-redis-url",
+            ENV_GUARD_REDIS_URL,
+            "Redis URL of the idempotency guard: run HANDLER as handler(claim, message) under a "
+            "Redis claim of each key instead of a unit of work (no PostgreSQL)",
+            check=lambda _name, value: check_redis_url(value),
+        ),
+        Flag(
+            "--guard-lease",
+            ENV_GUARD_LEASE,
+            "seconds a guard claim holds its key; a crashed consumer's key is taken over after it",
+            type=_float,
+            kind="a number",
+            default_text=f"{_guard.DEFAULT_LEASE:g}",
+            check=_guard.check_lease,
+        ),
+        Flag(
+            "--guard-on-redis-error",
+            ENV_GUARD_ON_REDIS_ERROR,
+            "when the guard's Redis cannot answer: closed (retry the message later) or open (run "
+            "the handler unguarded; it may run twice)",
+            choices=_guard.POLICIES,
+            default_text="closed",
+            check=_guard.check_policy,
+        ),
+        Flag(
             "--bootstrap-servers",
             ENV_KAFKA_BOOTSTRAP,
             "Kafka bootstrap servers, host:port[,host:port]",
@@ -230,6 +260,14 @@ FLAGS: Mapping[str, Flag] = {
             kind="an integer",
             default_text="off",
             check=_ranged(0, _settings.MAX_PORT),
+        ),
+        Flag(
+            "--trace-context",
+            ENV_CONSUMER_TRACE_CONTEXT,
+            "a message's trace context is its process span's parent, or a link of a new "
+            "trace (OpenTelemetry)",
+            default="parent",
+            choices=TRACE_CONTEXTS,
         ),
         Flag(
             "--older-than",
@@ -410,7 +448,11 @@ def run(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Nam
     otherwise."""
 
     def clean(text: str) -> str:
-        urls = [getattr(args, "database_url", None), getattr(args, "redis_url", None)]
+        urls = [
+            getattr(args, "database_url", None),
+            getattr(args, "redis_url", None),
+            getattr(args, "guard_redis_url", None),
+        ]
         secrets = getattr(args, "kafka_config", None)
         text = redact(text, urls=urls, kafka_config=secrets if isinstance(secrets, dict) else None)
         lines = redact_text(text).splitlines()

@@ -19,6 +19,7 @@ from outbox._core.stopping import stop_on_signals
 from outbox.cli._common import (
     CONSUMER_METRICS_PORT,
     EXIT_OK,
+    FLAGS,
     add_flags,
     add_kafka_config,
     integer,
@@ -29,8 +30,15 @@ from outbox.config import ConsumerConfig
 from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, serve_metrics
 from outbox.consumer_async import is_coroutine_handler
 from outbox.errors import ConfigurationError
+from outbox.guard import RedisGuard
+from outbox.guard_async import AsyncRedisGuard
 from outbox.uow import Outbox
 from outbox.uow_async import AsyncOutbox
+
+# What configures the outbox (a unit of work per message) and what configures the Redis guard
+# (a claim per message): a command takes one or the other, never a mix.
+_OUTBOX_FLAGS = ("database_url", "schema", "redis_url")
+_GUARD_FLAGS = ("guard_lease", "guard_on_redis_error")
 
 log = logging.getLogger("outbox.consumer")
 
@@ -42,7 +50,9 @@ def register(subparsers: Any) -> None:
         help="run a handler on Kafka messages, at most once per idempotency key",
         description="Consume TOPICs as consumer group GROUP and run HANDLER (module:function, "
         "called as handler(uow, message)) inside a unit of work keyed by each message's "
-        "X-Idempotency-Key header. An async def HANDLER runs on the asyncio runner. "
+        "X-Idempotency-Key header. With --guard-redis-url instead of --database-url, HANDLER "
+        "is called as handler(claim, message) under a Redis guard claim of the key (for "
+        "effects outside PostgreSQL). An async def HANDLER runs on the asyncio runner. "
         "SIGTERM/SIGINT finish the message in hand, commit and exit 0.",
     )
     p.add_argument("handler", metavar="HANDLER", help="module:function, e.g. app.consumers:handle")
@@ -56,6 +66,11 @@ def register(subparsers: Any) -> None:
         help="idempotency scope, if it must differ from the group name",
     )  # fmt: skip
     add_flags(p, "database_url", "schema", "redis_url", "bootstrap_servers")
+    add_flags(p, "guard_redis_url", *_GUARD_FLAGS)
+    p.add_argument(
+        "--guard-cluster", action="store_true",
+        help="the --guard-redis-url names a node of a Redis Cluster",
+    )  # fmt: skip
     add_kafka_config(p)
     p.add_argument(
         "--key-header", default=IDEMPOTENCY_HEADER,
@@ -70,24 +85,28 @@ def register(subparsers: Any) -> None:
         help="dead-letter topic of TOPIC is TOPIC+suffix (default .dlq)",
     )  # fmt: skip
     p.add_argument(
-        "--batch-size", type=int, default=ConsumerConfig.batch_size,
+        "--batch-size", type=int, default=None,
         help="messages per PostgreSQL transaction, each in a savepoint "
-        f"(default {ConsumerConfig.batch_size}; 1: a transaction per message)",
+        f"(default {ConsumerConfig.batch_size}; 1: a transaction per message; always 1 with "
+        "--guard-redis-url)",
     )  # fmt: skip
     p.add_argument(
         "--batch-wait", type=float, default=ConsumerConfig.batch_wait,
         help="seconds a batch that is not full waits for more messages "
         f"(default {ConsumerConfig.batch_wait:g})",
     )  # fmt: skip
-    add_flags(p, CONSUMER_METRICS_PORT, "log_level")
+    add_flags(p, CONSUMER_METRICS_PORT, "trace_context", "log_level")
     p.set_defaults(func=command)
 
 
 def config_from_args(args: argparse.Namespace) -> ConsumerConfig:
     """The runner's settings from flags and ``OUTBOX_*`` variables, checked (no I/O)."""
     resolve_flags(args)
-    require(args, "database_url")
+    guarded = _check_store(args)
     check_handler_reference(args.handler)
+    batch_size = args.batch_size
+    if batch_size is None:
+        batch_size = 1 if guarded else ConsumerConfig.batch_size
     return ConsumerConfig(
         topics=tuple(args.topics),
         group=require(args, "group"),
@@ -97,61 +116,124 @@ def config_from_args(args: argparse.Namespace) -> ConsumerConfig:
         key_header=args.key_header,
         max_attempts=args.max_attempts,
         dlq_topic_suffix=args.dlq_suffix,
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         batch_wait=args.batch_wait,
+        trace_context=args.trace_context,
     ).validate()
+
+
+def _check_store(args: argparse.Namespace) -> bool:
+    """Refuse a mix of outbox and guard settings; True for a guarded consumer."""
+    if not args.guard_redis_url:
+        extra = [FLAGS[d] for d in _GUARD_FLAGS if getattr(args, d) is not None]
+        if extra or args.guard_cluster:
+            shown = ", ".join(f"{f.option} ({f.env})" for f in extra) or "--guard-cluster"
+            raise ConfigurationError(
+                f"{shown} configures the Redis guard: add --guard-redis-url (or set "
+                f"{FLAGS['guard_redis_url'].env}), or drop it"
+            )
+        require(args, "database_url")
+        return False
+    mixed = [FLAGS[d] for d in _OUTBOX_FLAGS if getattr(args, d) is not None]
+    if mixed:
+        shown = ", ".join(f"{f.option} ({f.env})" for f in mixed)
+        raise ConfigurationError(
+            f"--guard-redis-url runs the handler under the Redis guard, without the outbox: "
+            f"drop {shown}, or drop --guard-redis-url to run units of work"
+        )
+    if args.batch_size not in (None, 1):
+        raise ConfigurationError(
+            f"--batch-size {args.batch_size} with --guard-redis-url: a guarded consumer handles "
+            "one message at a time (micro-batches share a PostgreSQL transaction); drop "
+            "--batch-size"
+        )
+    return True
 
 
 def command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    database_url = require(args, "database_url")
     # Like `python -m`: handler modules next to where the command runs are importable.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     handler = load_handler(args.handler)
     if is_coroutine_handler(handler):
-        asyncio.run(_consume_async(args, database_url, handler, config))
+        asyncio.run(_consume_async(args, handler, config))
         return EXIT_OK
-    ob = Outbox(database_url, redis_url=args.redis_url, schema=args.schema)
+    target: Outbox | RedisGuard
+    if args.guard_redis_url:
+        target = RedisGuard(args.guard_redis_url, cluster=args.guard_cluster, **_guarding(args))
+    else:
+        target = Outbox(args.database_url, redis_url=args.redis_url, schema=args.schema)
     try:
-        runner = ConsumerRunner(ob, handler, config)
-        with _serving(runner, args, database_url):
+        runner = ConsumerRunner(target, handler, config)
+        with _serving(runner, args):
             runner.run()
     finally:
-        ob.close()
+        target.close()
     return EXIT_OK
 
 
 async def _consume_async(
     args: argparse.Namespace,
-    database_url: str,
     handler: Callable[..., Any],
     config: ConsumerConfig,
 ) -> None:
-    ob = AsyncOutbox(database_url, redis_url=args.redis_url, schema=args.schema)
+    if args.guard_redis_url:
+        guard = AsyncRedisGuard(args.guard_redis_url, cluster=args.guard_cluster, **_guarding(args))
+        try:
+            await _run_async(AsyncConsumerRunner(guard, handler, config), args)
+        finally:
+            await guard.aclose()
+        return
+    ob = AsyncOutbox(args.database_url, redis_url=args.redis_url, schema=args.schema)
     try:
-        runner = AsyncConsumerRunner(ob, handler, config)
-        with _serving(runner, args, database_url):
-            await runner.run()
+        await _run_async(AsyncConsumerRunner(ob, handler, config), args)
     finally:
         await ob.close()
 
 
+async def _run_async(runner: AsyncConsumerRunner, args: argparse.Namespace) -> None:
+    with _serving(runner, args):
+        await runner.run()
+
+
+def _guarding(args: argparse.Namespace) -> dict[str, Any]:
+    """The guard's settings from the flags (their defaults where left out)."""
+    settings: dict[str, Any] = {}
+    if args.guard_lease is not None:
+        settings["lease"] = args.guard_lease
+    if args.guard_on_redis_error is not None:
+        settings["on_redis_error"] = args.guard_on_redis_error
+    return settings
+
+
 @contextmanager
 def _serving(
-    runner: ConsumerRunner | AsyncConsumerRunner, args: argparse.Namespace, database_url: str
+    runner: ConsumerRunner | AsyncConsumerRunner, args: argparse.Namespace
 ) -> Iterator[None]:
     """Around a runner's run(): the metrics and health endpoints, and SIGTERM/SIGINT to stop."""
     server = None
     if args.metrics_port:
         server = serve_metrics(runner, args.metrics_port)
         log.info("metrics on :%d/metrics, health on :%d/healthz", server.port, server.port)
-    log.info(
-        "database %s, redis %s, %s runner",
-        redact_url(database_url),
-        redact_url(args.redis_url) if args.redis_url else "off",
-        "asyncio" if isinstance(runner, AsyncConsumerRunner) else "sync",
-    )
+    flavour = "asyncio" if isinstance(runner, AsyncConsumerRunner) else "sync"
+    if runner.guard is not None:
+        settings = runner.guard.settings
+        log.info(
+            "guard on redis %s%s (lease %gs, on_redis_error %s), %s runner",
+            redact_url(args.guard_redis_url),
+            " (cluster)" if args.guard_cluster else "",
+            settings.lease,
+            settings.on_redis_error,
+            flavour,
+        )
+    else:
+        log.info(
+            "database %s, redis %s, %s runner",
+            redact_url(args.database_url),
+            redact_url(args.redis_url) if args.redis_url else "off",
+            flavour,
+        )
     try:
         with stop_on_signals(runner.stop):
             yield

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
+from outbox._core.codec import TRACEPARENT_HEADER
 from outbox._core.http import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -35,6 +36,7 @@ from outbox._core.http import (
     response_too_large,
     streaming_refused,
 )
+from outbox._otel import spans
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
 from outbox.http import _Abort, _bound
 from outbox.uow_async import AsyncOutbox, AsyncUnitOfWork
@@ -154,6 +156,21 @@ class IdempotencyMiddleware:
             headers,
             scope.get("query_string", b"").decode("latin-1"),
         )
+        if spans is not None and TRACEPARENT_HEADER in headers:
+            # Continue the caller's trace: the events published below join it.
+            with spans.request(request.method, request.path, headers) as span:
+                status = await self._serve(scope, receive, send, request)
+                if status is not None:
+                    spans.responded(span, status)
+            return
+        await self._serve(scope, receive, send, request)
+
+    async def _serve(
+        self, scope: Scope, receive: Receive, send: Send, request: Request
+    ) -> int | None:
+        """Serve a request of a covered method; returns the status sent, if this did send."""
+        settings = self.settings
+        headers = request.headers
         try:
             covered = settings.admit(request)
             if covered is not None:
@@ -161,12 +178,12 @@ class IdempotencyMiddleware:
                 body = await _read_body(receive, settings.max_request_bytes)
         except Refused as refused:
             await _send(send, refused.problem.response())
-            return
+            return refused.problem.status
         if covered is None:
             await self.app(scope, receive, send)
-            return
+            return None
         if body is None:
-            return  # the client went away before sending its body: nothing to answer
+            return None  # the client went away before sending its body: nothing to answer
         request_fingerprint = fingerprint(request.method, request.target, body)
         response: Response | None = None
         start: Message | None = None
@@ -192,6 +209,7 @@ class IdempotencyMiddleware:
             raise failure  # outside the handler above: the error keeps its own context
         assert response is not None
         await _send(send, response, start)
+        return response.status
 
     async def _run(
         self, uow: AsyncUnitOfWork, scope: Scope, body: bytes, receive: Receive

@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
+from outbox._core.codec import TRACEPARENT_HEADER
 from outbox._core.http import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -40,6 +41,7 @@ from outbox._core.http import (
     status_line,
     streaming_refused,
 )
+from outbox._otel import spans
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
 from outbox.http import _Abort, _bound
 from outbox.uow import Outbox, UnitOfWork
@@ -122,6 +124,21 @@ class IdempotencyMiddleware:
         headers = Headers(_header_pairs(environ))
         path = environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")
         request = Request(method, path, headers, environ.get("QUERY_STRING", ""))
+        if spans is not None and TRACEPARENT_HEADER in headers:
+            # Continue the caller's trace: the events published below join it. (A response
+            # the middleware passes through untouched may be read after the span ended.)
+            with spans.request(method, path, headers) as span:
+                status = _Status(start_response)
+                body = self._serve(environ, status.start_response, request)
+                spans.responded(span, status.code)
+                return body
+        return self._serve(environ, start_response, request)
+
+    def _serve(
+        self, environ: WSGIEnvironment, start_response: StartResponse, request: Request
+    ) -> Iterable[bytes]:
+        settings = self.settings
+        method = request.method
         try:
             covered = settings.admit(request)
             if covered is not None:
@@ -195,6 +212,22 @@ class IdempotencyMiddleware:
             response.status, response.headers, response.body, self.settings.stored_headers
         )
         return response, captured.status_line
+
+
+class _Status:
+    """The server's ``start_response``, noting the status for the request's span."""
+
+    __slots__ = ("code", "start")
+
+    def __init__(self, start: StartResponse) -> None:
+        self.start = start
+        self.code = 0
+
+    def start_response(
+        self, status: str, headers: list[tuple[str, str]], exc_info: _ExcInfo = None
+    ) -> Callable[[bytes], object]:
+        self.code = int(status.split(" ", 1)[0])
+        return self.start(status, headers, exc_info)
 
 
 def _header_pairs(environ: WSGIEnvironment) -> Iterable[tuple[str, str]]:

@@ -13,12 +13,18 @@ environment (``OUTBOX_DATABASE_URL``, ``OUTBOX_REDIS_URL``, ``OUTBOX_TEST_CACHE_
 * ``GET /stats`` -- how many statements the middleware's engine has run.
 
 The scope is the ``X-Tenant`` header (``tenant-<name>``, ``tenant-none`` without it), and a key
-is required.
+is required. With ``OUTBOX_TEST_SPANS_FILE`` set, the app records its spans with the
+OpenTelemetry SDK into that file (``tests/fixtures/tracing.py``).
 """
 
 from __future__ import annotations
 
 import os
+
+if os.environ.get("OUTBOX_TEST_SPANS_FILE"):
+    from tests.fixtures.tracing import export_to_file
+
+    export_to_file(os.environ["OUTBOX_TEST_SPANS_FILE"])
 
 INSERT_ORDER = "INSERT INTO orders (order_key, amount) VALUES (:k, :a) RETURNING id"
 

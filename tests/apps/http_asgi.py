@@ -85,3 +85,10 @@ async def probe() -> dict[str, bool]:
 @app.get("/stats")
 async def stats() -> dict[str, int]:
     return {"statements": statements[0]}
+
+
+# The same routes with the middleware outside FastAPI (and its own request span): the
+# middleware's request span is then the first one (tests/e2e/test_tracing_e2e.py).
+_plain = FastAPI(lifespan=lifespan)
+_plain.include_router(app.router)
+outer = IdempotencyMiddleware(_plain, outbox=aob, scope=tenant, require_key=True)

@@ -64,17 +64,25 @@ async def handle_async(uow: Any, message: Any) -> dict[str, int]:
     return {"n": body["n"]}
 
 
-def build_messages(rng: random.Random) -> list[dict[str, Any]]:
+def build_messages(
+    rng: random.Random,
+    good: int = GOOD,
+    poison: int = POISON,
+    keyless: int = KEYLESS,
+    duplicates: int = DUPLICATES,
+) -> list[dict[str, Any]]:
+    """``good`` keys, ``poison`` keys, ``keyless`` messages and ``duplicates`` of random keyed
+    ones (``n`` -1), shuffled; ``n`` numbers the originals in that order."""
     originals: list[dict[str, Any]] = []
-    for i in range(GOOD):
+    for i in range(good):
         originals.append({"key": f"good-{i}", "n": i, "poison": False})
-    for i in range(POISON):
-        originals.append({"key": f"poison-{i}", "n": GOOD + i, "poison": True})
-    for i in range(KEYLESS):
-        originals.append({"key": None, "n": GOOD + POISON + i, "poison": False})
+    for i in range(poison):
+        originals.append({"key": f"poison-{i}", "n": good + i, "poison": True})
+    for i in range(keyless):
+        originals.append({"key": None, "n": good + poison + i, "poison": False})
     keyed = [m for m in originals if m["key"] is not None]
-    duplicates = [dict(m, n=-1) for m in rng.choices(keyed, k=DUPLICATES)]
-    messages = originals + duplicates
+    copies = [dict(m, n=-1) for m in rng.choices(keyed, k=duplicates)]
+    messages = originals + copies
     rng.shuffle(messages)
     return messages
 
@@ -111,6 +119,23 @@ def committed(bootstrap: str, group: str, topic: str) -> list[int]:
         return [tp.offset for tp in consumer.committed(tps, timeout=10)]
     finally:
         consumer.close()
+
+
+def check_dead_letters(
+    bootstrap: str, topic: str, good: int = GOOD, poison: int = POISON, keyless: int = KEYLESS
+) -> int:
+    """Check that the dead-letter topic holds the poison keys and the key-less messages of
+    :func:`build_messages`, nothing else; return how many dead letters it holds (copies
+    included)."""
+    letters = read_topic(bootstrap, topic + ".dlq", poison + keyless, timeout=60)
+    infos = [DeadLetterInfo.from_headers(m.headers()) for m in letters]
+    poisoned = {i.idempotency_key for i in infos if i.reason == "permanent-error"}
+    keyless_n = {json.loads(m.value())["n"] for m, i in zip(letters, infos, strict=True)
+                 if i.reason == "missing-key"}  # fmt: skip
+    assert {i.reason for i in infos} == {"permanent-error", "missing-key"}
+    assert poisoned == {f"poison-{i}" for i in range(poison)}
+    assert keyless_n == set(range(good + poison, good + poison + keyless))
+    return len(letters)
 
 
 class Fleet:
@@ -262,15 +287,7 @@ def test_kill_restart_three_consumers_exactly_once(
     doubled = {k: c for k, c in counts.items() if c != 1}
     assert doubled == {}
 
-    # The dead-letter topic holds the poison keys and the key-less messages, nothing else.
-    letters = read_topic(kafka_bootstrap, topic + ".dlq", POISON + KEYLESS, timeout=60)
-    infos = [DeadLetterInfo.from_headers(m.headers()) for m in letters]
-    poison = {i.idempotency_key for i in infos if i.reason == "permanent-error"}
-    keyless = {json.loads(m.value())["n"] for m, i in zip(letters, infos, strict=True)
-               if i.reason == "missing-key"}  # fmt: skip
-    assert {i.reason for i in infos} == {"permanent-error", "missing-key"}
-    assert poison == {f"poison-{i}" for i in range(POISON)}
-    assert keyless == set(range(GOOD + POISON, GOOD + POISON + KEYLESS))
+    letters = check_dead_letters(kafka_bootstrap, topic)
     # A second copy of a dead letter needs a kill between its confirmation and the commit (or,
     # for a permanent error, the failure record) that follows it. Such a kill frees the key:
     # the redelivered message and any duplicate of a poison key on another partition may then
@@ -279,5 +296,5 @@ def test_kill_restart_three_consumers_exactly_once(
     # batch in flight (about 1% of its messages here: 500 x 1% = 5, with room to spare).
     duplicated_poison = {m["key"] for m in messages if m["poison"] and m["n"] == -1}
     per_kill = 1 if batch_size == 1 else 10
-    extra = len(letters) - (POISON + KEYLESS)
+    extra = letters - (POISON + KEYLESS)
     assert extra <= consumers.kills * per_kill + len(duplicated_poison)

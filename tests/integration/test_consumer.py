@@ -30,8 +30,8 @@ from tests.fixtures.consumer import (
     produce,
     read_topic,
     rows,
+    topic_with_dead_letters,
 )
-from tests.fixtures.kafka import create_topic
 
 
 class Boom(Exception):
@@ -40,10 +40,7 @@ class Boom(Exception):
 
 @pytest.fixture
 def topic(kafka_bootstrap: str) -> str:
-    name = f"orders-{uuid.uuid4().hex[:10]}"
-    create_topic(kafka_bootstrap, name, partitions=2)
-    create_topic(kafka_bootstrap, name + ".dlq", partitions=1)
-    return name
+    return topic_with_dead_letters(kafka_bootstrap, "orders")
 
 
 @pytest.fixture

@@ -30,8 +30,16 @@ from outbox.consumer import (
     batch_handler,
 )
 from tests.fixtures.common import wait_for
-from tests.fixtures.consumer import KAFKA, Running, committed, keyed, metric, produce, read_topic
-from tests.fixtures.kafka import create_topic
+from tests.fixtures.consumer import (
+    KAFKA,
+    Running,
+    committed,
+    keyed,
+    metric,
+    produce,
+    read_topic,
+    topic_with_dead_letters,
+)
 from tests.fixtures.uow import watch
 
 INSERT = sa.text("INSERT INTO effects (key, value) VALUES (:k, :v)")
@@ -43,10 +51,7 @@ class Boom(Exception):
 
 @pytest.fixture
 def topic(kafka_bootstrap: str) -> str:
-    name = f"batches-{uuid.uuid4().hex[:10]}"
-    create_topic(kafka_bootstrap, name, partitions=2)
-    create_topic(kafka_bootstrap, name + ".dlq", partitions=1)
-    return name
+    return topic_with_dead_letters(kafka_bootstrap, "batches")
 
 
 @pytest.fixture
@@ -216,9 +221,7 @@ def test_a_transient_failure_retries_without_losing_the_work_of_its_batch(
 def test_per_partition_order_holds_across_batches_and_retries(
     kafka_bootstrap: str, outbox: Outbox, effects: sa.Engine, start: Any
 ) -> None:
-    name = f"order-{uuid.uuid4().hex[:10]}"
-    create_topic(kafka_bootstrap, name, partitions=4)
-    create_topic(kafka_bootstrap, name + ".dlq", partitions=1)
+    name = topic_with_dead_letters(kafka_bootstrap, "order", partitions=4)
     flaky = {f"m{i}" for i in range(400) if i % 7 == 3}
     failed: set[str] = set()
 
@@ -463,3 +466,57 @@ def test_batch_size_1_is_one_transaction_per_message(
     # One checkout per message, and one more when the cache reads its signing secret (once).
     secret_reads = sum("outbox_cache_secret" in s for s in db.statements)
     assert db.checkouts == 12 + secret_reads
+
+
+def test_batch_size_and_duration_are_observed_per_micro_batch(
+    kafka_bootstrap: str, topic: str, outbox: Outbox, effects: sa.Engine, start: Any
+) -> None:
+    def handle(uow: Any, message: Any) -> None:
+        uow.connection.execute(INSERT, {"k": uow.key, "v": "x"})
+
+    produce(kafka_bootstrap, topic, [keyed(f"k{i}", "x", 0) for i in range(40)])
+    running = start(outbox, handle, topic, batch_size=10)
+    all_committed(kafka_bootstrap, running, topic, [40, -1001])
+    running.stop()
+    batches = metric(running, "outbox_consumer_batch_size_count")
+    assert 4 <= batches <= 40  # at most 10 messages a batch
+    assert metric(running, "outbox_consumer_batch_size_sum") == 40
+    assert metric(running, "outbox_consumer_batch_seconds_count") == batches
+    assert metric(running, "outbox_consumer_batch_seconds_sum") > 0
+    assert metric(running, "outbox_consumer_batch_size_bucket", le="10.0") == batches
+
+
+def test_lag_per_partition_counts_the_messages_not_finished(
+    kafka_bootstrap: str, topic: str, outbox: Outbox, effects: sa.Engine, start: Any
+) -> None:
+    reached, release = threading.Event(), threading.Event()
+
+    def handle(uow: Any, message: Any) -> None:
+        uow.connection.execute(INSERT, {"k": uow.key, "v": "x"})
+        if uow.key == "k6":
+            reached.set()
+            release.wait(30)
+        else:
+            time.sleep(0.03)  # longer than the commit interval: the lag is reported between
+
+    produce(kafka_bootstrap, topic, [keyed(f"k{i}", "x", 0) for i in range(10)])
+    running = start(outbox, handle, topic, batch_size=1, commit_interval=0.01)
+    try:
+        assert reached.wait(30)
+        # k0..k5 finished, k6 is in hand: 10 - 6 messages are not finished on partition 0.
+        wait_for(
+            lambda: metric(running, "outbox_consumer_lag", topic=topic, partition="0") == 4,
+            10, "lag 4 reported while k6 is in hand", interval=0.05,
+        )  # fmt: skip
+    finally:
+        release.set()
+    all_committed(kafka_bootstrap, running, topic, [10, -1001])
+    wait_for(
+        lambda: metric(running, "outbox_consumer_lag", topic=topic, partition="0") == 0,
+        10, "lag 0 once every message finished", interval=0.05,
+    )  # fmt: skip
+    running.stop()
+    assert applied(effects) == [f"k{i}" for i in range(10)]
+    # batch_size=1: every message is a micro-batch of one (tried alone), counted all the same
+    assert metric(running, "outbox_consumer_batch_size_sum") == 10
+    assert metric(running, "outbox_consumer_batch_size_count") == 10

@@ -8,20 +8,26 @@ with (the same code their commands run first), and run whole when those are refu
 from __future__ import annotations
 
 import argparse
-import os
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from hypothesis import assume, given, strategies as st
+from hypothesis import given, strategies as st
 
 from outbox import cli
 from outbox.cli import consume as consume_cli, relay as relay_cli
 from outbox.errors import ConfigurationError, ValidationError
-from tests.fixtures.hostile import HOSTILE_TEXT, TALLY, attempt, no_leak, scaled
+from tests.fixtures.hostile import (
+    HOSTILE_TEXT,
+    TALLY,
+    attempt,
+    environment,
+    no_leak,
+    outbox_variables,
+    scaled,
+)
 
 FAMILY = "CLI flags and OUTBOX_* variables"
 NUMBERISH = st.sampled_from(
@@ -75,29 +81,10 @@ KAFKA_CONFIG = st.sampled_from(
 )
 
 
-@contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    try:
-        for name, value in values.items():
-            try:
-                os.environ[name] = value
-            except (ValueError, UnicodeError):  # no NUL or lone surrogates in a real environment
-                assume(False)
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 @pytest.fixture(autouse=True)
 def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("OUTBOX_") and not name.startswith("OUTBOX_TEST_"):
-            monkeypatch.delenv(name)
+    for name in outbox_variables():
+        monkeypatch.delenv(name)
 
 
 def _run(main: Callable[[list[str]], int], argv: list[str]) -> int:

@@ -42,6 +42,13 @@ def test_wheel_ships_migrations_and_migrates(
     assert "outbox/migrations/env.py" in names
     assert "outbox/migrations/versions/0001_initial.py" in names
     assert "outbox/py.typed" in names
+    # Every package of the source tree is in the wheel (a missing one breaks `import outbox`).
+    packages = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "outbox").rglob("*.py")}
+    assert {p for p in packages if f"{p}/__init__.py" not in names} == set()
+    assert "outbox/_otel/spans.py" in names and "outbox/testing/delivery.py" in names
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    declared = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[pytest11]\noutbox.testing = outbox.testing" in declared
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -6,7 +6,9 @@ import asyncio
 from typing import Any
 
 import pytest
+from hypothesis import given, strategies as st
 
+from outbox._core.retry import Backoff
 from outbox._kafka.consumer import message_headers
 from outbox.cli.consume import load_handler
 from outbox.consumer import ConsumerConfig, backoff_delay, header_key
@@ -36,6 +38,24 @@ def test_backoff_grows_doubles_and_is_capped() -> None:
     assert backoff_delay(30, 0.1, 5.0, rand=lambda: 1.0) == pytest.approx(5.0)
     # Jitter keeps at least half of the nominal delay.
     assert backoff_delay(3, 0.1, 5.0, rand=lambda: 0.0) == pytest.approx(0.2)
+
+
+@given(
+    attempt=st.integers(min_value=0, max_value=10**9),
+    initial=st.floats(min_value=1e-6, max_value=60.0),
+    factor=st.floats(min_value=1.0, max_value=1e6),
+)
+def test_backoff_stays_within_its_cap_for_any_count(
+    attempt: int, initial: float, factor: float
+) -> None:
+    # A count of retries that do not count (a days-long outage, a key held for hours) grows
+    # without bound; the delay never overflows and never passes its cap.
+    maximum = initial * factor
+    delay = backoff_delay(attempt, initial, maximum)
+    assert 0 < delay <= maximum
+    backoff = Backoff(initial, maximum)
+    backoff.failures = attempt
+    assert 0 < backoff.failed() <= maximum
 
 
 def test_header_key_takes_the_first_matching_header() -> None:
@@ -213,3 +233,63 @@ def test_the_sync_module_offers_both_runners() -> None:
     assert outbox.consumer.AsyncConsumerRunner is outbox.consumer_async.AsyncConsumerRunner
     assert "AsyncConsumerRunner" in outbox.consumer.__all__
     assert "ConsumerRunner" in outbox.consumer.__all__
+
+
+def test_a_guarded_runner_runs_one_message_at_a_time_with_claim_handlers() -> None:
+    from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, batch_handler
+    from outbox.guard import RedisGuard
+    from outbox.guard_async import AsyncRedisGuard
+
+    settings: dict[str, Any] = {"topics": ["orders"], "group": "g", "bootstrap_servers": "k:1"}
+    url = "redis://127.0.0.1:1/0"  # nothing connects
+    guard, aguard = RedisGuard(url), AsyncRedisGuard(url)
+
+    def plain(claim: Any, message: Any) -> None:
+        return None
+
+    async def coroutine(claim: Any, message: Any) -> None:
+        return None
+
+    try:
+        runner = ConsumerRunner(guard, plain, **settings)
+        assert runner.guard is guard and runner.outbox is None
+        assert runner.config.batch_size == 1  # the default under a guard
+        arunner = AsyncConsumerRunner(aguard, coroutine, **settings)
+        assert arunner.guard is aguard and arunner.config.batch_size == 1
+        assert ConsumerRunner(guard, plain, ConsumerConfig(batch_size=1, **settings)).guard
+        with pytest.raises(ConfigurationError, match="batch_size must be 1, got 500"):
+            ConsumerRunner(guard, plain, ConsumerConfig(**settings))
+        with pytest.raises(ConfigurationError, match="batch_size must be 1, got 2"):
+            AsyncConsumerRunner(aguard, coroutine, batch_size=2, **settings)
+        with pytest.raises(ConfigurationError, match="not a @batch_handler"):
+            ConsumerRunner(guard, batch_handler(lambda batch: None), **settings)
+        with pytest.raises(ConfigurationError, match=r"handler\(claim, message\)"):
+            ConsumerRunner(guard, coroutine, **settings)
+        with pytest.raises(ConfigurationError, match=r"outbox of its flavour \(sync\)"):
+            ConsumerRunner(aguard, plain, **settings)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match=r"outbox of its flavour \(asyncio\)"):
+            AsyncConsumerRunner(guard, coroutine, **settings)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="RedisGuard, got str"):
+            ConsumerRunner(url, plain, **settings)  # type: ignore[arg-type]
+    finally:
+        guard.close()
+        asyncio.run(aguard.aclose())
+
+
+def test_a_message_built_without_a_broker_reads_like_a_received_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from outbox._kafka import consumer as kafka_consumer
+
+    built = [kafka_consumer.make_message("t", 1, 7, b"k", b"v", [("X-Idempotency-Key", b"id")])]
+
+    def refuse(**_: Any) -> None:  # a client that cannot build a Message (before 2.13)
+        raise TypeError("cannot create 'cimpl.Message' instances")
+
+    monkeypatch.setattr(kafka_consumer, "Message", refuse)
+    built.append(kafka_consumer.make_message("t", 1, 7, b"k", b"v", [("X-Idempotency-Key", b"id")]))
+    for message in built:
+        assert (message.topic(), message.partition(), message.offset()) == ("t", 1, 7)
+        assert (message.key(), message.value(), message.error()) == (b"k", b"v", None)
+        assert header_key(message, "X-Idempotency-Key") == "id"
+        assert message_headers(message) == [("X-Idempotency-Key", b"id")]

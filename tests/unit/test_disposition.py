@@ -12,7 +12,9 @@ from outbox._core.deadletter import Reason
 from outbox._core.disposition import (
     DATABASE_DOWN,
     DEAD_LETTER_DOWN,
+    GUARD_DOWN,
     KEY_BUSY,
+    TAKEN_OVER,
     Action,
     Disposition,
     Failure,
@@ -25,10 +27,12 @@ from outbox._core.failures import is_permanent
 from outbox._core.offsets import Assignment, fair_shares
 from outbox.errors import (
     DeadLetterError,
+    GuardUnavailable,
     InvalidKeyError,
     InvalidTopicError,
     KeyInProgress,
     KeyReuseError,
+    LeaseLost,
     PayloadTooLargeError,
     PermanentError,
     PreviouslyFailed,
@@ -57,6 +61,8 @@ ERRORS: list[BaseException] = [
     InvalidKeyError("too long"),
     SerializationError("not JSON"),
     dead_letter_down(),
+    GuardUnavailable("Redis failed the guard", scope="billing", key="k"),
+    LeaseLost("billing", "k", 1, 2),
 ]
 errors = st.sampled_from(ERRORS)
 maybe_errors = st.one_of(st.none(), errors)
@@ -160,6 +166,43 @@ def test_a_database_outage_is_retried_forever_without_counting(tried: int, limit
         Failure.DATABASE_UNAVAILABLE,
         False,
     )
+
+
+@given(tried=attempts, limit=limits, db_down=st.booleans())
+def test_a_guard_that_cannot_decide_is_retried_forever_without_counting(
+    tried: int, limit: int, db_down: bool
+) -> None:
+    # Redis down under on_redis_error="closed": like a database outage, not the message's fault.
+    error = GuardUnavailable("Redis failed the guard", scope="billing", key="k")
+    outcome = verdict(error, attempts=tried, max_attempts=limit, database_unavailable=db_down)
+    assert outcome == GUARD_DOWN
+    assert (outcome.action, outcome.schedule, outcome.failure, outcome.counts) == (
+        Action.RETRY,
+        Schedule.RETRY,
+        Failure.GUARD_UNAVAILABLE,
+        False,
+    )
+
+
+@given(tried=attempts, limit=limits)
+def test_a_lease_lost_to_another_owner_waits_like_a_busy_key(tried: int, limit: int) -> None:
+    # The new owner's outcome stands; the retry meets it (busy, then replayed), uncounted.
+    outcome = verdict(LeaseLost("billing", "k", 1, 2), attempts=tried, max_attempts=limit)
+    assert outcome == TAKEN_OVER
+    assert (outcome.action, outcome.schedule, outcome.failure, outcome.counts) == (
+        Action.RETRY,
+        Schedule.IN_PROGRESS,
+        Failure.LEASE_LOST,
+        False,
+    )
+
+
+def test_a_guard_failure_after_a_confirmed_dead_letter_is_acknowledged() -> None:
+    # The permanent failure was dead-lettered while the claim held the key; Redis then failed
+    # to record it: the message is in the dead-letter topic, so it is finished.
+    error = GuardUnavailable("the outcome was not recorded", scope="billing", key="k")
+    outcome = verdict(error, dead_lettered=True)
+    assert (outcome.action, outcome.outcome) == (Action.ACKNOWLEDGE, Outcome.DEAD_LETTERED)
 
 
 @given(key=st.sampled_from([Key.FOUND, Key.MISSING]), tried=attempts, limit=limits)
@@ -266,7 +309,10 @@ def test_every_verdict_is_consistent(
     # letter never dead-letters a message.
     if outcome.exhausted:
         assert outcome.counts and tried + 1 >= limit
-    if isinstance(error, KeyInProgress | DeadLetterError) and key is not Key.UNREADABLE:
+    if (
+        isinstance(error, KeyInProgress | DeadLetterError | GuardUnavailable | LeaseLost)
+        and key is not Key.UNREADABLE
+    ):
         assert outcome.action is not Action.DEAD_LETTER
     # Nothing is acknowledged that failed without a confirmed dead letter.
     if outcome.action is Action.ACKNOWLEDGE and outcome.outcome is not Outcome.PREVIOUSLY_FAILED:
@@ -443,3 +489,38 @@ def test_what_attempts_behind_the_head_came_to_is_kept_until_it_is_the_head() ->
     assert state.ahead == {}
     state.finish(11, next_head=12)
     assert (state.attempts, state.retry_at, state.done) == (0, 0.0, None)
+
+
+def test_lag_is_the_high_watermark_minus_the_next_offset_to_commit() -> None:
+    assignment: Assignment[str] = Assignment()
+    assignment.assign([("t", 0), ("t", 1), ("t", 2), ("t", 3)])
+    p0, p1, p2 = assignment.get(("t", 0)), assignment.get(("t", 1)), assignment.get(("t", 2))
+    assert p0 is not None and p1 is not None and p2 is not None
+    p0.backlog.extend(["m5", "m6"])
+    p0.finish(5)  # next offset to commit: 6
+    assignment.confirm(("t", 1), 40)  # nothing finished here yet, 40 committed before
+    p2.next_offset = 12  # a high watermark behind it (stale fetch) is no negative lag
+    highs = {("t", 0): 9, ("t", 1): 44, ("t", 2): 10, ("t", 3): 7, ("u", 0): 3}
+    offset_of = {"m5": 5, "m6": 6, "m20": 20}.__getitem__
+    assert sorted(assignment.lags(highs, offset_of)) == [("t", 0, 3), ("t", 1, 4), ("t", 2, 0)]
+    # unknown high watermarks (not fetched yet, or librdkafka's "invalid" -1001) say nothing
+    assert assignment.lags({("t", 0): -1001}, offset_of) == []
+    # stuck on the first message since the assignment: nothing finished or committed
+    p3 = assignment.get(("t", 3))
+    assert p3 is not None
+    p3.backlog.append("m20")
+    assert ("t", 3, 0) in assignment.lags(highs, offset_of)  # a stale high watermark: 0
+    assert ("t", 3, 5) in assignment.lags({("t", 3): 25}, offset_of)
+
+
+@given(
+    high=st.integers(min_value=0, max_value=10**12),
+    finished=st.integers(min_value=0, max_value=10**12),
+)
+def test_lag_is_never_negative(high: int, finished: int) -> None:
+    assignment: Assignment[str] = Assignment()
+    assignment.assign([("t", 0)])
+    state = assignment.get(("t", 0))
+    assert state is not None
+    state.next_offset = finished
+    assert assignment.lags({("t", 0): high}, int) == [("t", 0, max(0, high - finished))]

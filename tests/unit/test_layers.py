@@ -6,7 +6,8 @@ count as edges.
 
     _core, errors            pure decisions and exceptions (standard library only)
     schema, config           the tables and the settings
-    _pg, _redis, _kafka      adapters, each the only importer of its library
+    _pg, _redis, _kafka,     adapters, each the only importer of its library
+    _otel                    (_otel: opentelemetry, loaded only when importable)
     services                 uow, consumer, relay, admin, guard, ... (and the package facade)
     cli                      the commands, on top
 """
@@ -26,7 +27,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "outbox"
 
 BASE_RANK = {"core": 0, "schema": 1, "adapter": 2, "service": 3, "facade": 4, "cli": 5}
 # Libraries that only one adapter may import (the guard's Lua scripts live in _redis as well).
-CONFINED = {"psycopg": "outbox._pg", "confluent_kafka": "outbox._kafka", "redis": "outbox._redis"}
+CONFINED = {
+    "psycopg": "outbox._pg",
+    "confluent_kafka": "outbox._kafka",
+    "redis": "outbox._redis",
+    "opentelemetry": "outbox._otel",
+}
 MAX_LOCAL_IMPORTS = 3
 
 
@@ -49,7 +55,7 @@ def layer(module: str) -> str:
         return "core"
     if second in ("schema", "config"):
         return "schema"
-    if second in ("_pg", "_redis", "_kafka"):
+    if second in ("_pg", "_redis", "_kafka", "_otel"):
         return "adapter"
     if second == "cli":
         return "cli"

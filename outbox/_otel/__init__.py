@@ -1,0 +1,37 @@
+"""OpenTelemetry tracing, on when ``opentelemetry`` can be imported.
+
+``spans`` is :mod:`outbox._otel.spans` -- the only module of the package that imports
+``opentelemetry`` -- or ``None`` when that import fails (the library is not installed, or any
+other ``ImportError``). Callers test ``spans is not None`` and skip every tracing step
+otherwise: without opentelemetry, tracing costs one comparison and loads nothing.
+
+There is no configuration: spans go to the global tracer provider, which the application sets
+up (or not: with the API alone, spans are not recorded, but a context that came in with a
+request or a message is still passed on). See ``docs/tracing.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from outbox._core import events
+
+try:
+    from outbox._otel import spans as spans
+except ImportError:  # tracing off: nothing of opentelemetry is loaded
+    spans = None  # type: ignore[assignment]
+
+
+def encode_event(
+    topic: str,
+    value: Any,
+    key: str | bytes | None,
+    headers: Mapping[str, str | bytes] | None,
+    max_payload_bytes: int,
+) -> events.Event:
+    """:func:`outbox._core.events.encode_event`; with tracing on and a span active, inside a
+    ``create {topic}`` span whose context is stored with the event (:func:`spans.encode_event`)."""
+    if spans is None:
+        return events.encode_event(topic, value, key, headers, max_payload_bytes)
+    return spans.encode_event(topic, value, key, headers, max_payload_bytes)

@@ -1,0 +1,467 @@
+"""One attempt at a consumed message, and carrying out what it came to.
+
+:class:`AsyncAttempts` reads a message's idempotency key, runs its unit of work (its own, or one
+of a micro-batch's savepoints) around the handler, has :func:`outbox._core.disposition.classify`
+decide what the attempt came to, and carries the verdict out: a replay, a retry after a backoff,
+a dead letter (confirmed by the broker before the message counts as finished). The runner
+(:mod:`outbox.consumer_async`) polls and commits offsets; the micro-batch rounds
+(:mod:`outbox.consumer_rounds_async`) decide which messages share a transaction; both hand each
+message to this.
+
+What does not depend on where the key's outcome is kept -- reading the key, one attempt around
+the handler, the verdict carried out, dead letters -- is :class:`AsyncVerdicts`, shared with the
+attempts under the Redis guard (:mod:`outbox.consumer_guarded_async`).
+
+Written for asyncio; ``outbox/consumer_attempt.py`` is generated from it by
+``tools/async_to_sync.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Protocol
+
+from outbox._core.deadletter import DeadLetter, Reason
+from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
+from outbox._core.failures import is_permanent
+from outbox._core.offsets import Tries
+from outbox._core.redact import one_line
+from outbox._core.retry import backoff_delay
+from outbox._kafka.consumer import Message, header_key
+from outbox._otel import spans
+from outbox._pg.errors import database_unavailable
+from outbox.errors import DeadLetterError, KeyInProgress, SerializationError
+from outbox.uow_batch_async import AsyncBatch, AsyncMessageBatch
+
+if TYPE_CHECKING:
+    from outbox._kafka.deadletter import AsyncDeadLetterProducer
+    from outbox._redis.cache_async import AsyncOutcomeCache
+    from outbox.config import ConsumerConfig
+    from outbox.consumer_metrics import ConsumerMetrics
+    from outbox.uow_async import AsyncOutbox, AsyncUnitOfWork
+
+log = logging.getLogger("outbox.consumer")
+
+KeyFunc = Callable[[Message], "str | None"]
+"""``key_func(message) -> str | None``: the idempotency key of a message (None: none)."""
+FingerprintFunc = Callable[[Message], "str | None"]
+"""``fingerprint_func(message) -> str | None``: a request hash stored with the key."""
+
+
+class _Unit(Protocol):
+    """What an attempt needs of the unit a handler runs in: a unit of work, or a guard's claim."""
+
+    @property
+    def replayed(self) -> bool: ...
+
+    @property
+    def result(self) -> Any: ...
+
+    @result.setter
+    def result(self, value: Any) -> None: ...
+
+
+class AsyncVerdicts(ABC):
+    """Attempts at messages for one runner, wherever their keys' outcomes are kept: key rules,
+    the handler around one attempt, the verdict carried out, metrics and dead letters.
+
+    ``dlq`` is the runner's dead-letter producer, set while the runner runs. ``beat`` is called
+    before each step that may take long (a handler, a dead letter waiting for the broker), so
+    the runner's health check sees the loop move. ``cache`` is the Redis fast path the
+    micro-batch rounds may answer duplicates from (None: none).
+    """
+
+    cache: AsyncOutcomeCache | None = None
+    batch_form = False
+
+    def __init__(
+        self,
+        handler: Callable[..., Any],
+        config: ConsumerConfig,
+        metrics: ConsumerMetrics,
+        *,
+        permanent_errors: tuple[type[BaseException], ...],
+        key_func: KeyFunc | None,
+        fingerprint_func: FingerprintFunc | None,
+        beat: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self._handler = handler
+        self._key_func = key_func
+        self._fingerprint_func = fingerprint_func
+        self._scope = config.effective_scope
+        self._permanent_errors = permanent_errors
+        self._metrics = metrics
+        self._beat = beat
+        self._link = config.trace_context == "link"
+        self.dlq: AsyncDeadLetterProducer | None = None
+
+    async def decided(self, message: Message, tries: Tries) -> Outcome | None:
+        """The outcome of a message decided before (a dead letter confirmed, or one to send
+        now), or None."""
+        if tries.done is not None:
+            return tries.done
+        if tries.dead_letter is not None:  # only the dead letter itself is left to send
+            self._beat()
+            return await self._send_dead_letter(message, tries, tries.dead_letter)
+        return None
+
+    def read_key(self, message: Message) -> tuple[str | None, str | None]:
+        if self._key_func is not None:
+            key = self._key_func(message)
+        else:
+            key = header_key(message, self.config.key_header)
+        fingerprint = self._fingerprint_func(message) if self._fingerprint_func else None
+        return key, fingerprint
+
+    async def apply(self, message: Message, tries: Tries) -> Outcome:
+        """One attempt at ``message`` by itself: read its key, run the handler in the key's
+        unit (:meth:`alone`), carry out the verdict."""
+        decided = await self.decided(message, tries)
+        if decided is not None:
+            return decided
+        try:
+            key, fingerprint = self.read_key(message)
+        except Exception as exc:
+            return await self.dispose(message, tries, exc, reading=Key.UNREADABLE)
+        if key is None:
+            return await self.dispose(message, tries, None, reading=Key.MISSING)
+        return await self.alone(message, tries, key, fingerprint)
+
+    @abstractmethod
+    async def alone(
+        self, message: Message, tries: Tries, key: str, fingerprint: str | None
+    ) -> Outcome:
+        """Run ``message`` in a unit of its own for ``key`` and carry out the verdict."""
+
+    async def attempt(
+        self,
+        message: Message,
+        tries: Tries,
+        key: str,
+        enter: Callable[[], AbstractAsyncContextManager[_Unit]],
+    ) -> Outcome:
+        """Run the handler for ``message`` in the unit ``enter()`` opens for ``key`` (a unit of
+        work, or a guard's claim), store its result there, and carry out the verdict. The unit
+        stores the outcome when it ends: a result, a permanent failure, or nothing (released).
+
+        With tracing on (:mod:`outbox._otel`) all of it runs in the message's ``process`` span:
+        the handler's spans and the events it publishes join it."""
+        if spans is None:
+            return await self._attempt(message, tries, key, enter, None)
+        with spans.process(message, self.config.group, self._link) as span:
+            outcome = await self._attempt(message, tries, key, enter, span)
+            spans.processed(span, outcome.value)
+            return outcome
+
+    async def _attempt(
+        self,
+        message: Message,
+        tries: Tries,
+        key: str,
+        enter: Callable[[], AbstractAsyncContextManager[_Unit]],
+        span: Any,
+    ) -> Outcome:
+        sent = replayed = False
+        try:
+            async with enter() as unit:
+                replayed = unit.replayed
+                if not replayed:
+                    try:
+                        result = await self._call(unit, message)
+                    except BaseException as exc:
+                        if not is_permanent(exc, self._permanent_errors):
+                            raise
+                        # Dead-letter while the key is still held, before the unit records the
+                        # failure by the same rule: a key recorded as failed has always been
+                        # dead-lettered, so its redeliveries need no second one.
+                        await self._dead_letter_permanent(message, tries, exc)
+                        sent = True
+                        raise
+                    store_result(unit, result)
+        except Carried as exc:
+            if span is not None:
+                spans.failed(span, exc.error)
+            return await self.dispose(message, tries, exc.error, key=key)
+        except Exception as exc:
+            if span is not None and not isinstance(exc, KeyInProgress):  # a wait, not an error
+                spans.failed(span, exc)
+            return await self.dispose(message, tries, exc, key=key, dead_lettered=sent)
+        return await self.dispose(message, tries, None, key=key, replayed=replayed)
+
+    async def _call(self, unit: Any, message: Message) -> Any:
+        """The handler's result for ``message``."""
+        return await self._handler(unit, message)
+
+    def unavailable(self, error: BaseException) -> bool:
+        """True when ``error`` says the store of outcomes is out of reach (an outage that is
+        not the message's fault); what :func:`classify` does not tell by the error's type."""
+        return False
+
+    async def dispose(
+        self,
+        message: Message,
+        tries: Tries,
+        error: BaseException | None,
+        *,
+        key: str | None = None,
+        reading: Key = Key.FOUND,
+        replayed: bool = False,
+        dead_lettered: bool = False,
+    ) -> Outcome:
+        """:func:`classify` what the attempt came to, and carry the verdict out."""
+        verdict = classify(
+            error,
+            attempts=tries.attempts,
+            max_attempts=self.config.max_attempts,
+            key=reading,
+            replayed=replayed,
+            dead_lettered=dead_lettered,
+            database_unavailable=error is not None and self.unavailable(error),
+        )
+        if verdict.counts:
+            tries.attempts += 1
+        if verdict.failure is not None:
+            self._metrics.failed.labels(self.config.group, message.topic(), verdict.failure).inc()
+        if verdict.action is Action.RETRY:
+            assert error is not None
+            return self._retry(message, tries, verdict, error, key)
+        if verdict.action is Action.DEAD_LETTER:
+            assert verdict.reason is not None
+            if error is None:  # no key
+                error = _MissingKey(
+                    f"no {self.config.key_header!r} header: without an idempotency key the "
+                    "message cannot be applied at most once; have the producer set the header "
+                    "(the outbox relay always does) or pass key_func"
+                )
+            elif verdict.exhausted:
+                log.error(
+                    "%s failed %d times, dead-lettering it: %s",
+                    _where(message), tries.attempts, one_line(error), exc_info=error,
+                )  # fmt: skip
+            tries.dead_letter = DeadLetter.from_exception(
+                verdict.reason, error, max(1, tries.attempts)
+            )
+            return await self._send_dead_letter(message, tries, tries.dead_letter)
+        if verdict.outcome is Outcome.PREVIOUSLY_FAILED:
+            log.info(
+                "%s: key %r failed permanently earlier and was dead-lettered then; "
+                "acknowledged without a second dead letter", _where(message), key,
+            )  # fmt: skip
+        elif verdict.outcome is Outcome.DEAD_LETTERED:  # confirmed inside the unit of work
+            assert error is not None and verdict.reason is not None
+            tries.done = Outcome.DEAD_LETTERED
+            self._count_dead_letter(message, verdict.reason)
+            log.warning("dead-lettered %s (key %r): %s", _where(message), key, one_line(error))
+        return verdict.outcome
+
+    def _retry(
+        self,
+        message: Message,
+        tries: Tries,
+        verdict: Disposition,
+        error: BaseException,
+        key: str | None,
+    ) -> Outcome:
+        """Schedule the same message again after the verdict's backoff."""
+        if verdict.schedule is Schedule.IN_PROGRESS:
+            base, cap = self.config.in_progress_backoff, self.config.in_progress_backoff_max
+        else:
+            base, cap = self.config.retry_backoff, self.config.retry_backoff_max
+        if verdict.counts:
+            delay = backoff_delay(tries.attempts, base, cap)
+        else:  # not the message's fault: paced by its own count, never exhausts its attempts
+            tries.waits += 1
+            delay = backoff_delay(tries.waits, base, cap)
+        tries.retry_at = time.monotonic() + delay
+        where = _where(message)
+        if verdict.failure is Failure.KEY_IN_PROGRESS:
+            log.debug("%s: key %r in progress elsewhere; retry in %.3fs", where, key, delay)
+        elif verdict.failure is Failure.DATABASE_UNAVAILABLE:
+            log.warning(
+                "%s: PostgreSQL unavailable (%s); retrying in %.2fs, attempts not counted",
+                where, one_line(error), delay,
+            )  # fmt: skip
+        elif verdict.failure is Failure.GUARD_UNAVAILABLE:
+            log.warning(
+                "%s: the guard's Redis cannot answer (%s); retrying in %.2fs, attempts not "
+                "counted", where, one_line(error), delay,
+            )  # fmt: skip
+        elif verdict.failure is Failure.LEASE_LOST:
+            log.warning(
+                "%s: %s; retrying in %.3fs, the new owner's outcome stands",
+                where, one_line(error), delay,
+            )  # fmt: skip
+        elif verdict.failure is Failure.DEAD_LETTER_UNAVAILABLE:
+            log.error("%s: %s; retrying in %.2fs", where, error, delay)
+        else:
+            log.warning(
+                "%s failed (attempt %d of %d), retrying in %.2fs: %s",
+                where, tries.attempts, self.config.max_attempts, delay, one_line(error),
+            )  # fmt: skip
+        return Outcome.RETRY
+
+    async def _dead_letter_permanent(
+        self, message: Message, tries: Tries, exc: BaseException
+    ) -> None:
+        letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, exc, tries.attempts + 1)
+        self._metrics.failed.labels(self.config.group, message.topic(), Failure.PERMANENT).inc()
+        assert self.dlq is not None
+        try:
+            await self.dlq.send_message(message, letter)
+        except DeadLetterError as unconfirmed:
+            raise Carried(unconfirmed) from unconfirmed
+
+    async def _send_dead_letter(
+        self, message: Message, tries: Tries, letter: DeadLetter
+    ) -> Outcome:
+        assert self.dlq is not None
+        try:
+            await self.dlq.send_message(message, letter)
+        except DeadLetterError as exc:
+            return await self.dispose(message, tries, exc)
+        tries.done = Outcome.DEAD_LETTERED
+        self._count_dead_letter(message, letter.reason)
+        log.warning("dead-lettered %s (%s): %s", _where(message), letter.reason, letter.error)
+        return Outcome.DEAD_LETTERED
+
+    def _count_dead_letter(self, message: Message, reason: Reason) -> None:
+        self._metrics.dead_lettered.labels(self.config.group, message.topic(), reason).inc()
+
+
+class AsyncAttempts(AsyncVerdicts):
+    """Attempts at messages in units of work of an :class:`~outbox.uow_async.AsyncOutbox`: one
+    of their own (:meth:`alone`), or one of a micro-batch's savepoints (:meth:`run`). ``rules``
+    are :class:`AsyncVerdicts`' keywords (``key_func``, ``fingerprint_func``, ``beat``)."""
+
+    def __init__(
+        self,
+        outbox: AsyncOutbox,
+        handler: Callable[..., Any],
+        config: ConsumerConfig,
+        metrics: ConsumerMetrics,
+        **rules: Any,
+    ) -> None:
+        permanent = outbox.config.permanent_errors
+        super().__init__(handler, config, metrics, permanent_errors=permanent, **rules)
+        self.outbox = outbox
+        self.cache = outbox.cache
+        self.batch_form = bool(getattr(handler, BATCH_HANDLER, False))
+
+    async def run_group(
+        self, units: Sequence[AsyncUnitOfWork], messages: Sequence[Message]
+    ) -> None:
+        """Hand a batch handler its units of work and messages together; store each result.
+        Raises what the handler raised, or :class:`Carried` for results that cannot be stored."""
+        handed = AsyncMessageBatch(list(zip(units, messages, strict=True)))
+        if spans is None:
+            results = batch_results(await self._handler(handed), units)
+        else:  # one span for the handler's one call, linked to every message's context
+            with spans.process_batch(messages, self.config.group):
+                results = batch_results(await self._handler(handed), units)
+        for uow, result in zip(units, results, strict=True):
+            store_result(uow, result)
+
+    async def alone(
+        self, message: Message, tries: Tries, key: str, fingerprint: str | None
+    ) -> Outcome:
+        return await self.run(message, tries, key, fingerprint, self.outbox)
+
+    async def run(
+        self,
+        message: Message,
+        tries: Tries,
+        key: str,
+        fingerprint: str | None,
+        units: AsyncOutbox | AsyncBatch,
+    ) -> Outcome:
+        """Run ``message``'s unit of work (its own, or one of a batch) and carry out the
+        verdict."""
+        return await self.attempt(
+            message,
+            tries,
+            key,
+            lambda: units.unit_of_work(key, scope=self._scope, fingerprint=fingerprint),
+        )
+
+    async def _call(self, unit: Any, message: Message) -> Any:
+        """The handler's result for ``message`` (a batch handler gets a batch of one)."""
+        if not self.batch_form:
+            return await self._handler(unit, message)
+        return batch_results(await self._handler(AsyncMessageBatch([(unit, message)])), [unit])[0]
+
+    def unavailable(self, error: BaseException) -> bool:
+        return database_unavailable(error)
+
+
+BATCH_HANDLER = "__outbox_batch_handler__"
+
+
+def batch_handler(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``handler`` as taking a whole micro-batch: ``handler(batch)`` instead of
+    ``handler(uow, message)``.
+
+    ``batch`` (:class:`AsyncMessageBatch`) iterates ``(uow, message)`` pairs in partition-offset
+    order, each message with its own unit of work; ``batch.connection`` / ``batch.session`` are
+    the batch's one transaction, for bulk statements. Set each ``uow.result`` (or return a list
+    with one result per message) and publish with ``uow.publish``. Only messages whose work must
+    run are in it: duplicates are replayed without it. When it raises, none of its messages is
+    committed, and each is then given to it alone (a batch of one), so that the failure lands on
+    the message that causes it.
+    """
+    setattr(handler, BATCH_HANDLER, True)
+    return handler
+
+
+def batch_results(results: Any, units: Sequence[AsyncUnitOfWork]) -> list[Any]:
+    """What a batch handler returned, as one result per unit of work: ``None`` keeps each
+    ``uow.result``; a list gives them in order."""
+    if results is None:
+        return [uow.result for uow in units]
+    if isinstance(results, list | tuple) and len(results) == len(units):
+        return list(results)
+    raise Carried(
+        SerializationError(
+            f"a batch handler returns None or a list of {len(units)} result(s), one per "
+            f"message, got {type(results).__name__}"
+        )
+    )
+
+
+class _MissingKey(Exception):
+    """Stands for the error of a message that carries no idempotency key."""
+
+
+class Carried(BaseException):
+    """Carries ``error`` out of a unit of work, which rolls back without recording the key as
+    failed: a handler result the key cannot store, or a dead letter the broker did not confirm.
+
+    A BaseException, so that no ``OutboxConfig.permanent_errors`` entry (even ``Exception``) can
+    make the unit of work record a failure for such a message.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def store_result(unit: _Unit, result: Any) -> None:
+    """Store the handler's ``result`` with the key, or raise :class:`Carried` (rolled back, or
+    the key released)."""
+    try:
+        unit.result = result
+    except SerializationError as exc:
+        raise Carried(
+            SerializationError(
+                f"the handler's return value cannot be stored as the key's result ({exc}); "
+                "return JSON-compatible data (dict, list, str, number, bool or None)"
+            )
+        ) from exc
+
+
+def _where(message: Message) -> str:
+    return f"{message.topic()}[{message.partition()}]@{message.offset()}"

@@ -1,0 +1,363 @@
+# generated from outbox/consumer_rounds_async.py by tools/async_to_sync.py; do not edit
+"""The consumer's micro-batches: which messages share one PostgreSQL transaction.
+
+A round is one micro-batch: up to ``batch_size`` messages from the heads of the partitions that
+are not waiting (each partition's in offset order). Duplicates the Redis fast path knows are
+answered without a transaction; the others run in ONE transaction, each in a savepoint
+(:mod:`outbox.uow_batch`). A message is *finished* -- its offset may be committed -- once
+everything before it in its partition is finished and it is: replayed, dead-lettered
+(confirmed), or processed in a batch that committed. A message that must be tried again stops
+its partition's share of the round; what its attempts came to is kept (its Tries) until it is
+the head. With ``batch_size=1`` every message is the head and runs in a unit of work of its own
+-- or, for a runner under the Redis guard (which has no batches), in a claim of its own.
+
+The data model (entries, slices, fates) is :mod:`outbox._core.batching`; one attempt at a
+message is :class:`outbox.consumer_attempt.Attempts`. Written for asyncio;
+``outbox/consumer_rounds.py`` is generated from it by ``tools/async_to_sync.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from outbox._core import claim, validate as _validate
+from outbox._core.batching import Entry, Fate, Round, Slice
+from outbox._core.disposition import Failure, Key, Outcome
+from outbox._core.offsets import TP, Assignment, Partition
+from outbox._core.redact import one_line
+from outbox._kafka.consumer import Message, coordinates
+from outbox._pg.errors import database_unavailable
+from outbox.config import ConsumerConfig
+from outbox.consumer_attempt import Attempts, Carried, Verdicts
+from outbox.consumer_metrics import ConsumerMetrics
+from outbox.errors import KeyReuseError, PreviouslyFailed
+from outbox.uow_batch import Batch
+
+log = logging.getLogger("outbox.consumer")
+
+# A micro-batch takes no more messages once its events hold this many bytes: they are written in
+# its last statement, which must not grow without bound.
+_BATCH_BYTES = 4 * 1024 * 1024
+
+
+class Rounds:
+    """Runs micro-batches over a runner's partitions (:meth:`round`), one at a time."""
+
+    def __init__(
+        self,
+        attempts: Verdicts,
+        config: ConsumerConfig,
+        partitions: Assignment[Message],
+        metrics: ConsumerMetrics,
+        *,
+        stopping: threading.Event,
+        beat: Callable[[], None],
+    ) -> None:
+        self._attempts = attempts
+        self.config = config
+        self._scope = config.effective_scope
+        self._partitions = partitions
+        self._metrics = metrics
+        self._stopping = stopping
+        self._beat = beat
+
+    def round(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> Round:
+        """One micro-batch. ``rnd.moved`` is False when nothing moved; ``rnd.dead_lettered``
+        names the partitions whose offsets the runner should commit at once."""
+        rnd = Round(time.perf_counter())
+        slices = []
+        for tp, state, messages in plan:
+            entries = self._read(rnd, tp, state, messages)
+            if entries:
+                slices.append(Slice(tp, state, entries))
+        cache = self._attempts.cache
+        looked_up = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
+        if cache is not None and looked_up:
+            stored = cache.get_many(self._scope, [e.key for e in looked_up])
+            for entry, outcome in zip(looked_up, stored, strict=True):
+                entry.cached = outcome
+        for sl in slices:
+            self._answer_from_cache(rnd, sl)
+        if any(e.fate is Fate.OPEN for sl in slices for e in sl.entries):
+            self._run_batch(rnd, slices)
+        for sl in slices:
+            self._settle(rnd, sl)
+        self._record(rnd)
+        return rnd
+
+    def _read(
+        self, rnd: Round, tp: TP, state: Partition[Message], messages: list[Message]
+    ) -> list[Entry[Message]]:
+        """A partition's messages for the round, keys read, in order. Messages that need no
+        unit of work (no usable key, a dead letter decided before) are decided here; a head
+        that must run alone (no batches, or a batch of its failed as a whole) runs here."""
+        sl = Slice(tp, state, [])
+        entries = sl.entries
+        for message in messages:
+            if self._stopping.is_set() or self._partitions.get(tp) is not state:
+                break  # stopping, or revoked while a dead-letter commit served a rebalance
+            offset = coordinates(message)[2]
+            head = sl.at_head(message)
+            tries = state.tries(offset, head)
+            if not head and tries.retry_at > time.monotonic():
+                break  # tried before in a batch that did not commit: it waits its turn
+            if head and (self.config.batch_size == 1 or offset <= state.isolated_to):
+                if self._alone(rnd, tp, state, message):
+                    continue
+                break
+            entry = Entry(message, offset, "", None)
+            outcome = self._attempts.decided(message, tries)
+            if outcome is None:
+                try:
+                    key, fingerprint = self._attempts.read_key(message)
+                    if key is not None:
+                        _validate.check_key(key)
+                        _validate.check_fingerprint(fingerprint)
+                except Exception as exc:
+                    outcome = self._attempts.dispose(message, tries, exc, reading=Key.UNREADABLE)
+                else:
+                    if key is None:
+                        outcome = self._attempts.dispose(message, tries, None, reading=Key.MISSING)
+                    else:
+                        entry.key, entry.fingerprint = key, fingerprint
+            if outcome is None:
+                entries.append(entry)
+            elif not self._place(rnd, sl, entry, outcome):
+                break
+            else:
+                entries.append(entry)
+        return entries
+
+    def _alone(self, rnd: Round, tp: TP, state: Partition[Message], message: Message) -> bool:
+        """Try the head by itself, in a unit of work of its own; True when it finished."""
+        self._beat()
+        started = time.perf_counter()
+        outcome = None
+        try:
+            outcome = self._attempts.apply(message, state)
+        finally:
+            seconds = time.perf_counter() - started
+            rnd.alone_seconds += seconds
+            self._metrics.attempted(self.config.group, tp[0], outcome, seconds)
+        rnd.moved = True
+        if outcome is Outcome.RETRY:
+            return False
+        rnd.alone += 1
+        self._pop(tp, state, message)
+        if outcome is Outcome.DEAD_LETTERED:
+            rnd.dead_lettered.add(tp)
+        return True
+
+    def _answer_from_cache(self, rnd: Round, sl: Slice[Message]) -> None:
+        """Duplicates the Redis fast path knows: no transaction for them."""
+        for i, entry in enumerate(sl.entries):
+            if entry.fate is not Fate.OPEN or entry.cached is None:
+                continue
+            tries = sl.state.tries(entry.offset, sl.is_head(entry))
+            try:
+                claim.verdict(self._scope, entry.key, entry.fingerprint, entry.cached, False)
+                outcome = self._attempts.dispose(
+                    entry.message, tries, None, key=entry.key, replayed=True
+                )
+            except (KeyReuseError, PreviouslyFailed) as exc:
+                self._beat()
+                outcome = self._attempts.dispose(entry.message, tries, exc, key=entry.key)
+            if not self._place(rnd, sl, entry, outcome):
+                del sl.entries[i:]
+                return
+
+    def _run_batch(self, rnd: Round, slices: list[Slice[Message]]) -> None:
+        """The messages that need the database, in one transaction."""
+        seen: set[str] = set()
+        for sl in slices:
+            for i, entry in enumerate(sl.entries):
+                if entry.fate is not Fate.OPEN:
+                    continue
+                if entry.key in seen:  # a duplicate within the batch: decided next round
+                    del sl.entries[i:]
+                    break
+                seen.add(entry.key)
+        todo = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
+        if not todo:
+            return
+        rnd.moved = True
+        attempts = self._batched()
+        try:
+            batch = Batch.open(attempts.outbox, self._scope, [e.key for e in todo])
+        except Exception as exc:
+            self._batch_failed(slices, exc)
+            return
+        try:
+            if attempts.batch_form:
+                self._run_group(rnd, batch, slices)
+            else:
+                self._run_each(rnd, batch, slices)
+            if batch.usable():
+                try:
+                    batch.commit()
+                except Exception as exc:
+                    self._batch_failed(slices, exc)
+        finally:
+            batch.close()
+        rnd.committed = batch.committed
+
+    def _run_each(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
+        for sl in slices:
+            for i, entry in enumerate(sl.entries):
+                if entry.fate is not Fate.OPEN:
+                    continue
+                if (
+                    not batch.usable()
+                    or batch.staged_bytes >= _BATCH_BYTES
+                    or self._stopping.is_set()
+                    or self._partitions.get(sl.tp) is not sl.state
+                ):
+                    del sl.entries[i:]
+                    break
+                self._beat()
+                if not self._run_one(rnd, batch, sl, entry):
+                    del sl.entries[i:]
+                    break
+
+    def _run_one(self, rnd: Round, batch: Batch, sl: Slice[Message], entry: Entry[Message]) -> bool:
+        """Run one message in a savepoint of ``batch`` and place it; False when its partition
+        stops there."""
+        tries = sl.state.tries(entry.offset, sl.is_head(entry))
+        outcome = self._batched().run(entry.message, tries, entry.key, entry.fingerprint, batch)
+        return self._place(rnd, sl, entry, outcome)
+
+    def _run_group(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
+        """A batch handler: the messages whose work must run go to it together, in one
+        savepoint; the others (duplicates, keys held elsewhere...) are decided one by one."""
+        group: list[tuple[Slice[Message], Entry[Message]]] = []
+        for sl in slices:
+            for i, entry in enumerate(sl.entries):
+                if entry.fate is not Fate.OPEN:
+                    continue
+                if batch.claim(entry.key).runnable:
+                    group.append((sl, entry))
+                    entry.fate = Fate.PENDING
+                    continue
+                if not self._run_one(rnd, batch, sl, entry):
+                    del sl.entries[i:]
+                    break
+        if len(group) == 1:  # alone, a failure is its own
+            sl, entry = group[0]
+            entry.fate = Fate.OPEN
+            if not self._run_one(rnd, batch, sl, entry):
+                del sl.entries[sl.entries.index(entry) :]
+            return
+        if not group:
+            return
+        self._beat()
+        try:
+            with batch.units_of_work([(e.key, e.fingerprint) for _, e in group]) as units:
+                self._batched().run_group(units, [e.message for _, e in group])
+        except (Exception, Carried) as exc:
+            # One failure for them all: which message caused it is not known. Each is tried
+            # alone next, where a failure is its own (counted, dead-lettered as usual).
+            error = exc.error if isinstance(exc, Carried) else exc
+            for sl, _entry in group:
+                self._metrics.failed.labels(self.config.group, sl.tp[0], Failure.ERROR).inc()
+            for sl in {id(sl): sl for sl, _ in group}.values():
+                first = next(i for i, e in enumerate(sl.entries) if e.fate is Fate.PENDING)
+                del sl.entries[first:]
+            if not batch.usable() and database_unavailable(error):
+                return  # tried again, in order, once PostgreSQL answers
+            for sl, entry in group:
+                sl.state.isolated_to = max(sl.state.isolated_to, entry.offset)
+            log.warning(
+                "a batch handler failed for %d messages; trying them one at a time: %s",
+                len(group), one_line(error),
+            )  # fmt: skip
+
+    def _batched(self) -> Attempts:
+        """The attempts of a runner with micro-batches: only units of work share a transaction
+        (a runner under the Redis guard runs with ``batch_size=1``, every message alone)."""
+        attempts = self._attempts
+        assert isinstance(attempts, Attempts), "micro-batches need an outbox"
+        return attempts
+
+    def _batch_failed(self, slices: list[Slice[Message]], error: Exception) -> None:
+        """The batch's transaction failed as a whole (its claim or its commit): nothing of it
+        was committed. An outage is waited out by each partition's first message that needs
+        it; any other failure cannot be laid at one message's door, so those messages are tried
+        one at a time."""
+        if database_unavailable(error):
+            for sl in slices:
+                entry = next((e for e in sl.entries if e.fate is not Fate.FINISHED), None)
+                if entry is not None and entry.fate in (Fate.OPEN, Fate.PENDING):
+                    tries = sl.state.tries(entry.offset, sl.is_head(entry))
+                    self._attempts.dispose(entry.message, tries, error, key=entry.key)
+                    del sl.entries[sl.entries.index(entry) + 1 :]
+            return
+        for sl in slices:
+            pending = [e.offset for e in sl.entries if e.fate in (Fate.OPEN, Fate.PENDING)]
+            if pending:
+                sl.state.isolated_to = max(sl.state.isolated_to, pending[-1])
+        log.warning(
+            "a batch of %d messages failed as a whole; trying them one at a time: %s",
+            sum(len(sl.entries) for sl in slices), one_line(error),
+        )  # fmt: skip
+
+    def _place(
+        self, rnd: Round, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
+    ) -> bool:
+        """Note what became of a message of the round; False when its partition stops there."""
+        rnd.moved = True
+        if outcome is Outcome.RETRY:
+            return False
+        if outcome is Outcome.PROCESSED:
+            entry.fate = Fate.PENDING  # finished once the batch commits
+            return True
+        if sl.is_head(entry):
+            self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
+            entry.fate = Fate.FINISHED
+        else:  # finished whatever becomes of the batch, once the messages before it are
+            entry.fate = Fate.SETTLED
+            entry.outcome = outcome
+        return True
+
+    def _settle(self, rnd: Round, sl: Slice[Message]) -> None:
+        """After the batch: finish the partition's messages in order, up to the first one that
+        is not finished (its batch did not commit, it must be tried again, or it was not
+        reached)."""
+        if self._partitions.get(sl.tp) is not sl.state:
+            return  # revoked meanwhile: the new owner replays whatever committed
+        for entry, outcome in list(sl.finishable(rnd.committed)):
+            self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
+            entry.fate = Fate.FINISHED
+
+    def _finish(
+        self, rnd: Round, tp: TP, state: Partition[Message], message: Message, outcome: Outcome
+    ) -> None:
+        """The head ``message`` finished with ``outcome``."""
+        self._pop(tp, state, message)
+        rnd.finished.append((tp[0], outcome))
+        if outcome is Outcome.DEAD_LETTERED:
+            rnd.dead_lettered.add(tp)
+
+    @staticmethod
+    def _pop(tp: TP, state: Partition[Message], message: Message) -> None:
+        """Take the finished head off its partition; the message behind it becomes the head."""
+        assert state.backlog and state.backlog[0] is message, f"{tp} finishes out of order"
+        following = state.backlog[1] if len(state.backlog) > 1 else None
+        state.finish(
+            coordinates(message)[2],
+            coordinates(following)[2] if following is not None else None,
+        )
+
+    def _record(self, rnd: Round) -> None:
+        """Metrics of the round: its size and time; each message finished in it (but those
+        tried alone, timed by themselves) gets an equal share of the rest of its time."""
+        total = time.perf_counter() - rnd.started
+        if rnd.finished or rnd.alone:
+            self._metrics.batch(self.config.group, len(rnd.finished) + rnd.alone, total)
+        if not rnd.finished:
+            return
+        seconds = max(0.0, total - rnd.alone_seconds) / len(rnd.finished)
+        for topic, outcome in rnd.finished:
+            self._metrics.attempted(self.config.group, topic, outcome, seconds)

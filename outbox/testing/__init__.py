@@ -1,0 +1,168 @@
+"""Test your own handlers against the real unit of work: a pytest plugin and its helpers.
+
+The plugin adds fixtures and nothing else: no hook changes a run, and no fixture does anything
+until a test asks for it. Installed with ``outbox-kit``, pytest loads it through its ``pytest11``
+entry point (``-p no:outbox.testing`` leaves it out); with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``
+set, load it with ``-p outbox.testing`` or ``pytest_plugins = ["outbox.testing"]`` in a
+``conftest.py``.
+
+Fixtures (a PostgreSQL server is needed; Kafka only for :func:`relay_once`):
+
+* ``outbox_database_url`` -- a database of the test's own, migrated by the package's alembic
+  migrations: a copy (``CREATE DATABASE ... TEMPLATE``) of a template migrated once per
+  session, dropped after the test. The server comes from ``OUTBOX_TESTING_DATABASE_URL``, else
+  ``OUTBOX_DATABASE_URL`` (a URL of any database there; the role must be allowed to create
+  databases). Override ``outbox_template_setup`` to add your own tables to the template.
+* ``outbox`` -- an :class:`~outbox.Outbox` on that database (with Redis when
+  ``OUTBOX_TESTING_REDIS_URL`` is set).
+* ``published`` -- the events the code under test wrote to the outbox (:class:`Published`).
+* ``deliver`` -- runs a consumer handler for one message as the consumer runner would, through
+  the real unit of work, without a broker (:class:`Deliverer`): duplicates are replayed,
+  permanent failures dead-lettered, transient ones retried.
+* ``relay_once`` -- drains the outbox to a real broker (``OUTBOX_TESTING_KAFKA_BOOTSTRAP_SERVERS``,
+  else ``OUTBOX_KAFKA_BOOTSTRAP_SERVERS``, or the argument).
+
+:func:`assert_one_effect_per_key` checks the outcome of redeliveries
+(:meth:`Deliverer.deliver_many`). See ``docs/testing.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from outbox.testing._names import (
+        ENV_TESTING_BOOTSTRAP,
+        ENV_TESTING_DATABASE_URL,
+        ENV_TESTING_REDIS_URL,
+        Deliverer,
+        Delivery,
+        Outbox,
+        Published,
+        PublishedEvent,
+        TemplateDatabases,
+        assert_one_effect_per_key,
+        decode_event,
+        relay_outbox,
+    )
+
+__all__ = [
+    "ENV_TESTING_BOOTSTRAP",
+    "ENV_TESTING_DATABASE_URL",
+    "ENV_TESTING_REDIS_URL",
+    "Deliverer",
+    "Delivery",
+    "Published",
+    "PublishedEvent",
+    "TemplateDatabases",
+    "assert_one_effect_per_key",
+    "decode_event",
+    "relay_outbox",
+]
+
+
+def _api() -> ModuleType:
+    """The module of the public names, loaded on first use, not with the plugin: pytest loads
+    the plugin in every run of an environment where outbox-kit is installed, and those runs
+    must not pay for (or depend on) the Kafka client, the relay or the consumer stack."""
+    from outbox.testing import _names as api  # deferred: see the docstring
+
+    return api
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(_api(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@pytest.fixture(scope="session")
+def outbox_template_setup() -> Callable[[str], None] | None:
+    """Override to prepare the template database after the migrations: return a function of
+    the template's URL that creates your tables (see ``docs/testing.md``). Connections it leaves
+    open to the template are closed afterwards (a template must have none to be copied)."""
+    return None
+
+
+@pytest.fixture(scope="session")
+def outbox_databases(
+    outbox_template_setup: Callable[[str], None] | None,
+) -> Iterator[TemplateDatabases]:
+    """The session's :class:`TemplateDatabases` (the template is created on first use)."""
+    api = _api()
+    databases = api.TemplateDatabases(api.server_url(), outbox_template_setup)
+    try:
+        yield databases
+    finally:
+        databases.close()
+
+
+@pytest.fixture
+def outbox_database_url(outbox_databases: TemplateDatabases) -> Iterator[str]:
+    """URL of a migrated database of this test's own (dropped afterwards)."""
+    url = outbox_databases.create()
+    try:
+        yield url
+    finally:
+        outbox_databases.drop(url)
+
+
+@pytest.fixture
+def outbox_engine(outbox_database_url: str) -> Iterator[sa.Engine]:
+    """A SQLAlchemy engine on the test's database."""
+    engine = _api().create_engine(outbox_database_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def outbox(outbox_database_url: str) -> Iterator[Outbox]:
+    """An :class:`~outbox.Outbox` on the test's database (Redis from
+    ``OUTBOX_TESTING_REDIS_URL`` when set; the relay is not woken: no relay runs)."""
+    api = _api()
+    redis_url = os.environ.get(api.ENV_TESTING_REDIS_URL) or None
+    prefix = f"outbox-testing-{uuid.uuid4().hex}"
+    config = api.OutboxConfig(wake_relays=False, cache_prefix=prefix)
+    ob = api.Outbox(outbox_database_url, redis_url=redis_url, config=config)
+    try:
+        yield ob
+    finally:
+        ob.close()
+
+
+@pytest.fixture
+def published(outbox: Outbox) -> Published:
+    """The events in the test's outbox (:class:`Published`)."""
+    events: Published = _api().Published(outbox.engine, outbox.config.schema)
+    return events
+
+
+@pytest.fixture
+def deliver(outbox: Outbox) -> Deliverer:
+    """``deliver(handler, value, key=..., headers=...) -> Delivery``: one message through the
+    consumer runner's own code and the real unit of work, without a broker
+    (:class:`Deliverer`; ``deliver.deliver_many(...)`` for redeliveries)."""
+    deliverer: Deliverer = _api().Deliverer(outbox)
+    return deliverer
+
+
+@pytest.fixture
+def relay_once(outbox_database_url: str) -> Callable[..., int]:
+    """``relay_once(bootstrap_servers=None, **relay_config) -> confirmed``: drain the test's
+    outbox to a real broker (:func:`relay_outbox`)."""
+
+    def run(bootstrap_servers: str | None = None, **config: Any) -> int:
+        confirmed: int = _api().relay_outbox(outbox_database_url, bootstrap_servers, **config)
+        return confirmed
+
+    return run

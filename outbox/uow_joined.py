@@ -1,0 +1,222 @@
+# generated from outbox/uow_joined_async.py by tools/async_to_sync.py; do not edit
+"""Units of work inside the caller's transaction (``session=`` / ``connection=``).
+
+A joined unit of work claims its key in a savepoint of the caller's transaction and writes its
+key and outbox rows there; it never commits or rolls back the caller's transaction. Its Redis
+write and the relays' wake-up run only after the caller commits (:mod:`outbox._pg.after_commit`).
+The claim's Redis read and replay are shared with owned units of work, so they live here too.
+
+:class:`JoinedUnits` is a base of :class:`outbox.uow.Outbox`, which provides the
+attributes it declares. Written for asyncio; ``outbox/uow_joined.py`` is generated from it by
+``tools/async_to_sync.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import Session
+
+from outbox._core import claim
+from outbox._core.claim import StoredOutcome
+from outbox._core.failures import is_permanent
+from outbox._pg.after_commit import defer
+from outbox._pg.errors import unique_violation_of
+from outbox._pg.identity import identity_of
+from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
+from outbox._redis.cache import OutcomeCache
+from outbox.config import OutboxConfig
+from outbox.errors import ConfigurationError, KeyInProgress
+from outbox.uow_unit import Joined, UnitOfWork, completion, end_joined
+
+log = logging.getLogger("outbox.uow")
+
+
+class JoinedUnits:
+    """The claim's cache read and replay, and the joined units of work's sequences."""
+
+    config: OutboxConfig
+    engine: Engine
+    cache: OutcomeCache | None
+    _identity: tuple[str, Any]
+    _joined_sql: JoinedStatements
+    _notify: Callable[[], None]
+
+    def _cached(self, cache: OutcomeCache, scope: str, key: str) -> StoredOutcome | None:
+        """The outcome Redis holds for the key, if the cache can vouch for it."""
+        if not cache.trusted and cache.available():
+            # Once per process: the key of this database's entries (outbox._pg.identity).
+            statement, params = self._identity
+            try:
+                with self.engine.connect() as conn:
+                    generation = cache.generation
+                    result = conn.exec_driver_sql(statement, params)
+                    identity = identity_of(result.first())
+            except Exception as exc:  # the database decides without the cache
+                cache.untrusted(exc)
+                return None
+            cache.trust(generation, *identity)
+        return cache.get(scope, key)
+
+    def _replay(
+        self, scope: str, key: str, fingerprint: str | None, stored: StoredOutcome
+    ) -> UnitOfWork:
+        claim.verdict(scope, key, fingerprint, stored, acquired=False)  # raises unless REPLAY
+        result = json.loads(stored.result_json) if stored.result_json is not None else None
+        return UnitOfWork(self, scope, key, fingerprint, None, replayed=True, result=result)
+
+    def _replay_claimed(
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str | None,
+        acquired: bool,
+        status: str | None,
+        stored_fp: str | None,
+        result_json: str | None,
+        error: str | None,
+        age: float | None,
+    ) -> UnitOfWork:
+        """The claim found the key decided or held elsewhere: raise what the verdict says, or
+        replay the stored outcome (and warm the cache with it: an earlier transaction committed
+        it)."""
+        stored = None if status is None else StoredOutcome(status, stored_fp, result_json, error)
+        claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
+        assert stored is not None
+        cache = self.cache
+        if cache is not None:
+            ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
+            if ttl is not None:
+                cache.put(scope, key, stored, ttl)
+        return self._replay(scope, key, fingerprint, stored)
+
+    def _begin_joined(
+        self,
+        key: str,
+        scope: str,
+        fingerprint: str | None,
+        session: Session | None,
+        connection: Connection | None,
+    ) -> UnitOfWork:
+        cache = self.cache
+        if cache is not None:
+            cached = self._cached(cache, scope, key)
+            if cached is not None:
+                return self._replay(scope, key, fingerprint, cached)
+        # The claim runs in the savepoint: its advisory lock is released if the savepoint is
+        # rolled back (the body failed) and passes to the caller's transaction when it is
+        # released (the body succeeded), to be held until the caller commits or rolls back.
+        if session is not None:
+            savepoint: Any = session.begin_nested()
+            conn = session.connection()
+        else:
+            assert connection is not None
+            savepoint = connection.begin_nested()
+            conn = connection
+        try:
+            result = conn.execute(
+                self._joined_sql.idempotency_key_claim,
+                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+            )
+            acquired, status, stored_fp, result_json, error, age = result.one()
+        except BaseException:
+            savepoint.rollback()
+            raise
+        if status is None and acquired:
+            joined = Joined(conn, savepoint, session)
+            return UnitOfWork(self, scope, key, fingerprint, None, replayed=False, joined=joined)
+        savepoint.rollback()  # nothing was written
+        row = (status, stored_fp, result_json, error, age)
+        return self._replay_claimed(scope, key, fingerprint, acquired, *row)
+
+    def _after_commit(
+        self, scope: str, key: str, outcome: StoredOutcome, wake: bool
+    ) -> Callable[[], None]:
+        cache = self.cache
+
+        def run() -> None:
+            if cache is not None:
+                cache.put(scope, key, outcome)
+            if wake:
+                self._notify()
+
+        return run
+
+    def _defer(self, joined: Joined, callback: Callable[[], None]) -> None:
+        if joined.session is not None:
+            defer(joined.session, callback)
+        else:
+            sync_connection = joined.connection
+            assert sync_connection is not None
+            defer(sync_connection, callback)
+
+    def _commit_joined(self, uow: UnitOfWork, joined: Joined) -> None:
+        events = uow._events
+        try:
+            if joined.session is not None:
+                joined.session.flush()
+            result_json, params, _size, locks = completion(uow, self.config.schema)
+            statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
+            joined.connection.execute(statement, params)
+            joined.savepoint.commit()
+        except BaseException as exc:
+            end_joined(uow, joined, rollback=True)
+            if unique_violation_of(exc, "idempotency_keys_pkey"):
+                raise KeyInProgress(uow.scope, uow.key) from exc
+            raise
+        end_joined(uow, joined, rollback=False)
+        outcome = StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None)
+        self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, bool(events)))
+
+    def _abort_joined(self, uow: UnitOfWork, joined: Joined, exc: BaseException) -> None:
+        # Roll back to the savepoint: the body's writes go, the caller's other writes stay.
+        end_joined(uow, joined, rollback=True)
+        permanent = is_permanent(exc, self.config.permanent_errors)
+        if not permanent:
+            return
+        error = claim.failure_text(exc)
+        # The savepoint's rollback released the key's lock: take it again in the caller's
+        # transaction, never waiting. Another attempt that took it in between decides the
+        # outcome instead (as in an owned unit of work).
+        result = joined.connection.execute(
+            self._joined_sql.idempotency_key_relock,
+            {"lock_id": claim.lock_id(uow.scope, uow.key)},
+        )
+        if not result.scalar():
+            log.warning(
+                "key %r in scope %r failed permanently but another attempt holds it now; "
+                "that attempt decides its outcome",
+                uow.key,
+                uow.scope,
+            )
+            return
+        recorded = joined.connection.execute(
+            self._joined_sql.idempotency_key_fail,
+            {"scope": uow.scope, "key": uow.key, "fingerprint": uow.fingerprint, "error": error},
+        )
+        if recorded.rowcount == 1:
+            outcome = StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error)
+            self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, False))
+
+
+def check_joinable(session: object, connection: object, *, required: bool = False) -> None:
+    if session is not None and connection is not None:
+        raise ConfigurationError("pass either session= or connection=, not both")
+    if session is not None and not isinstance(session, Session):
+        raise ConfigurationError(
+            f"session= must be a SQLAlchemy {Session.__name__} for this outbox's flavour, "
+            f"got {type(session).__name__}"
+        )
+    if connection is not None and not isinstance(connection, Connection):
+        raise ConfigurationError(
+            f"connection= must be a SQLAlchemy {Connection.__name__} for this outbox's "
+            f"flavour, got {type(connection).__name__}"
+        )
+    if required and session is None and connection is None:
+        raise ConfigurationError(
+            f"publish() needs the caller's {Session.__name__} or {Connection.__name__}"
+        )

@@ -1,0 +1,222 @@
+"""Units of work inside the caller's transaction (``session=`` / ``connection=``).
+
+A joined unit of work claims its key in a savepoint of the caller's transaction and writes its
+key and outbox rows there; it never commits or rolls back the caller's transaction. Its Redis
+write and the relays' wake-up run only after the caller commits (:mod:`outbox._pg.after_commit`).
+The claim's Redis read and replay are shared with owned units of work, so they live here too.
+
+:class:`AsyncJoinedUnits` is a base of :class:`outbox.uow_async.AsyncOutbox`, which provides the
+attributes it declares. Written for asyncio; ``outbox/uow_joined.py`` is generated from it by
+``tools/async_to_sync.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+from outbox._core import claim
+from outbox._core.claim import StoredOutcome
+from outbox._core.failures import is_permanent
+from outbox._pg.after_commit import defer, spawn
+from outbox._pg.errors import unique_violation_of
+from outbox._pg.identity import identity_of
+from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
+from outbox._redis.cache_async import AsyncOutcomeCache
+from outbox.config import OutboxConfig
+from outbox.errors import ConfigurationError, KeyInProgress
+from outbox.uow_unit_async import AsyncUnitOfWork, Joined, completion, end_joined
+
+log = logging.getLogger("outbox.uow")
+
+
+class AsyncJoinedUnits:
+    """The claim's cache read and replay, and the joined units of work's sequences."""
+
+    config: OutboxConfig
+    engine: AsyncEngine
+    cache: AsyncOutcomeCache | None
+    _identity: tuple[str, Any]
+    _joined_sql: JoinedStatements
+    _notify: Callable[[], None]
+
+    async def _cached(self, cache: AsyncOutcomeCache, scope: str, key: str) -> StoredOutcome | None:
+        """The outcome Redis holds for the key, if the cache can vouch for it."""
+        if not cache.trusted and cache.available():
+            # Once per process: the key of this database's entries (outbox._pg.identity).
+            statement, params = self._identity
+            try:
+                async with self.engine.connect() as conn:
+                    generation = cache.generation
+                    result = await conn.exec_driver_sql(statement, params)
+                    identity = identity_of(result.first())
+            except Exception as exc:  # the database decides without the cache
+                cache.untrusted(exc)
+                return None
+            cache.trust(generation, *identity)
+        return await cache.get(scope, key)
+
+    def _replay(
+        self, scope: str, key: str, fingerprint: str | None, stored: StoredOutcome
+    ) -> AsyncUnitOfWork:
+        claim.verdict(scope, key, fingerprint, stored, acquired=False)  # raises unless REPLAY
+        result = json.loads(stored.result_json) if stored.result_json is not None else None
+        return AsyncUnitOfWork(self, scope, key, fingerprint, None, replayed=True, result=result)
+
+    async def _replay_claimed(
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str | None,
+        acquired: bool,
+        status: str | None,
+        stored_fp: str | None,
+        result_json: str | None,
+        error: str | None,
+        age: float | None,
+    ) -> AsyncUnitOfWork:
+        """The claim found the key decided or held elsewhere: raise what the verdict says, or
+        replay the stored outcome (and warm the cache with it: an earlier transaction committed
+        it)."""
+        stored = None if status is None else StoredOutcome(status, stored_fp, result_json, error)
+        claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
+        assert stored is not None
+        cache = self.cache
+        if cache is not None:
+            ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
+            if ttl is not None:
+                await cache.put(scope, key, stored, ttl)
+        return self._replay(scope, key, fingerprint, stored)
+
+    async def _begin_joined(
+        self,
+        key: str,
+        scope: str,
+        fingerprint: str | None,
+        session: AsyncSession | None,
+        connection: AsyncConnection | None,
+    ) -> AsyncUnitOfWork:
+        cache = self.cache
+        if cache is not None:
+            cached = await self._cached(cache, scope, key)
+            if cached is not None:
+                return self._replay(scope, key, fingerprint, cached)
+        # The claim runs in the savepoint: its advisory lock is released if the savepoint is
+        # rolled back (the body failed) and passes to the caller's transaction when it is
+        # released (the body succeeded), to be held until the caller commits or rolls back.
+        if session is not None:
+            savepoint: Any = await session.begin_nested()
+            conn = await session.connection()
+        else:
+            assert connection is not None
+            savepoint = await connection.begin_nested()
+            conn = connection
+        try:
+            result = await conn.execute(
+                self._joined_sql.idempotency_key_claim,
+                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+            )
+            acquired, status, stored_fp, result_json, error, age = result.one()
+        except BaseException:
+            await savepoint.rollback()
+            raise
+        if status is None and acquired:
+            joined = Joined(conn, savepoint, session)
+            return AsyncUnitOfWork(
+                self, scope, key, fingerprint, None, replayed=False, joined=joined
+            )
+        await savepoint.rollback()  # nothing was written
+        row = (status, stored_fp, result_json, error, age)
+        return await self._replay_claimed(scope, key, fingerprint, acquired, *row)
+
+    def _after_commit(
+        self, scope: str, key: str, outcome: StoredOutcome, wake: bool
+    ) -> Callable[[], None]:
+        cache = self.cache
+
+        def run() -> None:
+            if cache is not None:
+                spawn(cache.put(scope, key, outcome))
+            if wake:
+                self._notify()
+
+        return run
+
+    def _defer(self, joined: Joined, callback: Callable[[], None]) -> None:
+        if joined.session is not None:
+            defer(joined.session.sync_session, callback)
+        else:
+            sync_connection = joined.connection.sync_connection
+            assert sync_connection is not None
+            defer(sync_connection, callback)
+
+    async def _commit_joined(self, uow: AsyncUnitOfWork, joined: Joined) -> None:
+        events = uow._events
+        try:
+            if joined.session is not None:
+                await joined.session.flush()
+            result_json, params, _size, locks = await completion(uow, self.config.schema)
+            statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
+            await joined.connection.execute(statement, params)
+            await joined.savepoint.commit()
+        except BaseException as exc:
+            await end_joined(uow, joined, rollback=True)
+            if unique_violation_of(exc, "idempotency_keys_pkey"):
+                raise KeyInProgress(uow.scope, uow.key) from exc
+            raise
+        await end_joined(uow, joined, rollback=False)
+        outcome = StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None)
+        self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, bool(events)))
+
+    async def _abort_joined(self, uow: AsyncUnitOfWork, joined: Joined, exc: BaseException) -> None:
+        # Roll back to the savepoint: the body's writes go, the caller's other writes stay.
+        await end_joined(uow, joined, rollback=True)
+        permanent = is_permanent(exc, self.config.permanent_errors)
+        if not permanent:
+            return
+        error = claim.failure_text(exc)
+        # The savepoint's rollback released the key's lock: take it again in the caller's
+        # transaction, never waiting. Another attempt that took it in between decides the
+        # outcome instead (as in an owned unit of work).
+        result = await joined.connection.execute(
+            self._joined_sql.idempotency_key_relock,
+            {"lock_id": claim.lock_id(uow.scope, uow.key)},
+        )
+        if not result.scalar():
+            log.warning(
+                "key %r in scope %r failed permanently but another attempt holds it now; "
+                "that attempt decides its outcome",
+                uow.key,
+                uow.scope,
+            )
+            return
+        recorded = await joined.connection.execute(
+            self._joined_sql.idempotency_key_fail,
+            {"scope": uow.scope, "key": uow.key, "fingerprint": uow.fingerprint, "error": error},
+        )
+        if recorded.rowcount == 1:
+            outcome = StoredOutcome(claim.STATUS_FAILED, uow.fingerprint, None, error)
+            self._defer(joined, self._after_commit(uow.scope, uow.key, outcome, False))
+
+
+def check_joinable(session: object, connection: object, *, required: bool = False) -> None:
+    if session is not None and connection is not None:
+        raise ConfigurationError("pass either session= or connection=, not both")
+    if session is not None and not isinstance(session, AsyncSession):
+        raise ConfigurationError(
+            f"session= must be a SQLAlchemy {AsyncSession.__name__} for this outbox's flavour, "
+            f"got {type(session).__name__}"
+        )
+    if connection is not None and not isinstance(connection, AsyncConnection):
+        raise ConfigurationError(
+            f"connection= must be a SQLAlchemy {AsyncConnection.__name__} for this outbox's "
+            f"flavour, got {type(connection).__name__}"
+        )
+    if required and session is None and connection is None:
+        raise ConfigurationError(
+            f"publish() needs the caller's {AsyncSession.__name__} or {AsyncConnection.__name__}"
+        )

@@ -1,0 +1,192 @@
+# generated from outbox/uow_unit_async.py by tools/async_to_sync.py; do not edit
+"""The unit of work a caller holds: its connection, session, result and buffered events.
+
+:class:`UnitOfWork` is what ``with outbox.unit_of_work(key) as uow`` gives: it buffers
+``publish()`` calls and the result, and hands out the transaction's connection and session. It
+does no I/O of its own; the sequences that begin, commit and abort it are in
+:mod:`outbox.uow` (a transaction of its own) and :mod:`outbox.uow_joined` (the
+caller's transaction).
+
+Written for asyncio; ``outbox/uow_unit.py`` is generated from it by ``tools/async_to_sync.py``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session
+
+from outbox._core import validate as _validate
+from outbox._core.events import Event, event_params
+from outbox._otel import encode_event
+from outbox._pg.transaction import Transaction
+from outbox.config import OutboxConfig
+from outbox.errors import ReplayedWriteError
+
+
+class _Owner(Protocol):
+    """What a unit of work needs of the outbox that opened it."""
+
+    config: OutboxConfig
+
+
+@dataclass(slots=True)
+class Joined:
+    """A unit of work inside the caller's transaction: its connection, the savepoint the unit
+    of work runs in, and the caller's session (if it handed one over)."""
+
+    connection: Connection
+    savepoint: Any
+    session: Session | None
+
+
+class UnitOfWork:
+    """One attempt at the work for an idempotency key.
+
+    ``replayed`` is true for a duplicate of a completed key: ``result`` holds the stored result
+    and every write (``session``, ``connection``, ``publish``, assigning ``result``) raises
+    :class:`~outbox.errors.ReplayedWriteError`.
+    """
+
+    def __init__(
+        self,
+        outbox: _Owner,
+        scope: str,
+        key: str,
+        fingerprint: str | None,
+        tx: Transaction | None,
+        replayed: bool,
+        result: Any = None,
+        joined: Joined | None = None,
+    ) -> None:
+        self._outbox = outbox
+        self._joined = joined
+        self.scope = scope
+        self.key = key
+        self.fingerprint = fingerprint
+        self.replayed = replayed
+        self._tx = tx
+        self._session: Session | None = None
+        self._result: Any = result
+        self._events: list[Event] = []
+
+    def _refuse(self, what: str) -> ReplayedWriteError:
+        return ReplayedWriteError(
+            f"{what} inside a replayed unit of work (key {self.key!r}, scope {self.scope!r}): "
+            "the key already completed; return uow.result instead of writing"
+        )
+
+    @property
+    def connection(self) -> Connection:
+        """SQLAlchemy Core connection inside the unit of work's transaction."""
+        if self.replayed:
+            raise self._refuse("database access")
+        if self._joined is not None:
+            return self._joined.connection
+        if self._tx is None:
+            raise self._refuse("database access")
+        return self._tx.connection
+
+    @property
+    def session(self) -> Session:
+        """SQLAlchemy ORM session in the same transaction: the caller's own when it handed one
+        over (``session=``), else one bound to the unit of work's connection (created on first
+        use)."""
+        if self.replayed:
+            raise self._refuse("database access")
+        joined = self._joined
+        if joined is not None and joined.session is not None:
+            return joined.session
+        if self._session is None:
+            if joined is not None:
+                self._session = Session(bind=joined.connection, autoflush=True)
+            elif self._tx is not None:
+                self._session = Session(bind=self._tx.connection, autoflush=True)
+            else:
+                raise self._refuse("database access")
+        return self._session
+
+    @property
+    def result(self) -> Any:
+        """The result stored with the key and replayed to every duplicate (JSON-serializable)."""
+        return self._result
+
+    @result.setter
+    def result(self, value: Any) -> None:
+        if self.replayed:
+            raise self._refuse("setting the result")
+        _validate.dumps_json(value, "uow.result")  # refuse early, before any I/O
+        self._result = value
+
+    @property
+    def event_ids(self) -> list[uuid.UUID]:
+        """Ids of the events published so far in this unit of work."""
+        return [event.event_id for event in self._events]
+
+    def publish(
+        self,
+        topic: str,
+        value: Any,
+        key: str | bytes | None = None,
+        headers: dict[str, str | bytes] | None = None,
+    ) -> uuid.UUID:
+        """Append an event to the outbox; it is written when the unit of work commits.
+
+        Synchronous in both flavours: it only buffers. ``value`` may be ``bytes``, ``str``
+        (UTF-8) or anything JSON-serializable (encoded as JSON with a
+        ``content-type: application/json`` header). ``key`` is the Kafka message key (``str``,
+        ``bytes`` or ``None``); events with the same key reach Kafka in commit order. Returns
+        the event's UUID, also sent as the ``X-Idempotency-Key`` header unless ``headers`` sets
+        one. Invalid input raises before anything is written. Inside an active OpenTelemetry
+        span, a ``create {topic}`` span is started and its context stored with the event as
+        ``traceparent``/``tracestate`` headers (unless ``headers`` has a ``traceparent``); see
+        ``docs/tracing.md``.
+        """
+        if self.replayed:
+            raise self._refuse("publish()")
+        event = encode_event(topic, value, key, headers, self._outbox.config.max_payload_bytes)
+        self._events.append(event)
+        return event.event_id
+
+
+def close_unit(uow: UnitOfWork) -> None:
+    """Close the unit of work's session and transaction (rolling back what is not committed)."""
+    if uow._session is not None:
+        uow._session.close()
+        uow._session = None
+    if uow._tx is not None:
+        uow._tx.close()
+        uow._tx = None
+
+
+def end_joined(uow: UnitOfWork, joined: Joined, *, rollback: bool) -> None:
+    """Close the unit of work's own session (never the caller's) and, on ``rollback``, roll
+    back to the savepoint if it is still open."""
+    try:
+        if rollback and joined.savepoint.is_active:
+            joined.savepoint.rollback()
+    finally:
+        if uow._session is not None:
+            uow._session.close()
+            uow._session = None
+
+
+def completion(uow: UnitOfWork, schema: str | None) -> tuple[str, dict[str, Any], int, int]:
+    """Flush the unit of work's session and bind what its final statement writes: returns the
+    result as JSON, the statement's parameters (key, result, events), the events' total size
+    and their number of order locks. Raises :class:`~outbox.errors.SerializationError` for a
+    result that cannot be stored."""
+    result_json = _validate.dumps_json(uow._result, "uow.result")
+    if uow._session is not None:
+        uow._session.flush()
+    params: dict[str, Any] = {
+        "scope": uow.scope,
+        "key": uow.key,
+        "fingerprint": uow.fingerprint,
+        "result": result_json,
+    }
+    size, locks = event_params(uow._events, params, schema)
+    return result_json, params, size, locks

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs the test suite as two pytest sessions side by side: tests/integration, and every other
+# path of pytest's testpaths (unit, e2e, faults, migrations, the example service). Most tests wait on PostgreSQL,
+# Redis or the broker, so two sessions on two cores take about half the wall time of one. Each
+# session starts its own broker and private servers and names its databases, topics and Redis
+# keys apart, so the two never meet.
+#
+#   scripts/pytest_tiers.sh PYTHON [pytest options...]
+#
+# Options that name paths or select tests (anything not starting with "-", or -k / -m) run one
+# session with them instead. pytest's exit code 5 (no test collected) is a broken suite.
+set -uo pipefail
+python=$1
+shift
+
+single=0
+for arg in "$@"; do
+    case "$arg" in
+        -k|-m|-k*|-m*) single=1 ;;
+        -*) ;;
+        *) single=1 ;;
+    esac
+done
+
+judge() {  # judge NAME RC
+    if [ "$2" -eq 5 ]; then
+        echo "pytest collected no tests in $1: the suite is broken" >&2
+    fi
+    return "$2"
+}
+
+if [ "$single" -eq 1 ]; then
+    "$python" -m pytest "$@"
+    judge "the selection" $?
+    exit $?
+fi
+
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+echo "running two pytest sessions side by side: tests/integration | the other tiers"
+"$python" -m pytest "$@" tests/integration >"$logs/integration" 2>&1 &
+integration=$!
+"$python" -m pytest "$@" --ignore=tests/integration >"$logs/other" 2>&1 &
+other=$!
+wait "$integration"; rc_integration=$?
+wait "$other"; rc_other=$?
+
+echo "=============================== tests/integration ==============================="
+cat "$logs/integration"
+echo "====================== unit, e2e, faults, migrations, example ===================="
+cat "$logs/other"
+
+status=0
+judge tests/integration "$rc_integration" || status=1
+judge "the other tiers" "$rc_other" || status=1
+echo "tests/integration: exit $rc_integration; the other tiers: exit $rc_other"
+exit "$status"
