@@ -171,11 +171,21 @@ def test_consume_with_a_guard(
         return float(line.rsplit(" ", 1)[1])
 
     try:
-        wait_for(
-            lambda: value(scrape(), 'outbox_consumer_replayed_total{group="' + group) == 1
-            and value(scrape(), "outbox_consumer_dead_lettered_total") == 1,
-            60, "the duplicate replayed and the poison dead-lettered",
-        )  # fmt: skip
+        replayed = f'outbox_consumer_replayed_total{{group="{group}",status='
+        seen: list[str] = [""]
+
+        def settled() -> bool:
+            seen[0] = text = scrape()
+            return (
+                value(text, replayed + '"completed"') == 1
+                and value(text, "outbox_consumer_dead_lettered_total") == 1
+                and value(text, replayed + '"failed"') == 1  # the last message: its key failed
+            )
+
+        try:
+            wait_for(settled, 60, "the duplicate replayed, the poison dead-lettered, its repeat")
+        except TimeoutError:
+            raise AssertionError(seen[0]) from None
         text = scrape()
         assert value(text, "outbox_consumer_processed_total") == 2
         assert value(text, "outbox_consumer_consumed_total") == 5

@@ -19,7 +19,7 @@ from tests.fixtures.common import wait_for
 from tests.fixtures.guard import new_prefix
 from tests.fixtures.redis import PrivateRedis
 
-LEASE = 1.0
+LEASE = 3.0  # long enough that a loaded machine cannot outrun it between two steps
 
 # The owner: claims the key, reports its fence, then waits for a line on stdin inside the body.
 # A downstream store (a hash in the same Redis) accepts a write only with a fence at least as

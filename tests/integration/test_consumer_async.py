@@ -293,8 +293,9 @@ def test_key_in_progress_holds_its_partition_and_never_skips(
 def test_the_event_loop_is_never_blocked_by_the_kafka_client(
     kafka_bootstrap: str, topic: str, database_url: str, effects: sa.Engine
 ) -> None:
-    """Polls (0.5 s each), commits and closing run on the client's thread: a task sharing the
-    runner's event loop keeps its pace through start-up, messages and shutdown."""
+    """Polls (2 s each here), commits and closing run on the client's thread: a task sharing the
+    runner's event loop keeps its pace through start-up, messages and shutdown (a poll on the
+    loop would stall it for about 2 s while idle)."""
     gaps: list[float] = []
 
     async def handle(uow: Any, message: Any) -> None:
@@ -305,7 +306,7 @@ def test_the_event_loop_is_never_blocked_by_the_kafka_client(
         runner = AsyncConsumerRunner(
             ob, handle, topics=[topic], group=f"g-{uuid.uuid4().hex[:8]}",
             bootstrap_servers=kafka_bootstrap, kafka_config=KAFKA,
-            metrics_registry=CollectorRegistry(),
+            metrics_registry=CollectorRegistry(), poll_timeout=2.0, commit_interval=2.0,
         )  # fmt: skip
 
         async def tick() -> None:
@@ -322,7 +323,7 @@ def test_the_event_loop_is_never_blocked_by_the_kafka_client(
                 if await asyncio.to_thread(rows, effects):
                     break
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(1.0)  # idle polls
+            await asyncio.sleep(4.5)  # idle polls
             runner.stop()
 
         ticker = asyncio.create_task(tick())
@@ -335,4 +336,4 @@ def test_the_event_loop_is_never_blocked_by_the_kafka_client(
     asyncio.run(main())
     assert rows(effects) == [("k1", "x")]
     assert len(gaps) > 50
-    assert max(gaps) < 0.25, f"the event loop stalled for {max(gaps):.3f}s"
+    assert max(gaps) < 1.0, f"the event loop stalled for {max(gaps):.3f}s"

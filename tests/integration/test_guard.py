@@ -84,7 +84,7 @@ def test_other_exception_releases_the_key_for_an_immediate_retry(guard_target: T
         with guard.claim("mail-1") as claim:
             assert not claim.replayed
             fences.append(claim.fence)
-        assert time.monotonic() - started < 1  # no lease waited out
+        assert time.monotonic() - started < 10  # no lease (60 s) waited out
         assert fences == [1, 2, 3, 4]
 
 
@@ -94,7 +94,7 @@ def test_a_live_claim_gets_key_in_progress_at_once(guard_target: Target) -> None
             started = time.monotonic()
             with pytest.raises(KeyInProgress), guard.claim("busy"):
                 raise AssertionError("two owners")
-            assert time.monotonic() - started < 0.5
+            assert time.monotonic() - started < 10  # not after the lease's 60 s
         owner.result = "mine"
     with guard_target.guard(prefix=guard.settings.prefix) as again, again.claim("busy") as claim:
         assert claim.replayed and claim.result == "mine"
@@ -172,7 +172,7 @@ def test_an_owner_past_its_lease_still_completes_when_nobody_took_over(
 
 
 def test_renewal_keeps_the_key_while_a_long_body_runs(guard_target: Target) -> None:
-    lease = 1.0
+    lease = 2.0  # renewed every 2/3 s: a loaded machine's scheduling cannot outlast it
     with guard_target.guard(lease=lease, renew=True) as guard:
         entered, release = threading.Event(), threading.Event()
         outcome: dict[str, Any] = {}
