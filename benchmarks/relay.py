@@ -9,6 +9,9 @@ Measured in one run, against the same PostgreSQL and broker:
 * **raw producer**: confluent-kafka sending the same records (no database) with the relay's
   producer settings, best of three runs -- the ceiling;
 * **naive relay**: claim one row, produce, flush, delete, commit -- row at a time;
+* **PostgreSQL alone**: the relay's own claim and delete statements, a batch per transaction,
+  no Kafka (alone, and with the records built from the rows as the relay does) -- the database's
+  side of the ceiling on this machine, for reading the drains' ratios;
 * **steady-state drains**: 1 and 4 relay processes already running and idle when a burst of
   ``--rows`` rows commits at once, with unique keys, 1,000 keys, 10 keys and 1 key; each drain
   as a ratio of the raw producer and of the unique-key drain with as many relays;
@@ -46,8 +49,10 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 import outbox
 from outbox import migrate
 from outbox._core import codec as _codec, events as _events
-from outbox._kafka import producer as _producer
-from outbox._pg import lanes as pg_lanes
+from outbox._core.delivery import ID
+from outbox._kafka import producer as _producer, records as _records
+from outbox._pg import lanes as pg_lanes, relay as pg_relay
+from outbox.config import RelayConfig
 from outbox.schema import tables
 
 # The relays run from the same checkout as the package imported here.
@@ -197,6 +202,37 @@ def raw_producer(bootstrap: str, topic: str, rows: int) -> float:
     elapsed = time.perf_counter() - started
     if errors:
         raise SystemExit(f"raw producer: {errors} delivery errors")
+    return rows / elapsed
+
+
+def database_alone(engine: sa.Engine, rows: int, build: bool) -> float:
+    """Rows per second that the relay's claim + delete + commit take out of a burst of ``rows``
+    with one connection and no Kafka (``build``: the records are built from each batch too, the
+    relay's main per-row Python work). Every lane owned, the relay's default batch size."""
+    config = RelayConfig(database_url="unused", bootstrap_servers="unused")
+    sql = pg_relay.OutboxStatements.for_schema(None)
+    insert_pending(engine, "bench-database", rows)
+    vacuum(engine)
+    taken = 0
+    with engine.connect() as conn:
+        started = time.perf_counter()
+        while True:
+            claimed = pg_relay.outbox_claim_batch(
+                conn, sql, lanes=config.lanes, owned=range(config.lanes),
+                batch_size=config.batch_size, uncontended=True,
+            )  # fmt: skip
+            if not claimed:
+                conn.commit()
+                break
+            if build:
+                _records.build_records(claimed)
+            pg_relay.outbox_delete_confirmed(conn, sql, [r[ID] for r in claimed])
+            conn.commit()
+            taken += len(claimed)
+        elapsed = time.perf_counter() - started
+    if taken != rows:
+        raise SystemExit(f"database alone: took {taken} of {rows} rows")
+    vacuum(engine)
     return rows / elapsed
 
 
@@ -518,7 +554,7 @@ def main() -> int:
     parser.add_argument("--order-rounds", type=int, default=2)
     parser.add_argument(
         "--only",
-        default="raw,naive,drain,latency,order,wakeup",
+        default="raw,naive,database,drain,latency,order,wakeup",
         help="comma-separated phases to run (raw is needed by naive and drain)",
     )
     parser.add_argument(
@@ -579,6 +615,14 @@ def main() -> int:
             results.append(
                 ("naive row-at-a-time relay", f"{naive:,.0f} msgs/s ({naive / raw:.1%} of raw)")
             )
+        if "database" in only:
+            for build in (False, True):
+                rate = max(database_alone(engine, args.rows, build) for _ in range(2))
+                what = "claim + records + delete" if build else "claim + delete"
+                results.append(
+                    (f"PostgreSQL alone, {what}, {args.rows:,} rows (no Kafka)",
+                     f"{rate:,.0f} rows/s ({rate / raw:.2f}x raw)")
+                )  # fmt: skip
         if "drain" in only:
             for relays in (1, 4):
                 rates = steady_drains(engine, url, bootstrap, args.rows, relays, args.drain_rounds)
