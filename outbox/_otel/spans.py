@@ -94,6 +94,32 @@ def _failed(span: Span, exc: BaseException) -> None:
         pass
 
 
+@contextmanager
+def _current(
+    name: str,
+    parent: Context | None,
+    kind: SpanKind,
+    attributes: dict[str, Any],
+    links: list[Link] | None = None,
+) -> Iterator[Span]:
+    """A current span that records an exception leaving it the project's way (:func:`_failed`:
+    one redacted line, ERROR), not the SDK's (whose message could carry secrets)."""
+    with _tracer.start_as_current_span(
+        name,
+        context=parent,
+        kind=kind,
+        attributes=attributes,
+        links=links,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
+
+
 def active() -> bool:
     """True when a span (recording or not) is current: a trace to continue."""
     return trace.get_current_span().get_span_context().is_valid
@@ -278,20 +304,8 @@ def process(message: Any, group: str, link: bool) -> Iterator[Span]:
             parent, links = Context(), [Link(remote)]  # a new trace, linked to the producer's
         else:
             parent = trace.set_span_in_context(trace.NonRecordingSpan(remote))
-    with _tracer.start_as_current_span(
-        f"process {topic}",
-        context=parent,
-        kind=SpanKind.CONSUMER,
-        attributes=attributes,
-        links=links,
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            _failed(span, exc)
-            raise
+    with _current(f"process {topic}", parent, SpanKind.CONSUMER, attributes, links) as span:
+        yield span
 
 
 @contextmanager
@@ -308,20 +322,8 @@ def process_batch(messages: Sequence[Any], group: str) -> Iterator[Span]:
     attributes[A_GROUP] = group
     attributes[A_KAFKA_GROUP] = group
     links = [Link(c) for c in map(_record_context, messages) if c is not None]
-    with _tracer.start_as_current_span(
-        name,
-        context=Context(),
-        kind=SpanKind.CONSUMER,
-        attributes=attributes,
-        links=links,
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            _failed(span, exc)
-            raise
+    with _current(name, Context(), SpanKind.CONSUMER, attributes, links) as span:
+        yield span
 
 
 def processed(span: Span, outcome: str) -> None:
@@ -354,19 +356,10 @@ def request(method: str, path: str, headers: Mapping[str, str]) -> Iterator[Span
     if remote is None:
         yield None
         return
-    with _tracer.start_as_current_span(
-        method,
-        context=trace.set_span_in_context(trace.NonRecordingSpan(remote)),
-        kind=SpanKind.SERVER,
-        attributes={"http.request.method": method, "url.path": path},
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            _failed(span, exc)
-            raise
+    parent = trace.set_span_in_context(trace.NonRecordingSpan(remote))
+    attributes: dict[str, Any] = {"http.request.method": method, "url.path": path}
+    with _current(method, parent, SpanKind.SERVER, attributes) as span:
+        yield span
 
 
 def responded(span: Span | None, status: int) -> None:
