@@ -36,6 +36,10 @@ __all__ = [
 
 log = logging.getLogger("outbox.consumer")
 
+# Polls that serve queued rebalance events before close() (see KafkaConsumer.close); each
+# returns at once, with a record or with nothing left to serve.
+_CLOSE_POLLS = 1000
+
 TP = tuple[str, int]
 """A partition: ``(topic, partition)``."""
 
@@ -312,8 +316,18 @@ class KafkaConsumer:
             raise ConsumerError(str(exc)) from exc
 
     def close(self) -> None:
-        """Leave the group (partitions move to other members at once) and release the client."""
+        """Leave the group (partitions move to other members at once) and release the client.
+
+        Rebalance events still queued are served first, by polling: librdkafka can wait
+        forever when ``close()`` itself has to serve an assignment (librdkafka issue 4884), and
+        confluent-kafka holds the GIL there, which would freeze every thread of the process.
+        Records these polls fetch are dropped; their offsets are not committed, so the group
+        reads them again.
+        """
         try:
+            for _ in range(_CLOSE_POLLS):
+                if self._consumer.poll(0) is None:
+                    break
             self._consumer.close()
         except (KafkaException, RuntimeError) as exc:
             raise ConsumerError(str(exc)) from exc
