@@ -205,11 +205,11 @@ def raw_producer(bootstrap: str, topic: str, rows: int) -> float:
     return rows / elapsed
 
 
-def database_alone(engine: sa.Engine, rows: int, build: bool) -> float:
+def database_alone(engine: sa.Engine, url: str, bootstrap: str, rows: int, build: bool) -> float:
     """Rows per second that the relay's claim + delete + commit take out of a burst of ``rows``
     with one connection and no Kafka (``build``: the records are built from each batch too, the
     relay's main per-row Python work). Every lane owned, the relay's default batch size."""
-    config = RelayConfig(database_url="unused", bootstrap_servers="unused")
+    config = RelayConfig(database_url=url, bootstrap_servers=bootstrap)  # its defaults
     sql = pg_relay.OutboxStatements.for_schema(None)
     insert_pending(engine, "bench-database", rows)
     vacuum(engine)
@@ -617,7 +617,9 @@ def main() -> int:
             )
         if "database" in only:
             for build in (False, True):
-                rate = max(database_alone(engine, args.rows, build) for _ in range(2))
+                rate = max(
+                    database_alone(engine, url, bootstrap, args.rows, build) for _ in range(2)
+                )
                 what = "claim + records + delete" if build else "claim + delete"
                 results.append(
                     (f"PostgreSQL alone, {what}, {args.rows:,} rows (no Kafka)",
