@@ -3,10 +3,11 @@
 One loop: wait for (a wake-up notification | the poll timer | stop); rebalance lanes when due;
 claim a batch of the lanes this relay owns (``FOR UPDATE NOWAIT``, or ``SKIP LOCKED`` once
 another transaction's lock got in the way); produce it; wait for every delivery report; delete
-the confirmed rows in one statement, record failures in another; commit. While Kafka confirms a
-batch, its rows are deleted in a savepoint and the next batch is claimed, so that the database
-works while the broker does; the transaction commits as it is only when every row was
-confirmed, else it rolls back to the savepoint and settles row by row. A row leaves the outbox
+the confirmed rows in one statement, record failures in another; commit. While a full batch's
+records are handed to the producer and Kafka confirms them, the relay's database thread deletes
+its rows in a savepoint and claims the next batch, so that the database works while the producer
+and the broker do; the transaction commits as it is only when every row was confirmed, else it
+rolls back to the savepoint and settles row by row. A row leaves the outbox
 only with a commit that follows its delivery report, so a crash at any point re-sends (at least
 once), never loses.
 
@@ -41,6 +42,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -167,6 +169,8 @@ class Relay:
         self._contended = False
         # The next batch, claimed while Kafka confirmed the previous one (see process_batch).
         self._ahead: _Batch | None = None
+        # Runs the database's share of a full batch while this thread produces (process_batch).
+        self._database: ThreadPoolExecutor | None = None
         # Waiting for work, announced to writers (see _announce_idle): to announce, announced,
         # draining (to give the announcement back).
         self._announce = self._announced = self._draining = False
@@ -257,30 +261,36 @@ class Relay:
             self._contended = any(r[SKIPPED] for r in fetched)
         return _Batch.of(fetched)
 
-    def _claim_ahead(self, conn: sa.Connection) -> _Batch | None:
-        """While Kafka confirms the batch in hand: claim the next one in the same transaction
-        (the batch in hand is already deleted there, so the claim passes over it), or nothing
-        when a lock gets in the way, a rebalance is due or the relay stops."""
-        if (
-            self._contended
-            or self.stop_event.is_set()
-            or time.monotonic() >= self.lanes.next_rebalance
-        ):
+    def _delete_and_claim_ahead(
+        self, conn: sa.Connection, ids: Sequence[int]
+    ) -> list[ClaimedRow] | None:
+        """While Kafka confirms the batch in hand: delete its rows in a savepoint and claim the
+        next batch in the same transaction (the batch in hand is already deleted there, so the
+        claim passes over it); no claim when a lock gets in the way, a rebalance is due or the
+        relay stops."""
+        outbox_savepoint(conn, "outbox_sent")
+        outbox_delete_confirmed(conn, self.sql, ids)
+        if self._contended or self.stop_event.is_set():
             return None
         outbox_savepoint(conn, "outbox_ahead")
         fetched = self._claim(conn, uncontended=True, savepoint="outbox_ahead")
         if fetched is None:
             self._contended = True
-            return None
-        return _Batch.of(fetched)
+        return fetched
+
+    def _database_thread(self) -> ThreadPoolExecutor:
+        if self._database is None:
+            self._database = ThreadPoolExecutor(1, thread_name_prefix="outbox-relay-database")
+        return self._database
 
     def process_batch(self, conn: sa.Connection) -> BatchResult:
         """Claim (or take the batch claimed ahead), produce, confirm, delete and commit one
         batch of the owned lanes.
 
         A full batch that goes out in one round (the usual case while draining) overlaps its
-        database work with Kafka's: once its records are handed to the producer, its rows are
-        deleted in a savepoint and the next batch is claimed, while the broker confirms.
+        database work with Kafka's: while this thread hands its records to the producer, the
+        database thread deletes its rows in a savepoint and claims the next batch; the broker
+        confirms meanwhile.
         Only if Kafka confirmed every row does the transaction commit as it is; otherwise it
         rolls back to the savepoint and settles row by row. Either way a row leaves the outbox
         with the COMMIT that follows its delivery report (DESIGN.md I6). The batch claimed
@@ -313,12 +323,20 @@ class Relay:
         def send(todo: list[int]) -> list[Outcome | None]:
             nonlocal ahead, optimistic
             chosen = records if len(todo) == len(records) else [records[i] for i in todo]
-            sending = producer.start(chosen)  # type: ignore[arg-type]  # no unsendable in todo
-            if overlap:
-                optimistic = True
-                outbox_savepoint(conn, "outbox_sent")
-                outbox_delete_confirmed(conn, self.sql, ids)
-                ahead = self._claim_ahead(conn)
+            if not overlap:
+                sending = producer.start(chosen)  # type: ignore[arg-type]  # no unsendable
+                return producer.finish(sending, self.stop_event, self.config.shutdown_grace)
+            # The database deletes this batch (in a savepoint) and claims the next one on the
+            # relay's database thread while this thread hands the records to the producer;
+            # both wait for each other before Kafka's reports are awaited.
+            optimistic = True
+            database = self._database_thread().submit(self._delete_and_claim_ahead, conn, ids)
+            try:
+                sending = producer.start(chosen)  # type: ignore[arg-type]
+            finally:
+                fetched = database.result()
+            if fetched is not None:
+                ahead = _Batch.of(fetched)
             return producer.finish(sending, self.stop_event, self.config.shutdown_grace)
 
         if spans is not None:
@@ -453,8 +471,10 @@ class Relay:
                 conn = self._conn
                 now = time.monotonic()
                 if now >= self.lanes.next_rebalance:
-                    self._ahead = None  # its rows are no longer locked; lanes may move
-                    self.lanes.rebalance(conn)
+                    if self.lanes.rebalance(conn):
+                        # The batch claimed ahead may hold rows of a lane another relay can
+                        # take now (they are no longer locked): claim from the lanes kept.
+                        self._ahead = None
                     self.lanes.next_rebalance = now + self.config.rebalance_interval
                 if not once and now >= self._next_stats:
                     self._refresh_stats(conn)
@@ -564,6 +584,9 @@ class Relay:
             self._producer.close(timeout=1.0)
             self._producer = None
         self._drop_connection()
+        if self._database is not None:
+            self._database.shutdown(wait=True)
+            self._database = None
         if listener is not None:
             listener.join(2.0)
         self.engine.dispose()

@@ -58,7 +58,10 @@ class LaneOwnership:
         self.pid = None
         self.metrics.lanes_owned.set(0)
 
-    def rebalance(self, conn: sa.Connection) -> None:
+    def rebalance(self, conn: sa.Connection) -> bool:
+        """Take or give back lanes towards an even share (and commit); true when this relay
+        no longer owns a lane it owned before (given back, or its lock found gone)."""
+        before = set(self.owned)
         schema = self.config.schema
         owners = ownership_from_locks(pg_lanes.read_locks(conn, schema), schema)
         mine = set(owners.get(self.pid or -1, ()))
@@ -91,3 +94,4 @@ class LaneOwnership:
                 format_ranges(got),
                 format_ranges(plan.release),
             )
+        return not before <= self.owned

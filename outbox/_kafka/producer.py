@@ -212,6 +212,10 @@ class KafkaProducer:
         refused: set[bytes] = set()
         produce = self._producer.produce
         for index, (topic, key, value, headers) in enumerate(records):
+            if not index & 511:
+                # Let other threads of the process have the interpreter between runs of
+                # produce() calls (the relay's database work overlaps this loop).
+                time.sleep(0)
             if refused and key in refused:
                 outcomes[index] = None
                 continue

@@ -150,6 +150,17 @@ FOR UPDATE OF o NOWAIT
 # ",".join of ints is ~20 times cheaper than the driver's per-element array dumper.
 OUTBOX_DELETE_CONFIRMED = "DELETE FROM {outbox} WHERE id = ANY(%s::bigint[])"
 
+# The same rows when their ids lie close together (a drain's batch usually is one run of ids):
+# one walk of the primary key over their range, each row checked against the (hashed) list,
+# instead of one index descent per id -- about a third cheaper for a batch of thousands. The
+# `+ 0` keeps the list out of the index condition, which would bring back the descents.
+OUTBOX_DELETE_CONFIRMED_RANGE = (
+    "DELETE FROM {outbox} WHERE id BETWEEN %s AND %s AND id + 0 = ANY(%s::bigint[])"
+)
+
+# The range walk is used while it passes at most this many index entries per deleted row.
+DENSE_IDS = 2
+
 OUTBOX_RECORD_FAILURES = """
 UPDATE {outbox} o
 SET attempts = o.attempts + 1,
@@ -178,6 +189,7 @@ class OutboxStatements:
     claim: str
     claim_uncontended: str
     delete: str
+    delete_range: str
     fail: sa.TextClause
     stats: sa.TextClause
 
@@ -188,6 +200,7 @@ class OutboxStatements:
             claim=OUTBOX_CLAIM_BATCH.format(outbox=table),
             claim_uncontended=OUTBOX_CLAIM_UNCONTENDED.format(outbox=table),
             delete=OUTBOX_DELETE_CONFIRMED.format(outbox=table),
+            delete_range=OUTBOX_DELETE_CONFIRMED_RANGE.format(outbox=table),
             fail=sa.text(OUTBOX_RECORD_FAILURES.format(outbox=table)),
             stats=sa.text(OUTBOX_STATS.format(outbox=table)),
         )
@@ -249,8 +262,15 @@ def outbox_rollback_to(conn: sa.Connection, name: str) -> None:
 
 def outbox_delete_confirmed(conn: sa.Connection, sql: OutboxStatements, ids: Sequence[int]) -> None:
     """Delete the rows Kafka confirmed (inside the claim's transaction)."""
+    if not ids:
+        return
+    listed = "{" + ",".join(map(str, ids)) + "}"
+    low, high = min(ids), max(ids)
     with _driver(conn).cursor() as cur:
-        cur.execute(sql.delete, ("{" + ",".join(map(str, ids)) + "}",))
+        if high - low < DENSE_IDS * len(ids):
+            cur.execute(sql.delete_range, (low, high, listed))
+        else:
+            cur.execute(sql.delete, (listed,))
 
 
 def outbox_record_failures(

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from outbox import Outbox, lanes as lanes_mod
+from outbox._pg.relay import outbox_delete_confirmed
 from outbox.parked import discard_parked, list_parked, retry_parked
 from outbox.relay import Relay, RelayConfig
 from tests.fixtures.common import wait_for
@@ -212,6 +214,55 @@ def test_relays_split_lanes_and_survivor_takes_over(
         wait_for_records(kafka_bootstrap, topic, ids)
     finally:
         first.stop()
+
+
+def test_rebalance_says_whether_the_relay_gave_a_lane_up(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """A relay keeps the batch it claimed ahead across a rebalance that took no lane from it
+    and drops it after giving one back (another relay may claim those rows then): the
+    rebalance's answer decides."""
+    config = RelayConfig(database_url, kafka_bootstrap, lanes=8)
+    first, second = Relay(config), Relay(config)
+    try:
+        with first.engine.connect() as a, second.engine.connect() as b:
+            first.lanes.register(a)
+            assert first.lanes.rebalance(a) is False  # took all eight, gave none back
+            assert first.owned == set(range(8))
+            assert first.lanes.rebalance(a) is False  # nothing moves
+            second.lanes.register(b)
+            assert second.lanes.rebalance(b) is False  # every lane is held: takes none yet
+            assert not second.owned
+            assert first.lanes.rebalance(a) is True  # gives four back for the newcomer
+            assert len(first.owned) == 4
+            assert second.lanes.rebalance(b) is False  # takes them
+            assert second.owned == set(range(8)) - first.owned
+            assert first.lanes.rebalance(a) is False
+    finally:
+        first.engine.dispose()
+        second.engine.dispose()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sets(st.integers(0, 199), min_size=1))
+def test_the_confirmed_delete_takes_exactly_the_rows_listed(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, chosen: set[int]
+) -> None:
+    """Whatever the spread of the ids (one run, gaps, two far apart: the range walk or the
+    per-id probe), the delete removes the rows listed and no other."""
+    if outbox_count(engine) == 0:
+        insert_rows(engine, _topic("relay-delete"), [(f"k{i}", b"v") for i in range(200)])
+    relay = Relay(RelayConfig(database_url, kafka_bootstrap))
+    try:
+        with relay.engine.connect() as conn:
+            ids = sorted(conn.execute(sa.text("SELECT id FROM outbox")).scalars())
+            gone = [ids[i] for i in sorted(chosen)]
+            outbox_delete_confirmed(conn, relay.sql, gone)
+            left = set(conn.execute(sa.text("SELECT id FROM outbox")).scalars())
+            conn.rollback()
+    finally:
+        relay.engine.dispose()
+    assert left == set(ids) - set(gone)
 
 
 def test_relay_refuses_a_different_lane_count(database_url: str, kafka_bootstrap: str) -> None:
