@@ -73,10 +73,10 @@ from outbox._pg.relay import (
     OutboxStatements,
     listen_connector,
     outbox_claim_batch,
+    outbox_delete_between_savepoints,
     outbox_delete_confirmed,
     outbox_record_failures,
     outbox_rollback_to,
-    outbox_savepoint,
     outbox_stats,
     relay_engine,
 )
@@ -268,11 +268,9 @@ class Relay:
         next batch in the same transaction (the batch in hand is already deleted there, so the
         claim passes over it); no claim when a lock gets in the way, a rebalance is due or the
         relay stops."""
-        outbox_savepoint(conn, "outbox_sent")
-        outbox_delete_confirmed(conn, self.sql, ids)
+        outbox_delete_between_savepoints(conn, self.sql, ids)
         if self._contended or self.stop_event.is_set():
             return None
-        outbox_savepoint(conn, "outbox_ahead")
         fetched = self._claim(conn, uncontended=True, savepoint="outbox_ahead")
         if fetched is None:
             self._contended = True

@@ -243,7 +243,9 @@ def test_rebalance_says_whether_the_relay_gave_a_lane_up(
         second.engine.dispose()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.sets(st.integers(0, 199), min_size=1))
 def test_the_confirmed_delete_takes_exactly_the_rows_listed(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, chosen: set[int]
