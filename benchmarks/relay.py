@@ -208,13 +208,15 @@ def raw_producer(bootstrap: str, topic: str, rows: int) -> float:
 def database_alone(engine: sa.Engine, url: str, bootstrap: str, rows: int, build: bool) -> float:
     """Rows per second that the relay's claim + delete + commit take out of a burst of ``rows``
     with one connection and no Kafka (``build``: the records are built from each batch too, the
-    relay's main per-row Python work). Every lane owned, the relay's default batch size."""
+    relay's main per-row Python work). One session with the relay's settings, every lane owned,
+    the relay's default batch size."""
     config = RelayConfig(database_url=url, bootstrap_servers=bootstrap)  # its defaults
     sql = pg_relay.OutboxStatements.for_schema(None)
     insert_pending(engine, "bench-database", rows)
     vacuum(engine)
     taken = 0
-    with engine.connect() as conn:
+    relay_engine = pg_relay.relay_engine(url)  # the relay's own session settings
+    with relay_engine.connect() as conn:
         started = time.perf_counter()
         while True:
             claimed = pg_relay.outbox_claim_batch(
@@ -230,6 +232,7 @@ def database_alone(engine: sa.Engine, url: str, bootstrap: str, rows: int, build
             conn.commit()
             taken += len(claimed)
         elapsed = time.perf_counter() - started
+    relay_engine.dispose()
     if taken != rows:
         raise SystemExit(f"database alone: took {taken} of {rows} rows")
     vacuum(engine)
