@@ -7,9 +7,8 @@ the confirmed rows in one statement, record failures in another; commit. While a
 records are handed to the producer and Kafka confirms them, the relay's database thread deletes
 its rows in a savepoint and claims the next batch, so that the database works while the producer
 and the broker do; the transaction commits as it is only when every row was confirmed, else it
-rolls back to the savepoint and settles row by row. A row leaves the outbox
-only with a commit that follows its delivery report, so a crash at any point re-sends (at least
-once), never loses.
+rolls back to the savepoint and settles row by row. A row leaves the outbox only with a commit
+that follows its delivery report, so a crash at any point re-sends (at least once), never loses.
 
 Per-key order rests on two rules:
 
@@ -266,8 +265,8 @@ class Relay:
     ) -> list[ClaimedRow] | None:
         """While Kafka confirms the batch in hand: delete its rows in a savepoint and claim the
         next batch in the same transaction (the batch in hand is already deleted there, so the
-        claim passes over it); no claim when a lock gets in the way, a rebalance is due or the
-        relay stops."""
+        claim passes over it); no claim while the relay claims the careful way (a lock got in
+        the way lately) or when it stops. Returns the claimed rows, or ``None``."""
         outbox_delete_between_savepoints(conn, self.sql, ids)
         if self._contended or self.stop_event.is_set():
             return None
