@@ -31,6 +31,7 @@ relays run from the ``outbox`` package this script imports (``PYTHONPATH`` choos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -39,7 +40,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -537,16 +538,46 @@ def wakeup_cost(url: str, seconds: float, rounds: int) -> tuple[float, float]:
     return totals[True] / rounds, totals[False] / rounds
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def service_arguments(parser: argparse.ArgumentParser, database: str) -> None:
+    """``--database-url`` (a scratch database named ``database`` by default) and
+    ``--bootstrap-servers``."""
     parser.add_argument(
         "--database-url",
         default=os.environ.get(
-            "OUTBOX_BENCH_DATABASE_URL",
-            "postgresql+psycopg://postgres@127.0.0.1:5432/outbox_bench_relay",
+            "OUTBOX_BENCH_DATABASE_URL", f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
         ),
     )
     parser.add_argument("--bootstrap-servers", default=None)
+
+
+@contextlib.contextmanager
+def scratch(url: str, bootstrap: str | None) -> Iterator[tuple[sa.Engine, str]]:
+    """A fresh migrated database at ``url`` (dropped afterwards) and a broker (Tansu, started
+    and stopped here, unless ``bootstrap`` names one): their engine and bootstrap servers."""
+    db = sa.engine.make_url(url)
+    admin = sa.create_engine(db.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db.database}" WITH (FORCE)'))
+        conn.execute(sa.text(f'CREATE DATABASE "{db.database}"'))
+    broker = None
+    if bootstrap is None:
+        broker, bootstrap = start_tansu()
+    engine = sa.create_engine(url)
+    try:
+        migrate.upgrade(url)
+        yield engine, bootstrap
+    finally:
+        engine.dispose()
+        if broker is not None:
+            broker.kill()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db.database}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    service_arguments(parser, "outbox_bench_relay")
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--naive-rows", type=int, default=2000)
     parser.add_argument("--latency-seconds", type=float, default=5.0)
@@ -582,19 +613,8 @@ def main() -> int:
         KAFKA_OVERRIDES[name] = value
 
     url = args.database_url
-    db = sa.engine.make_url(url)
-    admin = sa.create_engine(db.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db.database}" WITH (FORCE)'))
-        conn.execute(sa.text(f'CREATE DATABASE "{db.database}"'))
-    broker = None
-    bootstrap = args.bootstrap_servers
-    if bootstrap is None:
-        broker, bootstrap = start_tansu()
-    engine = sa.create_engine(url)
     results: list[tuple[str, str]] = []
-    try:
-        migrate.upgrade(url)
+    with scratch(url, args.bootstrap_servers) as (engine, bootstrap):
         # Topics exist before timing starts (auto-creation is not what we measure).
         warm = Producer({"bootstrap.servers": bootstrap})
         for t in ("bench-raw", "bench-naive"):
@@ -662,13 +682,6 @@ def main() -> int:
                 ("units of work/s, 4 writers, a relay always waiting: notifier on / off",
                  f"{with_notify:,.0f} / {without:,.0f} ({with_notify / without - 1:+.1%})")
             )  # fmt: skip
-    finally:
-        engine.dispose()
-        if broker is not None:
-            broker.kill()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db.database}" WITH (FORCE)'))
-        admin.dispose()
 
     width = max(len(name) for name, _ in results)
     print(f"\n{'measurement':{width}}  result")

@@ -30,8 +30,6 @@ from pathlib import Path
 import sqlalchemy as sa
 from confluent_kafka import Producer
 
-from outbox import migrate
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import relay as bench  # benchmarks/relay.py: its helpers
 
@@ -75,14 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("baseline", type=Path)
     parser.add_argument("candidate", type=Path, nargs="?", default=bench.REPO)
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get(
-            "OUTBOX_BENCH_DATABASE_URL",
-            "postgresql+psycopg://postgres@127.0.0.1:5432/outbox_bench_relay_paired",
-        ),
-    )
-    parser.add_argument("--bootstrap-servers", default=None)
+    bench.service_arguments(parser, "outbox_bench_relay_paired")
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--relays", type=int, default=1)
@@ -94,19 +85,8 @@ def main() -> int:
             parser.error(f"{name} {path} holds no outbox package")
 
     url = args.database_url
-    db = sa.engine.make_url(url)
-    admin = sa.create_engine(db.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db.database}" WITH (FORCE)'))
-        conn.execute(sa.text(f'CREATE DATABASE "{db.database}"'))
-    broker = None
-    bootstrap = args.bootstrap_servers
-    if bootstrap is None:
-        broker, bootstrap = bench.start_tansu()
-    engine = sa.create_engine(url)
     rates: dict[str, list[float]] = {name: [] for name in checkouts}
-    try:
-        migrate.upgrade(url)
+    with bench.scratch(url, args.bootstrap_servers) as (engine, bootstrap):
         Producer({"bootstrap.servers": bootstrap}).list_topics("bench-paired", timeout=10)
         print(f"{args.relays} relay(s), bursts of {args.rows:,} rows, {args.keys or 'unique'} keys")
         for number in range(1, args.rounds + 1):
@@ -115,13 +95,6 @@ def main() -> int:
             base, cand = rates["baseline"][-1], rates["candidate"][-1]
             print(f"round {number}: baseline {base:,.0f}, candidate {cand:,.0f} rows/s "
                   f"({cand / base:.2f}x)", flush=True)  # fmt: skip
-    finally:
-        engine.dispose()
-        if broker is not None:
-            broker.kill()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db.database}" WITH (FORCE)'))
-        admin.dispose()
 
     ratios = [c / b for b, c in zip(rates["baseline"], rates["candidate"], strict=True)]
     faster = sum(r > 1 for r in ratios)
