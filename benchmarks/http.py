@@ -24,10 +24,10 @@ from __future__ import annotations
 import os
 import sys
 
-# This file is named like the standard library's ``http`` package: keep its directory off the
-# import path, or every ``import http`` below (uvicorn, asyncio's helpers) would find it.
+# This file is named like the standard library's ``http`` package: move its directory to the end
+# of the import path, or every ``import http`` below (uvicorn, asyncio's helpers) would find it.
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]
+    sys.path.append(sys.path.pop(0))
 
 import argparse
 import asyncio
@@ -45,8 +45,9 @@ import sqlalchemy as sa
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from scratch import database_argument, scratch_database
 
-from outbox import AsyncOutbox, OutboxConfig, migrate
+from outbox import AsyncOutbox, OutboxConfig
 from outbox.errors import NoUnitOfWork
 from outbox.http import current_unit_of_work
 from outbox.http.asgi import IdempotencyMiddleware
@@ -236,13 +237,7 @@ def run_load(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get(
-            "OUTBOX_BENCH_DATABASE_URL",
-            "postgresql+psycopg://postgres@127.0.0.1:5432/outbox_bench_http",
-        ),
-    )
+    database_argument(parser, "outbox_bench_http")
     parser.add_argument(
         "--redis-url", default=os.environ.get("OUTBOX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
@@ -252,17 +247,13 @@ def main() -> int:
     parser.add_argument("--replay-keys", type=int, default=2000)
     parser.add_argument("--in-progress-attempts", type=int, default=1000)
     args = parser.parse_args()
+    with scratch_database(args.database_url, ORDERS_DDL) as url:
+        benchmark(url, args)
+    return 0
 
-    url = sa.make_url(args.database_url)
-    admin = sa.create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-        conn.execute(sa.text(f'CREATE DATABASE "{url.database}"'))
-    url_s = url.render_as_string(hide_password=False)
-    migrate.upgrade(url_s)
-    engine = sa.create_engine(url_s)
-    with engine.begin() as conn:
-        conn.execute(sa.text(ORDERS_DDL))
+
+def benchmark(url_s: str, args: argparse.Namespace) -> None:
+    """Both servers on the scratch database, the load phases, then the answer time of 409."""
     prefix = f"bench-http-{uuid.uuid4().hex[:8]}"
 
     ctx = mp.get_context("spawn")
@@ -331,11 +322,6 @@ def main() -> int:
         for key in client.scan_iter(match=f"{prefix}*"):
             client.delete(key)
         client.close()
-        engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-        admin.dispose()
-    return 0
 
 
 if __name__ == "__main__":

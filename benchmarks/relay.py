@@ -46,9 +46,9 @@ from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
+from scratch import database_argument, scratch_database
 
 import outbox
-from outbox import migrate
 from outbox._core import codec as _codec, events as _events
 from outbox._core.delivery import ID
 from outbox._kafka import producer as _producer, records as _records
@@ -541,12 +541,7 @@ def wakeup_cost(url: str, seconds: float, rounds: int) -> tuple[float, float]:
 def service_arguments(parser: argparse.ArgumentParser, database: str) -> None:
     """``--database-url`` (a scratch database named ``database`` by default) and
     ``--bootstrap-servers``."""
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get(
-            "OUTBOX_BENCH_DATABASE_URL", f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
-        ),
-    )
+    database_argument(parser, database)
     parser.add_argument("--bootstrap-servers", default=None)
 
 
@@ -554,25 +549,17 @@ def service_arguments(parser: argparse.ArgumentParser, database: str) -> None:
 def scratch(url: str, bootstrap: str | None) -> Iterator[tuple[sa.Engine, str]]:
     """A fresh migrated database at ``url`` (dropped afterwards) and a broker (Tansu, started
     and stopped here, unless ``bootstrap`` names one): their engine and bootstrap servers."""
-    db = sa.engine.make_url(url)
-    admin = sa.create_engine(db.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db.database}" WITH (FORCE)'))
-        conn.execute(sa.text(f'CREATE DATABASE "{db.database}"'))
-    broker = None
-    if bootstrap is None:
-        broker, bootstrap = start_tansu()
-    engine = sa.create_engine(url)
-    try:
-        migrate.upgrade(url)
-        yield engine, bootstrap
-    finally:
-        engine.dispose()
-        if broker is not None:
-            broker.kill()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db.database}" WITH (FORCE)'))
-        admin.dispose()
+    with scratch_database(url) as url_s:
+        broker = None
+        if bootstrap is None:
+            broker, bootstrap = start_tansu()
+        engine = sa.create_engine(url_s)
+        try:
+            yield engine, bootstrap
+        finally:
+            engine.dispose()
+            if broker is not None:
+                broker.kill()
 
 
 def main() -> int:

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 import uuid
+
+from scratch import database_argument, scratch_database
 
 MODES = ("off", "api", "sdk-no-span", "sdk")
 LABELS = {"off": "off", "api": "api", "sdk-no-span": "sdk, no span", "sdk": "sdk"}
@@ -133,13 +134,7 @@ def run_mode(mode: str, url: str, seconds: float) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get(
-            "OUTBOX_BENCH_DATABASE_URL",
-            "postgresql+psycopg://postgres@127.0.0.1:5432/outbox_bench_tracing",
-        ),
-    )
+    database_argument(parser, "outbox_bench_tracing")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -148,32 +143,13 @@ def main() -> int:
         print(json.dumps(worker(args.worker, args.database_url, args.seconds)))
         return 0
 
-    import sqlalchemy as sa
-
-    from outbox import migrate
-
-    url = sa.make_url(args.database_url)
-    admin = sa.create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-        conn.execute(sa.text(f'CREATE DATABASE "{url.database}"'))
-    url_s = url.render_as_string(hide_password=False)
-    try:
-        migrate.upgrade(url_s)
-        engine = sa.create_engine(url_s)
-        with engine.begin() as conn:
-            conn.execute(sa.text(BUSINESS_DDL))
-        engine.dispose()
-        best: dict[str, dict[str, float]] = {}
+    best: dict[str, dict[str, float]] = {}
+    with scratch_database(args.database_url, BUSINESS_DDL) as url:
         for _ in range(args.rounds):
             for mode in MODES:
-                result = run_mode(mode, url_s, args.seconds)
+                result = run_mode(mode, url, args.seconds)
                 if mode not in best or result["rate"] > best[mode]["rate"]:
                     best[mode] = result
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-        admin.dispose()
 
     print(
         f"outbox-kit tracing benchmark: one unit of work at a time, one publish each "

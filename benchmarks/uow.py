@@ -12,7 +12,10 @@ latency against two baselines measured in the same run:
 
 The unit of work runs as deployed (Redis fast path on, relays' wake-up on), and again without
 Redis, without the wake-up (``OutboxConfig(wake_relays=False)``) and joined to the caller's
-transaction, which separates the layer's own cost from the cache's and the wake-up's. Then it
+transaction, which separates the layer's own cost from the cache's and the wake-up's. *By hand*
+sends the unit of work's own statements (claim with ``BEGIN``, business insert, final statement
+with ``COMMIT``) straight through psycopg, without Redis and without the toolkit's Python: what
+its SQL costs, the bound for any client of this design. Then it
 measures the answer time of ``KeyInProgress`` and duplicates answered through the Redis fast
 path against the PostgreSQL path (and counts the PostgreSQL statements the fast path issues).
 It prints tables of rates and ratios.
@@ -26,19 +29,22 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import queue
 import sys
 import threading
 import time
 import uuid
 from typing import Any
 
+import psycopg
 import redis as redis_lib
 import sqlalchemy as sa
+from scratch import database_argument, scratch_database
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import outbox
-from outbox import migrate
-from outbox._core import codec as _codec
+from outbox._core import claim as _claim, codec as _codec, events as _events
+from outbox._pg.statements import idempotency_key_complete, statements
 
 BUSINESS_DDL = (
     "CREATE TABLE IF NOT EXISTS bench_orders ("
@@ -71,6 +77,73 @@ MODES: dict[str, tuple[bool, bool]] = {
 }
 
 
+def bare_outbox_params(prefix: str) -> dict[str, Any]:
+    """The outbox row of the baselines' plain transactions, bound as the unit of work binds it."""
+    event_id = uuid.uuid4()
+    return {
+        "event_id": event_id,
+        "topic": "orders.created",
+        "key": prefix.encode(),
+        "value": VALUE,
+        "headers": '{"content-type": "application/json"}',
+        "key_hash": _codec.key_hash(prefix.encode(), event_id.bytes),
+    }
+
+
+class ByHand:
+    """The unit of work's own statements -- the claim with ``BEGIN`` in one message, the final
+    statement with ``COMMIT`` in another, both prepared once per connection -- sent straight to
+    the driver of a connection checked out of the pool for each unit, around the same
+    SQLAlchemy business insert as the baselines', without Redis and without the rest of the
+    toolkit's Python: what the unit of work's SQL costs."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.claim = statements(None).idempotency_key_claim_prepared
+        self.final = idempotency_key_complete(None, 1, 1)
+        self.prepared: set[int] = set()
+
+    def run(self, prefix: str, n: int) -> None:
+        key, event_id = f"{prefix}-{n}", uuid.uuid4()
+        params: dict[str, Any] = {
+            "lock_id": _claim.lock_id("bench", key),
+            "scope": "bench",
+            "key": key,
+            "fingerprint": None,
+            "result": f'{{"order": {n}}}',
+            "e0": event_id,
+            "t0": "orders.created",
+            "k0": prefix.encode(),
+            "v0": VALUE,
+            "h0": '{"content-type": "application/json"}',
+            "x0": _codec.key_hash(prefix.encode(), event_id.bytes),
+            "l0": _events.order_lock_id(None, prefix.encode()),
+        }
+        with self.engine.connect() as connection:
+            driver = connection.connection.driver_connection
+            assert isinstance(driver, psycopg.Connection)
+            if id(driver) not in self.prepared:
+                driver.autocommit = True  # BEGIN travels with the claim
+                for prepared in (self.claim, self.final):
+                    driver.execute(prepared.prepare)
+                self.prepared.add(id(driver))
+            cursor = psycopg.ClientCursor(driver)
+            cursor.execute(f"BEGIN; {self.claim.execute}", params)
+            cursor.nextset()  # past BEGIN's result
+            row = cursor.fetchone()
+            if not (row and row[0] and row[1] is None):
+                raise RuntimeError(f"key {key!r} was not free: {row}")
+            connection.execute(BUSINESS_INSERT, {"customer": prefix, "amount": n})
+            cursor.execute(f"{self.final.execute}; COMMIT", params)
+            connection.commit()  # SQLAlchemy's view; the server has committed
+
+
+# Units of work (or transactions) each worker runs before the clock starts: its connection is
+# open, its statements are prepared and the caches are warm when it is measured, as they are in
+# a service that has been running for a while.
+WARM_UP = 20
+
+
 def _worker(
     mode: str, url: str, redis_url: str, seconds: float, start: Any, out: Any, wid: int
 ) -> None:
@@ -80,31 +153,16 @@ def _worker(
         use_redis, wake = MODES[mode]
         config = outbox.OutboxConfig(wake_relays=wake, cache_prefix=f"bench-{uuid.uuid4().hex}")
         ob = outbox.Outbox(engine, redis_url=redis_url if use_redis else None, config=config)
-    latencies: list[float] = []
-    start.wait()
-    deadline = time.perf_counter() + seconds
-    n = 0
+    by_hand = ByHand(engine) if mode == "by hand" else None
     prefix = f"{wid}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    while True:
-        t0 = time.perf_counter()
-        if t0 >= deadline:
-            break
-        n += 1
-        if ob is None:
-            event_id = uuid.uuid4()
+
+    def once(n: int) -> None:
+        if by_hand is not None:
+            by_hand.run(prefix, n)
+        elif ob is None:
             with engine.begin() as conn:
                 conn.execute(BUSINESS_INSERT, {"customer": prefix, "amount": n})
-                conn.execute(
-                    BARE_OUTBOX_INSERT,
-                    {
-                        "event_id": event_id,
-                        "topic": "orders.created",
-                        "key": prefix.encode(),
-                        "value": VALUE,
-                        "headers": '{"content-type": "application/json"}',
-                        "key_hash": _codec.key_hash(prefix.encode(), event_id.bytes),
-                    },
-                )
+                conn.execute(BARE_OUTBOX_INSERT, bare_outbox_params(prefix))
                 if mode == "floor":
                     conn.execute(FLOOR_KEY_INSERT, {"scope": "bench", "key": f"{prefix}-{n}"})
         elif mode == "joined":
@@ -120,6 +178,20 @@ def _worker(
                 uow.connection.execute(BUSINESS_INSERT, {"customer": prefix, "amount": n})
                 uow.publish("orders.created", VALUE, key=prefix)
                 uow.result = {"order": n}
+
+    for n in range(-WARM_UP, 0):
+        once(n)
+    latencies: list[float] = []
+    out.put("ready")
+    start.wait()
+    deadline = time.perf_counter() + seconds
+    n = 0
+    while True:
+        t0 = time.perf_counter()
+        if t0 >= deadline:
+            break
+        n += 1
+        once(n)
         latencies.append(time.perf_counter() - t0)
     out.put(latencies)
     if ob is not None:
@@ -139,7 +211,15 @@ def run_phase(
     ]
     for p in procs:
         p.start()
-    time.sleep(0.5)  # let every worker connect before the clock starts
+    ready = 0
+    while ready < len(procs):  # every worker connected and warmed up before the clock starts
+        try:
+            ready += out.get(timeout=1) == "ready"
+        except queue.Empty:
+            if any(p.exitcode for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a worker of mode {mode!r} failed") from None
     start.set()
     samples: list[float] = []
     for _ in procs:
@@ -236,20 +316,9 @@ async def _async_phase(
             n += 1
             params = {"customer": prefix, "amount": n}
             if mode == "bare":
-                event_id = uuid.uuid4()
                 async with engine.begin() as conn:
                     await conn.execute(BUSINESS_INSERT, params)
-                    await conn.execute(
-                        BARE_OUTBOX_INSERT,
-                        {
-                            "event_id": event_id,
-                            "topic": "orders.created",
-                            "key": prefix.encode(),
-                            "value": VALUE,
-                            "headers": '{"content-type": "application/json"}',
-                            "key_hash": _codec.key_hash(prefix.encode(), event_id.bytes),
-                        },
-                    )
+                    await conn.execute(BARE_OUTBOX_INSERT, bare_outbox_params(prefix))
             elif mode == "joined":
                 async with (
                     engine.begin() as conn,
@@ -304,12 +373,7 @@ async def async_benchmark(url: str, sync_engine: sa.Engine, args: argparse.Names
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get(
-            "OUTBOX_BENCH_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/outbox_bench"
-        ),
-    )
+    database_argument(parser, "outbox_bench")
     parser.add_argument(
         "--redis-url", default=os.environ.get("OUTBOX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
@@ -324,26 +388,21 @@ def main() -> int:
     )
     parser.add_argument("--tasks", default="1,16,64")
     args = parser.parse_args()
+    with scratch_database(args.database_url, BUSINESS_DDL, FLOOR_DDL) as url:
+        engine = sa.create_engine(url)
+        try:
+            if args.use_async:
+                asyncio.run(async_benchmark(url, engine, args))
+            else:
+                sync_benchmark(url, engine, args)
+        finally:
+            engine.dispose()
+    return 0
 
-    url = sa.make_url(args.database_url)
-    admin = sa.create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-        conn.execute(sa.text(f'CREATE DATABASE "{url.database}"'))
-    url_s = url.render_as_string(hide_password=False)
-    migrate.upgrade(url_s)
-    engine = sa.create_engine(url_s)
-    with engine.begin() as conn:
-        conn.execute(sa.text(BUSINESS_DDL))
-        conn.execute(sa.text(FLOOR_DDL))
 
-    if args.use_async:
-        asyncio.run(async_benchmark(url_s, engine, args))
-        engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-        return 0
-
+def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> None:
+    """Worker processes: the baselines and the unit of work's modes, then the answer times of
+    ``KeyInProgress`` and of duplicates."""
     print(
         f"outbox-kit unit-of-work benchmark ({args.seconds:g}s per phase, "
         f"best of {args.rounds} alternating rounds; units of work with Redis and wake-up on "
@@ -351,11 +410,11 @@ def main() -> int:
         flush=True,
     )
     print()
-    modes = ("bare", "floor", "uow", "uow-no-redis", "uow-no-wakeup", "joined")
+    modes = ("bare", "floor", "uow", "uow-no-redis", "uow-no-wakeup", "joined", "by hand")
     header = (
         f"{'workers':>7} | {'bare/s':>7} {'floor/s':>7} | {'uow/s':>7} {'p50 ms':>6} "
         f"{'p99 ms':>6} | {'/bare':>5} {'/floor':>6} | {'no Redis':>8} {'/floor':>6} | "
-        f"{'no wake':>7} {'/floor':>6} | {'joined':>7} {'/floor':>6}"
+        f"{'no wake':>7} {'/floor':>6} | {'joined':>7} {'/floor':>6} | {'by hand':>7} {'/floor':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -369,10 +428,11 @@ def main() -> int:
                     best[mode] = res
         b, f, u = best["bare"][0], best["floor"][0], best["uow"]
         r, w, j = best["uow-no-redis"][0], best["uow-no-wakeup"][0], best["joined"][0]
+        h = best["by hand"][0]
         print(
             f"{workers:>7} | {b:>7.0f} {f:>7.0f} | {u[0]:>7.0f} {u[1] * 1e3:>6.2f} "
             f"{u[2] * 1e3:>6.2f} | {u[0] / b:>5.2f} {u[0] / f:>6.2f} | {r:>8.0f} {r / f:>6.2f} | "
-            f"{w:>7.0f} {w / f:>6.2f} | {j:>7.0f} {j / f:>6.2f}",
+            f"{w:>7.0f} {w / f:>6.2f} | {j:>7.0f} {j / f:>6.2f} | {h:>7.0f} {h / f:>6.2f}",
             flush=True,
         )
     truncate(engine)
@@ -398,10 +458,6 @@ def main() -> int:
     client = redis_lib.Redis.from_url(args.redis_url)
     for key in client.scan_iter(match=f"{prefix}*"):
         client.delete(key)
-    engine.dispose()
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-    return 0
 
 
 if __name__ == "__main__":
