@@ -15,7 +15,14 @@ from outbox.relay import Relay, RelayConfig
 from tests.fixtures.kafka import consume_all, create_topic
 from tests.fixtures.postgres import DatabaseFactory
 from tests.fixtures.redis import delete_keys_matching
-from tests.fixtures.relay import check_key_order, insert_rows, outbox_count, wait_for_records
+from tests.fixtures.relay import (
+    assert_delivered,
+    check_key_order,
+    insert_rows,
+    outbox_count,
+    read_topic,
+    wait_for_records,
+)
 
 
 def _database_exists(admin_url: str, name: str) -> bool:
@@ -132,6 +139,32 @@ def test_relay_helpers_round_trip(engine: sa.Engine, kafka_bootstrap: str) -> No
     records = wait_for_records(kafka_bootstrap, topic, ids)
     assert sorted(r.value for r in records) == [b"v1", b"v2", b"v3"]
     check_key_order(records, {b"k": [str(ids[0]), str(ids[1])]})
+
+
+def test_read_topic_reads_to_the_end_of_every_partition(kafka_bootstrap: str) -> None:
+    """Tens of thousands of records from one idempotent producer, all read back: the reader
+    stops at end-of-partition, not at a ``ListOffsets`` watermark (Tansu's is too low)."""
+    topic = f"harness-read-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_bootstrap, topic, partitions=4)
+    producer = Producer(
+        {"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True, "acks": "all"}
+    )
+    total = 20_000
+    for i in range(total):
+        producer.produce(
+            topic,
+            value=b"v",
+            key=f"k{i % 50}".encode(),
+            headers=[("X-Idempotency-Key", f"e{i}".encode())],
+        )
+        if i % 1000 == 999:
+            producer.poll(0)
+    assert producer.flush(30) == 0
+    records = read_topic(kafka_bootstrap, topic)
+    assert_delivered(records, [f"e{i}" for i in range(total)])
+    assert len(records) == total and {r.partition for r in records} == {0, 1, 2, 3}
+    with pytest.raises(AssertionError, match=r"1 missing \(first: \['absent'\]\), 0 unexpected"):
+        assert_delivered(records, [*(f"e{i}" for i in range(total)), "absent"])
 
 
 @pytest.mark.slow
