@@ -18,7 +18,9 @@ with ``COMMIT``) straight through psycopg, without Redis and without the toolkit
 its SQL costs, the bound for any client of this design. Then it
 measures the answer time of ``KeyInProgress`` and duplicates answered through the Redis fast
 path against the PostgreSQL path (and counts the PostgreSQL statements the fast path issues).
-It prints tables of rates and ratios.
+It prints tables of rates and ratios, and (on Linux) the CPU time per unit of work of the
+workers, PostgreSQL, Redis and the machine as a whole for the floor, the unit of work with and
+without Redis, and by hand: with every core busy, a rate is the cores over that time.
 
 The database named by ``--database-url`` is created (and dropped afterwards) by the benchmark.
 """
@@ -39,6 +41,7 @@ from typing import Any
 import psycopg
 import redis as redis_lib
 import sqlalchemy as sa
+from cpu import Meter, Usage, available as cpu_available, processes_named
 from scratch import database_argument, scratch_database
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -145,7 +148,14 @@ WARM_UP = 20
 
 
 def _worker(
-    mode: str, url: str, redis_url: str, seconds: float, start: Any, out: Any, wid: int
+    mode: str,
+    url: str,
+    redis_url: str,
+    seconds: float,
+    start: Any,
+    out: Any,
+    wid: int,
+    finish: Any,
 ) -> None:
     engine = sa.create_engine(url, pool_size=1, max_overflow=0)
     ob = None
@@ -194,6 +204,7 @@ def _worker(
         once(n)
         latencies.append(time.perf_counter() - t0)
     out.put(latencies)
+    finish.wait()  # the CPU time is read while this worker's database session still exists
     if ob is not None:
         ob.close()
     engine.dispose()
@@ -201,12 +212,14 @@ def _worker(
 
 def run_phase(
     mode: str, url: str, redis_url: str, workers: int, seconds: float
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, Usage, int]:
+    """Units (or transactions) per second, p50 and p99 latency, and the CPU time the workers,
+    PostgreSQL, Redis and the machine spent on the ``count`` units."""
     ctx = mp.get_context("fork")
-    start = ctx.Event()
+    start, finish = ctx.Event(), ctx.Event()
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(mode, url, redis_url, seconds, start, out, i))
+        ctx.Process(target=_worker, args=(mode, url, redis_url, seconds, start, out, i, finish))
         for i in range(workers)
     ]
     for p in procs:
@@ -220,13 +233,24 @@ def run_phase(
                 for p in procs:
                     p.kill()
                 raise RuntimeError(f"a worker of mode {mode!r} failed") from None
+    cpu = Meter(
+        {
+            "workers": lambda: [p.pid for p in procs if p.pid is not None],
+            "PostgreSQL": lambda: processes_named("postgres"),
+            "Redis": lambda: processes_named("redis-server"),
+        }
+    )
+    cpu.start()
     start.set()
     samples: list[float] = []
     for _ in procs:
         samples.extend(out.get())
+    usage = cpu.stop()
+    finish.set()
     for p in procs:
         p.join()
-    return len(samples) / seconds, percentile(samples, 0.5), percentile(samples, 0.99)
+    count = len(samples)
+    return count / seconds, percentile(samples, 0.5), percentile(samples, 0.99), usage, count
 
 
 def truncate(engine: sa.Engine) -> None:
@@ -418,8 +442,9 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
     )
     print(header)
     print("-" * len(header))
+    budgets: list[str] = []
     for workers in [int(w) for w in args.workers.split(",")]:
-        best: dict[str, tuple[float, float, float]] = {}
+        best: dict[str, tuple[float, float, float, Usage, int]] = {}
         for _ in range(args.rounds):
             for mode in modes:
                 truncate(engine)
@@ -435,7 +460,16 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
             f"{w:>7.0f} {w / f:>6.2f} | {j:>7.0f} {j / f:>6.2f} | {h:>7.0f} {h / f:>6.2f}",
             flush=True,
         )
+        for mode in ("floor", "uow", "uow-no-redis", "by hand"):
+            _rate, _p50, _p99, usage, count = best[mode]
+            budgets.append(f"{workers:>7} | {mode:<12} | {usage.per(count, 1000)}")
     truncate(engine)
+    if cpu_available():
+        # With every core busy, a rate is the cores over the machine's CPU time per unit: this
+        # says whose work the gap between the unit of work and the floor is.
+        print()
+        print("CPU µs per unit of work (or transaction), best round of each mode:")
+        print("\n".join(budgets))
 
     print()
     p50, p99 = key_in_progress_latency(url_s, 2000)
