@@ -25,6 +25,7 @@ from outbox.cli._common import (
     integer,
     require,
     resolve_flags,
+    tune_collector,
 )
 from outbox.config import ConsumerConfig
 from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, serve_metrics
@@ -212,6 +213,7 @@ def _serving(
     runner: ConsumerRunner | AsyncConsumerRunner, args: argparse.Namespace
 ) -> Iterator[None]:
     """Around a runner's run(): the metrics and health endpoints, and SIGTERM/SIGINT to stop."""
+    tune_collector()
     server = None
     if args.metrics_port:
         server = serve_metrics(runner, args.metrics_port)
