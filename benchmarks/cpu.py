@@ -3,7 +3,7 @@
 On a machine whose cores are all busy, a phase's rate is its cores divided by the CPU time all
 its parties spend per record; comparing those budgets (the client, the broker, PostgreSQL and
 the machine as a whole) tells where a gap between two rates comes from. Elsewhere than Linux
-the meter measures nothing and says so.
+the meter measures nothing (:func:`available` is false) and the benchmarks leave its lines out.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ def available() -> bool:
 
 
 def _machine_busy() -> int:
-    """Clock ticks the machine's cores spent on anything but idle and I/O wait."""
-    fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
-    ticks = [int(f) for f in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    # guest time is already counted in user time
-    return sum(ticks[:8]) - idle
+    """Clock ticks the machine's cores spent running something: user, nice, system, irq and
+    softirq time (not idle, I/O wait or time stolen by a hypervisor; guest time is already
+    counted in user time)."""
+    if not available():
+        return 0
+    ticks = [int(f) for f in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq = ticks[:7]
+    return user + nice + system + irq + softirq
 
 
 def _process_ticks(pid: int) -> int:
@@ -42,7 +44,9 @@ def _process_ticks(pid: int) -> int:
 
 def processes_named(name: str) -> list[int]:
     """Pids of the processes whose command name is ``name`` (e.g. every PostgreSQL process)."""
-    pids = []
+    pids: list[int] = []
+    if not available():
+        return pids
     for entry in PROC.iterdir():
         if entry.name.isdigit():
             try:

