@@ -23,13 +23,19 @@ aob = AsyncOutbox(
     database_url(), redis_url=redis_url(), config=OutboxConfig(cache_prefix=cache_prefix())
 )
 statements = [0]
+checkouts = [0]  # PostgreSQL connections taken from the pool, whoever sends SQL on them
 
 
 def _count(*_: Any) -> None:
     statements[0] += 1
 
 
+def _checkout(*_: Any) -> None:
+    checkouts[0] += 1
+
+
 sa.event.listen(aob.engine.sync_engine, "before_cursor_execute", _count)
+sa.event.listen(aob.engine.sync_engine, "checkout", _checkout)
 
 
 @asynccontextmanager
@@ -84,7 +90,7 @@ async def probe() -> dict[str, bool]:
 
 @app.get("/stats")
 async def stats() -> dict[str, int]:
-    return {"statements": statements[0]}
+    return {"statements": statements[0], "checkouts": checkouts[0]}
 
 
 # The same routes with the middleware outside FastAPI (and its own request span): the

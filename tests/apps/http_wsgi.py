@@ -19,13 +19,19 @@ from tests.apps import INSERT_ORDER, cache_prefix, database_url, redis_url, tena
 
 ob = Outbox(database_url(), redis_url=redis_url(), config=OutboxConfig(cache_prefix=cache_prefix()))
 statements = [0]
+checkouts = [0]  # PostgreSQL connections taken from the pool, whoever sends SQL on them
 
 
 def _count(*_: Any) -> None:
     statements[0] += 1
 
 
+def _checkout(*_: Any) -> None:
+    checkouts[0] += 1
+
+
 sa.event.listen(ob.engine, "before_cursor_execute", _count)
+sa.event.listen(ob.engine, "checkout", _checkout)
 
 app = Flask(__name__)
 app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
@@ -73,4 +79,4 @@ def probe() -> Any:
 
 @app.get("/stats")
 def stats() -> Any:
-    return {"statements": statements[0]}
+    return {"statements": statements[0], "checkouts": checkouts[0]}
