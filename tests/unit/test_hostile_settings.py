@@ -11,6 +11,7 @@ for.
 from __future__ import annotations
 
 import dataclasses
+import math
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from urllib.parse import quote
 
 import pytest
 import sqlalchemy as sa
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 from prometheus_client import CollectorRegistry
 
 import outbox
@@ -50,8 +51,70 @@ INPUT = (ValidationError, ConfigurationError)
 NUMBERS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.integers(min_value=-(2**70), max_value=2**70),
-    st.sampled_from([0, -1, 1, 5, 0.5, 1e300, True, None, "5"]),
+    st.sampled_from([0, -1, 1, 5, 0.5, 1e300, True, None, "5", 70000, 65536, -0.5, 3601]),
 )
+
+
+# The documented rule for every numeric setting, written out here rather than taken from the
+# code under test: an accepted value must satisfy it (a NaN timeout, a negative interval or a
+# port of 70000 that validates is a failure, not "accepted").
+HOUR = 3600.0
+
+
+def _integer(low: int, high: int) -> Any:
+    return lambda v: type(v) is int and low <= v <= high
+
+
+def _seconds(high: float, zero: bool = False) -> Any:
+    return lambda v: (
+        type(v) in (int, float) and math.isfinite(v) and (v >= 0 if zero else v > 0) and v <= high
+    )
+
+
+def _port(v: object) -> bool:
+    return v is None or (type(v) is int and 0 <= v <= 65535)
+
+
+RELAY_RULES: dict[str, Any] = {
+    "batch_size": _integer(1, 100_000),
+    "lanes": _integer(1, 4096),
+    "max_attempts": _integer(1, 1_000_000),
+    **dict.fromkeys(
+        (
+            "poll_interval",
+            "rebalance_interval",
+            "backoff_initial",
+            "backoff_max",
+            "stats_interval",
+            "shutdown_grace",
+        ),
+        _seconds(HOUR),
+    ),
+    "metrics_port": _port,
+}
+CONSUMER_RULES: dict[str, Any] = {
+    "max_attempts": _integer(1, 1_000_000),
+    "batch_size": _integer(1, 1_000_000),
+    **dict.fromkeys(
+        (
+            "retry_backoff",
+            "retry_backoff_max",
+            "in_progress_backoff",
+            "in_progress_backoff_max",
+            "dlq_timeout",
+            "poll_timeout",
+            "commit_interval",
+        ),
+        _seconds(HOUR),
+    ),
+}
+
+
+def obeys(rules: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Raise AssertionError (a wrong outcome for :func:`attempt`) when an accepted setting
+    breaks its documented rule."""
+    broken = {n: v for n, v in fields.items() if n in rules and not rules[n](v)}
+    assert not broken, f"accepted against the documented rule: {broken!r}"
 
 
 HASHABLE = st.one_of(HOSTILE_TEXT, st.integers(), st.none(), st.sampled_from(["acks", "linger.ms"]))
@@ -96,11 +159,16 @@ RELAY_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 
 @scaled(150)
 @given(fields=one_hostile(RELAY_FIELDS))
+@example(fields={"metrics_port": 70000})
+@example(fields={"poll_interval": float("nan")})
+@example(fields={"backoff_initial": -1.0})
+@example(fields={"lanes": 0})
 def test_relay_settings(fields: dict[str, Any]) -> None:
     base = {"database_url": "postgresql+psycopg://app@db/app", "bootstrap_servers": "k:9092"}
 
     def build() -> dict[str, Any]:
         config = RelayConfig(**{**base, **fields}).validate()
+        obeys(RELAY_RULES, fields)
         return producer_config(config.bootstrap_servers, config.kafka_config)
 
     attempt("relay settings", build, INPUT)
@@ -149,6 +217,9 @@ def idle_outbox() -> Iterator[outbox.Outbox]:
 
 @scaled(150)
 @given(fields=one_hostile(CONSUMER_FIELDS), through_runner=st.booleans())
+@example(fields={"poll_timeout": float("nan")}, through_runner=True)
+@example(fields={"retry_backoff": -0.5}, through_runner=False)
+@example(fields={"batch_size": 0}, through_runner=False)
 def test_consumer_runner_settings(
     idle_outbox: outbox.Outbox, fields: dict[str, Any], through_runner: bool
 ) -> None:
@@ -156,14 +227,18 @@ def test_consumer_runner_settings(
     settings = {**base, **fields}
 
     def build() -> object:
+        built: object
         if through_runner:
-            return ConsumerRunner(
+            built = ConsumerRunner(
                 idle_outbox,
                 lambda uow, message: None,
                 metrics_registry=CollectorRegistry(),
                 **settings,
             )
-        return ConsumerConfig(**settings).validate()
+        else:
+            built = ConsumerConfig(**settings).validate()
+        obeys(CONSUMER_RULES, fields)
+        return built
 
     attempt("consumer runner settings", build, INPUT)
 
