@@ -11,7 +11,6 @@ for.
 from __future__ import annotations
 
 import dataclasses
-import math
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -38,11 +37,14 @@ from outbox.config import ConsumerConfig, RelayConfig
 from outbox.consumer import ConsumerRunner
 from outbox.errors import ConfigurationError, ValidationError
 from tests.fixtures.hostile import (
+    CONSUMER_RULES,
     HOSTILE_STR_OR_NOT,
     HOSTILE_TEXT,
     NOT_TEXT,
+    RELAY_RULES,
     attempt,
     no_leak,
+    obeys,
     scaled,
 )
 
@@ -53,68 +55,6 @@ NUMBERS = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.sampled_from([0, -1, 1, 5, 0.5, 1e300, True, None, "5", 70000, 65536, -0.5, 3601]),
 )
-
-
-# The documented rule for every numeric setting, written out here rather than taken from the
-# code under test: an accepted value must satisfy it (a NaN timeout, a negative interval or a
-# port of 70000 that validates is a failure, not "accepted").
-HOUR = 3600.0
-
-
-def _integer(low: int, high: int) -> Any:
-    return lambda v: type(v) is int and low <= v <= high
-
-
-def _seconds(high: float, zero: bool = False) -> Any:
-    return lambda v: (
-        type(v) in (int, float) and math.isfinite(v) and (v >= 0 if zero else v > 0) and v <= high
-    )
-
-
-def _port(v: object) -> bool:
-    return v is None or (type(v) is int and 0 <= v <= 65535)
-
-
-RELAY_RULES: dict[str, Any] = {
-    "batch_size": _integer(1, 100_000),
-    "lanes": _integer(1, 4096),
-    "max_attempts": _integer(1, 1_000_000),
-    **dict.fromkeys(
-        (
-            "poll_interval",
-            "rebalance_interval",
-            "backoff_initial",
-            "backoff_max",
-            "stats_interval",
-            "shutdown_grace",
-        ),
-        _seconds(HOUR),
-    ),
-    "metrics_port": _port,
-}
-CONSUMER_RULES: dict[str, Any] = {
-    "max_attempts": _integer(1, 1_000_000),
-    "batch_size": _integer(1, 1_000_000),
-    **dict.fromkeys(
-        (
-            "retry_backoff",
-            "retry_backoff_max",
-            "in_progress_backoff",
-            "in_progress_backoff_max",
-            "dlq_timeout",
-            "poll_timeout",
-            "commit_interval",
-        ),
-        _seconds(HOUR),
-    ),
-}
-
-
-def obeys(rules: dict[str, Any], fields: dict[str, Any]) -> None:
-    """Raise AssertionError (a wrong outcome for :func:`attempt`) when an accepted setting
-    breaks its documented rule."""
-    broken = {n: v for n, v in fields.items() if n in rules and not rules[n](v)}
-    assert not broken, f"accepted against the documented rule: {broken!r}"
 
 
 HASHABLE = st.one_of(HOSTILE_TEXT, st.integers(), st.none(), st.sampled_from(["acks", "linger.ms"]))
