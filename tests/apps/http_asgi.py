@@ -67,6 +67,8 @@ async def create_order(request: Request) -> Response:
         return JSONResponse({"error": "try again"}, status_code=500)
     status = int(request.headers.get("x-status", "201"))
     body = {"order_id": order_id, "amount": payload["amount"], "nonce": uuid.uuid4().hex}
+    if pad := request.headers.get("x-pad"):
+        body["pad"] = "x" * int(pad)
     return JSONResponse(body, status_code=status, headers={"Location": f"/orders/{order_id}"})
 
 

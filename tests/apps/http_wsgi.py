@@ -56,6 +56,8 @@ def create_order() -> Any:
         return jsonify(error="try again"), 500
     status = int(request.headers.get("x-status", "201"))
     body = {"order_id": order_id, "amount": payload["amount"], "nonce": uuid.uuid4().hex}
+    if pad := request.headers.get("x-pad"):
+        body["pad"] = "x" * int(pad)
     return jsonify(body), status, {"Location": f"/orders/{order_id}"}
 
 
