@@ -75,7 +75,11 @@ def _pg_ctl(pgdata: Path, *args: str) -> None:
 
 def restart_on_tcp(pgdata: Path, port: int) -> None:
     _pg_ctl(pgdata, "-w", "-m", "fast", "stop")
-    options = f"-h 127.0.0.1 -p {port} -k {pgdata} -c max_connections=200"
+    # A scratch server: durability settings off, as they would be on a CI database.
+    options = (
+        f"-h 127.0.0.1 -p {port} -k {pgdata} -c max_connections=200 "
+        "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+    )
     _pg_ctl(pgdata, "-w", "-o", options, "-l", str(pgdata / "log"), "start")
 
 
