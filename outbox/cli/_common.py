@@ -39,6 +39,7 @@ from outbox.config import (
     ENV_KAFKA_BOOTSTRAP,
     ENV_KAFKA_CONFIG,
     ENV_LOG_LEVEL,
+    ENV_METRICS_HOST,
     ENV_MIN_REDELIVERY_WINDOW,
     ENV_REDIS_URL,
     ENV_RELAY_BATCH_SIZE,
@@ -261,6 +262,14 @@ FLAGS: Mapping[str, Flag] = {
             kind="an integer",
             default_text="off",
             check=_ranged(0, _settings.MAX_PORT),
+        ),
+        Flag(
+            "--metrics-host",
+            ENV_METRICS_HOST,
+            "the address /metrics and /healthz listen on; 0.0.0.0 (or ::) in a container "
+            "probed from outside",
+            default="127.0.0.1",
+            check=_settings.check_host,
         ),
         Flag(
             "--trace-context",

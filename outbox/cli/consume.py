@@ -96,7 +96,7 @@ def register(subparsers: Any) -> None:
         help="seconds a batch that is not full waits for more messages "
         f"(default {ConsumerConfig.batch_wait:g})",
     )  # fmt: skip
-    add_flags(p, CONSUMER_METRICS_PORT, "trace_context", "log_level")
+    add_flags(p, CONSUMER_METRICS_PORT, "metrics_host", "trace_context", "log_level")
     p.set_defaults(func=command)
 
 
@@ -216,8 +216,8 @@ def _serving(
     tune_collector()
     server = None
     if args.metrics_port:
-        server = serve_metrics(runner, args.metrics_port)
-        log.info("metrics on :%d/metrics, health on :%d/healthz", server.port, server.port)
+        server = serve_metrics(runner, args.metrics_port, host=args.metrics_host)
+        log.info("metrics on %s:%d/metrics, health on /healthz", server.host, server.port)
     flavour = "asyncio" if isinstance(runner, AsyncConsumerRunner) else "sync"
     if runner.guard is not None:
         settings = runner.guard.settings
