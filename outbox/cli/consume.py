@@ -20,6 +20,7 @@ from outbox.cli._common import (
     CONSUMER_METRICS_PORT,
     EXIT_OK,
     FLAGS,
+    SECRETS_EPILOG,
     add_flags,
     add_kafka_config,
     integer,
@@ -55,6 +56,7 @@ def register(subparsers: Any) -> None:
         "is called as handler(claim, message) under a Redis guard claim of the key (for "
         "effects outside PostgreSQL). An async def HANDLER runs on the asyncio runner. "
         "SIGTERM/SIGINT finish the message in hand, commit and exit 0.",
+        epilog=SECRETS_EPILOG,
     )
     p.add_argument("handler", metavar="HANDLER", help="module:function, e.g. app.consumers:handle")
     p.add_argument(

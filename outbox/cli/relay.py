@@ -16,6 +16,7 @@ from outbox._kafka.config import producer_config
 from outbox.cli._common import (
     EXIT_FAILURE,
     EXIT_OK,
+    SECRETS_EPILOG,
     Parser,
     add_flags,
     add_kafka_config,
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog=PROG,
         description="Relay committed outbox rows to Kafka: no loss, per-key order, many relays.",
+        epilog=SECRETS_EPILOG,
     )
     d = RelayConfig("", "")
     add_flags(parser, "database_url", "schema", "bootstrap_servers")
