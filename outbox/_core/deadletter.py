@@ -67,7 +67,12 @@ class DeadLetter:
 
         The message may quote the consumed record (a value the handler could not parse): one
         line, so that it cannot forge a log line or a header reader's record."""
-        error = redact_text(one_line(exc))[:MAX_ERROR_TEXT]
+        try:
+            str(exc)
+        except Exception:  # a __str__ that fails must not stop the dead letter
+            error = f"{type(exc).__name__}: (the exception's message could not be read)"
+        else:
+            error = redact_text(one_line(exc))[:MAX_ERROR_TEXT]
         return cls(reason, error, type(exc).__name__, attempts)
 
 

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from outbox._core import guard as _guard, settings as _settings, validate as _validate
 from outbox._core.durations import parse_duration
-from outbox._core.redact import redact, redact_text
+from outbox._core.redact import HIDDEN, redact, redact_text
 from outbox._core.urls import check_database_url, check_redis_url
 from outbox.config import (
     ENV_CACHE_TTL,
@@ -36,6 +36,7 @@ from outbox.config import (
     ENV_GUARD_LEASE,
     ENV_GUARD_ON_REDIS_ERROR,
     ENV_GUARD_REDIS_URL,
+    ENV_GUARD_SECRET,
     ENV_KAFKA_BOOTSTRAP,
     ENV_KAFKA_CONFIG,
     ENV_LOG_LEVEL,
@@ -199,6 +200,13 @@ FLAGS: Mapping[str, Flag] = {
             kind="a number",
             default_text=f"{_guard.DEFAULT_LEASE:g}",
             check=_guard.check_lease,
+        ),
+        Flag(
+            "--guard-secret",
+            ENV_GUARD_SECRET,
+            "signs the guard's completed and failed records, so that a Redis writer cannot forge "
+            "an outcome (at least 16 bytes; the same in every process sharing the guard)",
+            secret=True,
         ),
         Flag(
             "--guard-on-redis-error",
@@ -484,6 +492,10 @@ def tune_collector() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
+# Flags whose whole value is a secret (not a URL or a KEY=VALUE pair that redact_text reads).
+_HIDDEN_WHOLE = frozenset({"--guard-secret"})
+
+
 def hide_secret_arguments(argv: Sequence[str] | None = None) -> bool | None:
     """Rewrite the process title when the command line carries a secret (a password in a URL,
     a secret ``--kafka-config`` value), so that ``ps`` and ``/proc/<pid>/cmdline`` show it
@@ -497,6 +509,13 @@ def hide_secret_arguments(argv: Sequence[str] | None = None) -> bool | None:
     """
     given = list(sys.argv if argv is None else argv)
     shown = [redact_text(argument) for argument in given]
+    for position, argument in enumerate(given):
+        option, equals, _ = argument.partition("=")
+        if option in _HIDDEN_WHOLE:
+            if equals:
+                shown[position] = f"{option}={HIDDEN}"
+            elif position + 1 < len(given):
+                shown[position + 1] = HIDDEN
     if shown == given:
         return False
     try:

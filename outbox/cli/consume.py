@@ -40,7 +40,7 @@ from outbox.uow_async import AsyncOutbox
 # What configures the outbox (a unit of work per message) and what configures the Redis guard
 # (a claim per message): a command takes one or the other, never a mix.
 _OUTBOX_FLAGS = ("database_url", "schema", "redis_url")
-_GUARD_FLAGS = ("guard_lease", "guard_on_redis_error")
+_GUARD_FLAGS = ("guard_lease", "guard_on_redis_error", "guard_secret")
 
 log = logging.getLogger("outbox.consumer")
 
@@ -205,6 +205,8 @@ def _guarding(args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     if args.guard_lease is not None:
         settings["lease"] = args.guard_lease
+    if args.guard_secret is not None:
+        settings["secret"] = args.guard_secret
     if args.guard_on_redis_error is not None:
         settings["on_redis_error"] = args.guard_on_redis_error
     return settings
