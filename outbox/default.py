@@ -17,6 +17,7 @@ from outbox.config import DEFAULT_SCOPE, ENV_DATABASE_URL, ENV_REDIS_URL, env
 from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError
 from outbox.uow import Outbox, _Attempt
+from outbox.uow_async import AsyncOutbox
 
 _default: Outbox | None = None
 _default_lock = threading.Lock()
@@ -71,7 +72,7 @@ def idempotent(
     *,
     scope: str = DEFAULT_SCOPE,
     fingerprint: Callable[..., str | None] | None = None,
-    outbox: Outbox | None = None,
+    outbox: Outbox | AsyncOutbox | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function at most once per idempotency key.
 
@@ -93,9 +94,14 @@ def idempotent(
     :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
     stored and a duplicate gets its JSON form back (tuples come back as lists). ``outbox``
     defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
+    With ``outbox=`` an :class:`~outbox.AsyncOutbox`, decorate an ``async def``: the decorator
+    takes the flavour of the outbox it is given (``AsyncOutbox.idempotent`` does the same).
     """
-
-    def resolve() -> Outbox:
-        return outbox if outbox is not None else default_outbox()
-
-    return make_idempotent(resolve, key, scope, fingerprint, is_async=False)
+    if outbox is not None:
+        if not isinstance(outbox, Outbox | AsyncOutbox):
+            raise ConfigurationError(
+                f"@idempotent(outbox=...) takes an Outbox or an AsyncOutbox, got "
+                f"{type(outbox).__name__}"
+            )
+        return outbox.idempotent(key, scope=scope, fingerprint=fingerprint)
+    return make_idempotent(default_outbox, key, scope, fingerprint, is_async=False)
