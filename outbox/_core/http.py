@@ -454,10 +454,12 @@ def encode_response(
 ) -> dict[str, Any]:
     """The JSON object stored as the unit of work's result.
 
-    ``{"status": 201, "headers": [["content-type", "application/json"], ...], "body": "...",
+    ``{"body": "...", "status": 201, "headers": [["content-type", "application/json"], ...],
     "encoding": "utf-8"}`` -- the body as text when it is UTF-8 without NUL characters (JSON,
     HTML, plain text: readable in SQL and a quarter smaller), else ``"encoding": "base64"``.
-    Headers keep their order and repetitions; only those in ``stored_headers`` are kept.
+    Headers keep their order and repetitions; only those in ``stored_headers`` are kept. The
+    keys come in ``jsonb``'s own order, so PostgreSQL stores the object as it is
+    (:mod:`outbox._core.results`).
     """
     kept = [[name.lower(), value] for name, value in headers if name.lower() in stored_headers]
     text: str | None
@@ -466,11 +468,11 @@ def encode_response(
     except UnicodeDecodeError:
         text = None
     if text is not None and "\x00" not in text:
-        return {"status": status, "headers": kept, "body": text, "encoding": "utf-8"}
+        return {"body": text, "status": status, "headers": kept, "encoding": "utf-8"}
     return {
+        "body": base64.b64encode(body).decode("ascii"),
         "status": status,
         "headers": kept,
-        "body": base64.b64encode(body).decode("ascii"),
         "encoding": "base64",
     }
 
