@@ -145,7 +145,7 @@ class AsyncUnitOfWork:
         """
         if self.replayed:
             raise self._refuse("publish()")
-        event = encode_event(topic, value, key, headers, self._outbox.config.max_payload_bytes)
+        event = encode_event(topic, value, key, headers, self._outbox.config.payload_limit)
         self._events.append(event)
         return event.event_id
 
