@@ -7,9 +7,10 @@ as ``0.0``) and sorts the keys of every object (by length, then bytes).
 
 So a result is stored as plain ``jsonb`` only when ``jsonb`` gives its text back unchanged
 (:func:`jsonb_keeps`: no float written with a positive exponent, no negative zero, object keys
-already in ``jsonb``'s order) -- most results, readable in SQL as before. Any other result is
-stored as its exact JSON text inside a one-key object, ``{"outbox-kit:json": "<text>"}``
-(:func:`for_database`), and unwrapped when read (:func:`from_database`). Rows written before
+already in ``jsonb``'s order -- scalars, lists, the HTTP door's responses), readable in SQL as
+before. Any other result is stored as its exact JSON text inside a one-key object,
+``{"outbox-kit:json": "<text>"}`` (:func:`for_database`), and unwrapped when read
+(:func:`from_database`). Rows written before
 this form existed are plain ``jsonb`` and read as they always were; a result that is itself an
 object with the key ``outbox-kit:json`` is always wrapped, so a plain row never looks wrapped.
 """
@@ -24,9 +25,13 @@ EXACT_KEY: Final = "outbox-kit:json"
 _WRAPPED_PREFIX: Final = '{"' + EXACT_KEY + '": '
 
 
-def _key_order(key: str) -> tuple[int, bytes]:
-    raw = key.encode("utf-8")
-    return len(raw), raw
+def _before(a: str, b: str) -> bool:
+    """Whether key ``a`` sorts strictly before ``b`` in ``jsonb`` (shorter first, then
+    bytewise in UTF-8; ASCII keys compare as their bytes do without encoding them)."""
+    if a.isascii() and b.isascii():
+        return (len(a), a) < (len(b), b)
+    raw_a, raw_b = a.encode("utf-8"), b.encode("utf-8")
+    return (len(raw_a), raw_a) < (len(raw_b), raw_b)
 
 
 def jsonb_keeps(value: Any) -> bool:
@@ -44,14 +49,13 @@ def jsonb_keeps(value: Any) -> bool:
             if "e+" in text or text == "-0.0":
                 return False
         elif isinstance(item, dict):
-            previous: tuple[int, bytes] | None = None
+            previous: str | None = None
             for key, child in item.items():
                 if not isinstance(key, str):
                     return False  # json writes it as a string: let the exact text decide
-                order = _key_order(key)
-                if previous is not None and order <= previous:
+                if previous is not None and not _before(previous, key):
                     return False
-                previous = order
+                previous = key
                 stack.append(child)
         elif isinstance(item, list | tuple):
             stack.extend(item)
