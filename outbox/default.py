@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -104,4 +105,14 @@ def idempotent(
                 f"{type(outbox).__name__}"
             )
         return outbox.idempotent(key, scope=scope, fingerprint=fingerprint)
-    return make_idempotent(default_outbox, key, scope, fingerprint, is_async=False)
+    decorate = make_idempotent(default_outbox, key, scope, fingerprint, is_async=False)
+
+    def on_the_default(func: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(func):
+            raise ConfigurationError(
+                f"@outbox.idempotent on {getattr(func, '__qualname__', func)!r}: the default "
+                "outbox is a (sync) Outbox; for an async def pass outbox=an AsyncOutbox"
+            )
+        return decorate(func)
+
+    return on_the_default

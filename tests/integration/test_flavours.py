@@ -590,6 +590,12 @@ def test_module_idempotent_decorator_takes_the_flavour_of_its_outbox(
 
         with pytest.raises(ConfigurationError, match="takes an Outbox or an AsyncOutbox"):
             outbox.idempotent(key="k", outbox="postgresql://")  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="pass outbox=an AsyncOutbox"):
+
+            @outbox.idempotent(key="k")  # the default outbox: sync
+            async def on_the_default(uow: Any, k: str) -> None:
+                return None
+
     finally:
         ob.close()
     with engine.connect() as conn:
