@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from outbox._core import validate as _validate
@@ -45,6 +45,7 @@ from outbox._core.environment import (  # the table of OUTBOX_* variables
     ENV_WAKEUP_INTERVAL as ENV_WAKEUP_INTERVAL,
 )
 from outbox._core.lanes import DEFAULT_LANES, MAX_LANES as MAX_LANES
+from outbox._core.recordsize import DEFAULT_MESSAGE_MAX_BYTES, producer_limit
 from outbox._core.redact import redact_kafka_config, redact_url as redact_url
 from outbox._core.settings import (
     MAX_TIMEOUT,
@@ -64,7 +65,8 @@ from outbox.errors import ConfigurationError, ValidationError
 from outbox.schema import validate_schema_name
 
 DEFAULT_SCOPE = "default"
-DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+# librdkafka's default message.max.bytes: what the relay's producer can send unless told more.
+DEFAULT_MAX_PAYLOAD_BYTES = DEFAULT_MESSAGE_MAX_BYTES
 DEFAULT_CACHE_TTL_SECONDS = 24 * 3600.0
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
 # PostgreSQL's bytea (and Kafka's message.max.bytes) cannot go past 1 GiB.
@@ -78,6 +80,13 @@ class OutboxConfig:
     ``cache_ttl`` is how long Redis remembers an outcome; it must be shorter than ``retention``,
     how long PostgreSQL keeps idempotency keys (``outbox gc`` deletes older ones), so the cache
     can never answer for a key the database has forgotten.
+
+    ``max_payload_bytes`` is the largest event ``publish()`` accepts, measured as the relay's
+    producer measures a record (key, value, headers with ``X-Idempotency-Key``, framing): the
+    producer's ``message.max.bytes``. ``None`` (the default) takes it from the relay's
+    configuration, ``OUTBOX_KAFKA_CONFIG``, else librdkafka's default of 1,000,000; set it when
+    the relay's producer is configured elsewhere (``--kafka-config message.max.bytes=...``).
+    :meth:`validate` returns the config with the number filled in.
     """
 
     schema: str | None = None
@@ -87,7 +96,7 @@ class OutboxConfig:
     cache_socket_timeout: float = 0.05
     cache_connect_timeout: float = 0.05
     cache_retry_after: float = 5.0
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_payload_bytes: int | None = None
     permanent_errors: tuple[type[BaseException], ...] = field(default_factory=tuple)
     # After a commit that appended events, wake relays that wait for work with a pg_notify sent
     # from a background thread (outbox._pg.wakeup). Off: relays find new rows at their next poll.
@@ -112,10 +121,20 @@ class OutboxConfig:
         for name in ("cache_socket_timeout", "cache_connect_timeout"):
             check_seconds(name, getattr(self, name), MAX_TIMEOUT)
         check_seconds("cache_retry_after", self.cache_retry_after, 86400.0)
-        check_int("max_payload_bytes", self.max_payload_bytes, 1, MAX_PAYLOAD_BYTES)
+        if self.max_payload_bytes is not None:
+            check_int("max_payload_bytes", self.max_payload_bytes, 1, MAX_PAYLOAD_BYTES)
         check_exception_classes("permanent_errors", self.permanent_errors)
         check_bool("wake_relays", self.wake_relays)
+        if self.max_payload_bytes is None:
+            return replace(self, max_payload_bytes=producer_limit(env(ENV_KAFKA_CONFIG)))
         return self
+
+    @property
+    def payload_limit(self) -> int:
+        """``max_payload_bytes``, or the relay's producer limit it defaults to (see the class)."""
+        if self.max_payload_bytes is not None:
+            return self.max_payload_bytes
+        return producer_limit(env(ENV_KAFKA_CONFIG))
 
 
 @dataclass(frozen=True, repr=False)

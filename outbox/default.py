@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from outbox.config import DEFAULT_SCOPE, ENV_DATABASE_URL, ENV_REDIS_URL, env
 from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError
 from outbox.uow import Outbox, _Attempt
+from outbox.uow_async import AsyncOutbox
 
 _default: Outbox | None = None
 _default_lock = threading.Lock()
@@ -71,7 +73,7 @@ def idempotent(
     *,
     scope: str = DEFAULT_SCOPE,
     fingerprint: Callable[..., str | None] | None = None,
-    outbox: Outbox | None = None,
+    outbox: Outbox | AsyncOutbox | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function at most once per idempotency key.
 
@@ -93,9 +95,24 @@ def idempotent(
     :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
     stored and a duplicate gets its JSON form back (tuples come back as lists). ``outbox``
     defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
+    With ``outbox=`` an :class:`~outbox.AsyncOutbox`, decorate an ``async def``: the decorator
+    takes the flavour of the outbox it is given (``AsyncOutbox.idempotent`` does the same).
     """
+    if outbox is not None:
+        if not isinstance(outbox, Outbox | AsyncOutbox):
+            raise ConfigurationError(
+                f"@idempotent(outbox=...) takes an Outbox or an AsyncOutbox, got "
+                f"{type(outbox).__name__}"
+            )
+        return outbox.idempotent(key, scope=scope, fingerprint=fingerprint)
+    decorate = make_idempotent(default_outbox, key, scope, fingerprint, is_async=False)
 
-    def resolve() -> Outbox:
-        return outbox if outbox is not None else default_outbox()
+    def on_the_default(func: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(func):
+            raise ConfigurationError(
+                f"@outbox.idempotent on {getattr(func, '__qualname__', func)!r}: the default "
+                "outbox is a (sync) Outbox; for an async def pass outbox=an AsyncOutbox"
+            )
+        return decorate(func)
 
-    return make_idempotent(resolve, key, scope, fingerprint, is_async=False)
+    return on_the_default

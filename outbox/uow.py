@@ -231,7 +231,7 @@ class Outbox(JoinedUnits):
         else:
             session, connection = None, transaction
         check_joinable(session, connection, required=True)
-        event = encode_event(topic, value, key, headers, self.config.max_payload_bytes)
+        event = encode_event(topic, value, key, headers, self.config.payload_limit)
         params: dict[str, Any] = {}
         _size, locks = event_params([event], params, self.config.schema)
         insert = outbox_insert(self.config.schema, locks)

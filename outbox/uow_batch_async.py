@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from outbox._core import claim, validate as _validate
+from outbox._core import claim, results, validate as _validate
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import Event, order_lock_id
 from outbox._core.failures import is_permanent
@@ -145,7 +145,10 @@ class AsyncBatch:
         except BaseException:
             await tx.close()
             raise
-        stored = {row[0]: (StoredOutcome(row[1], row[2], row[3], row[4]), row[5]) for row in rows}
+        stored = {
+            row[0]: (StoredOutcome(row[1], row[2], results.from_database(row[3]), row[4]), row[5])
+            for row in rows
+        }
         claims = {}
         for key, acquired in zip(keys, locks[0][0], strict=True):
             outcome, age = stored.get(key, (None, None))
@@ -240,7 +243,9 @@ class AsyncBatch:
         self._keys.append(uow.key)
         self._statuses.append(status)
         self._fingerprints.append(uow.fingerprint)
-        self._results.append(result_json)
+        self._results.append(
+            None if result_json is None else results.for_database(result_json, uow._result)
+        )
         self._errors.append(error)
         if status == claim.STATUS_COMPLETED:
             self._events.extend(uow._events)

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
-from outbox._core import claim
+from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.failures import is_permanent
 from outbox._pg.after_commit import defer, spawn
@@ -82,7 +82,8 @@ class AsyncJoinedUnits:
         """The claim found the key decided or held elsewhere: raise what the verdict says, or
         replay the stored outcome (and warm the cache with it: an earlier transaction committed
         it)."""
-        stored = None if status is None else StoredOutcome(status, stored_fp, result_json, error)
+        exact = results.from_database(result_json)
+        stored = None if status is None else StoredOutcome(status, stored_fp, exact, error)
         claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
         assert stored is not None
         cache = self.cache

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from outbox._core import validate as _validate
+from outbox._core import results, validate as _validate
 from outbox._core.events import Event, event_params
 from outbox._otel import encode_event
 from outbox._pg.transaction import Transaction
@@ -147,7 +147,7 @@ class UnitOfWork:
         """
         if self.replayed:
             raise self._refuse("publish()")
-        event = encode_event(topic, value, key, headers, self._outbox.config.max_payload_bytes)
+        event = encode_event(topic, value, key, headers, self._outbox.config.payload_limit)
         self._events.append(event)
         return event.event_id
 
@@ -176,9 +176,9 @@ def end_joined(uow: UnitOfWork, joined: Joined, *, rollback: bool) -> None:
 
 def completion(uow: UnitOfWork, schema: str | None) -> tuple[str, dict[str, Any], int, int]:
     """Flush the unit of work's session and bind what its final statement writes: returns the
-    result as JSON, the statement's parameters (key, result, events), the events' total size
-    and their number of order locks. Raises :class:`~outbox.errors.SerializationError` for a
-    result that cannot be stored."""
+    result's exact JSON text (as Redis keeps it), the statement's parameters (key, result,
+    events), the events' total size and their number of order locks. Raises
+    :class:`~outbox.errors.SerializationError` for a result that cannot be stored."""
     result_json = _validate.dumps_json(uow._result, "uow.result")
     if uow._session is not None:
         uow._session.flush()
@@ -186,7 +186,7 @@ def completion(uow: UnitOfWork, schema: str | None) -> tuple[str, dict[str, Any]
         "scope": uow.scope,
         "key": uow.key,
         "fingerprint": uow.fingerprint,
-        "result": result_json,
+        "result": results.for_database(result_json, uow._result),
     }
     size, locks = event_params(uow._events, params, schema)
     return result_json, params, size, locks

@@ -5,7 +5,8 @@ the response is the unit of work's stored result. What is decided here, without 
 
 * which requests are covered (:func:`admit`): the method, the key -- a bare header value or an
   RFC 8941 structured-field string (:func:`parse_key`) -- and the scope;
-* the request fingerprint that a reused key must match (:func:`fingerprint`);
+* the request fingerprint that a reused key must match (:func:`fingerprint`), which covers
+  the caller (:meth:`Admission.caller_of`): a stored response is only for its own caller;
 * which responses are stored and replayed (:func:`is_stored`) and how (:func:`encode_response`,
   :func:`decode_response`, :func:`replay_headers`);
 * when a response counts as streaming (:func:`is_streaming`);
@@ -47,6 +48,9 @@ DEFAULT_HTTP_SCOPE: Final = "http"
 DEFAULT_MAX_REQUEST_BYTES: Final = 1024 * 1024
 DEFAULT_MAX_RESPONSE_BYTES: Final = 1024 * 1024
 DEFAULT_RETRY_AFTER: Final = 1
+# Request headers that carry the caller's credentials: the fingerprint covers their digest, so
+# a response stored for one caller is never replayed to another who presents the same key.
+DEFAULT_CALLER_HEADERS: Final = ("authorization",)
 
 # Response headers stored with the response and sent again on a replay: those that describe
 # the stored body or the created resource. Not stored: per-response headers (date, server,
@@ -250,8 +254,8 @@ def problem_for(exc: OutboxError, retry_after: int) -> Problem | None:
             422,
             "idempotency-key-reused",
             "Idempotency-Key reused",
-            "this Idempotency-Key was used for a different request (method, path or body); "
-            "use a new key for a new request",
+            "this Idempotency-Key was used for a different request (method, path, body or "
+            "caller's credentials); use a new key for a new request",
         )
     if isinstance(exc, PreviouslyFailed):
         return Problem(
@@ -334,6 +338,7 @@ def parse_key(values: Sequence[str]) -> str | None:
 # -- settings and admission -----------------------------------------------------------------
 
 ScopeOf = Callable[[Request], str]
+PrincipalOf = Callable[[Request], "str | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,6 +360,10 @@ class HttpSettings:
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS
     retry_after: int = DEFAULT_RETRY_AFTER
+    principal: PrincipalOf | None = None
+    caller_headers: Iterable[str] = DEFAULT_CALLER_HEADERS
+    caller_cookies: Iterable[str] = ()
+    per_caller: bool = True
 
     def validate(self) -> Admission:
         scope = self.scope
@@ -381,6 +390,7 @@ class HttpSettings:
                 raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
         if isinstance(self.stored_headers, str):
             raise ConfigurationError("stored_headers is a collection of header names")
+        caller_headers, caller_cookies = self._caller()
         return Admission(
             fixed_scope=fixed,
             scope_of=None if fixed is not None else scope,  # type: ignore[arg-type]
@@ -390,7 +400,49 @@ class HttpSettings:
             max_response_bytes=self.max_response_bytes,
             stored_headers=frozenset(h.lower() for h in self.stored_headers),
             retry_after=self.retry_after,
+            principal=self.principal if self.per_caller else None,
+            caller_headers=caller_headers,
+            caller_cookies=caller_cookies,
         )
+
+    def _caller(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The checked header and cookie names that identify the caller (none when
+        ``per_caller`` is off or a ``principal`` callable decides)."""
+        if not isinstance(self.per_caller, bool):
+            raise ConfigurationError(f"per_caller must be a bool, got {self.per_caller!r}")
+        if self.principal is not None and not callable(self.principal):
+            raise ConfigurationError(
+                "principal must be a callable of the request returning the caller's identity "
+                f"(a str, or None for an anonymous caller), got {type(self.principal).__name__}"
+            )
+        if not self.per_caller and self.principal is not None:
+            raise ConfigurationError(
+                "per_caller=False shares stored responses among callers; it cannot go with a "
+                "principal callable"
+            )
+        names: list[tuple[str, ...]] = []
+        for field_name in ("caller_headers", "caller_cookies"):
+            value = getattr(self, field_name)
+            if (
+                isinstance(value, str)
+                or not isinstance(value, Iterable)
+                or not all(isinstance(n, str) and n for n in value)
+            ):
+                raise ConfigurationError(
+                    f"{field_name} is a collection of names, e.g. ('authorization',); got {value!r}"
+                )
+            names.append(tuple(value))
+        headers = tuple(sorted({h.lower() for h in names[0]}))
+        cookies = tuple(sorted(set(names[1])))
+        if not self.per_caller or self.principal is not None:
+            return (), ()
+        if not headers and not cookies:
+            raise ConfigurationError(
+                "with no caller_headers and no caller_cookies nothing tells callers apart: "
+                "name the credentials, pass principal=, or share responses among callers "
+                "explicitly with per_caller=False"
+            )
+        return headers, cookies
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,6 +457,42 @@ class Admission:
     max_response_bytes: int
     stored_headers: frozenset[str]
     retry_after: int
+    principal: PrincipalOf | None = None
+    caller_headers: tuple[str, ...] = ()
+    caller_cookies: tuple[str, ...] = ()
+
+    def caller_of(self, request: Request) -> str | None:
+        """What the fingerprint covers of the caller: a digest of its identity (``principal``)
+        or of its credentials (``caller_headers``, ``caller_cookies``); ``None`` for a caller
+        that shows none, or when responses are shared among callers (``per_caller=False``).
+
+        A digest, so that neither the key's stored fingerprint nor anything derived from it
+        holds a credential.
+        """
+        parts: list[str] = []
+        if self.principal is not None:
+            identity = self.principal(request)
+            if identity is None:
+                return None
+            if not isinstance(identity, str):
+                raise ConfigurationError(
+                    "the principal callable must return a str (the caller's identity) or None, "
+                    f"got {type(identity).__name__}"
+                )
+            parts.append(f"principal:{len(identity)}:{identity}")
+        else:
+            for name in self.caller_headers:
+                for value in request.headers.getall(name):
+                    parts.append(f"header:{len(name)}:{name}{len(value)}:{value}")
+            if self.caller_cookies:
+                jar = cookies_of(request.headers.getall("cookie"))
+                for name in self.caller_cookies:
+                    for value in jar.get(name, ()):
+                        parts.append(f"cookie:{len(name)}:{name}{len(value)}:{value}")
+        if not parts:
+            return None
+        text = "".join(parts).encode("utf-8", "surrogatepass")
+        return "caller:sha256:" + hashlib.sha256(text).hexdigest()
 
     def admit(self, request: Request) -> Covered | None:
         """The ``(scope, key)`` a request runs under; ``None`` to pass it through untouched
@@ -439,15 +527,30 @@ class Admission:
                 raise Refused(request_too_large(self.max_request_bytes))
 
 
+def cookies_of(fields: Iterable[str]) -> dict[str, list[str]]:
+    """The cookies of ``Cookie`` request fields (RFC 6265: ``name=value`` pairs separated by
+    ``;``), every value of a repeated name kept, in order. Pairs without ``=`` are skipped."""
+    jar: dict[str, list[str]] = {}
+    for field_value in fields:
+        for pair in field_value.split(";"):
+            name, equals, value = pair.strip().partition("=")
+            if equals and name:
+                jar.setdefault(name.strip(), []).append(value.strip())
+    return jar
+
+
 # -- fingerprint ----------------------------------------------------------------------------
 
 
-def fingerprint(method: str, target: str, body: bytes) -> str:
+def fingerprint(method: str, target: str, body: bytes, caller: str | None = None) -> str:
     """The request fingerprint a reused key must match: SHA-256 over method, target (path
-    and query string) and body, each length-prefixed so that no two requests share an input."""
+    and query string) and body, each length-prefixed so that no two requests share an input,
+    then the caller (:meth:`Admission.caller_of`) when there is one."""
     head = f"{len(method)}:{method}{len(target)}:{target}{len(body)}:"
     digest = hashlib.sha256(head.encode("utf-8", "surrogatepass"))
     digest.update(body)
+    if caller is not None:
+        digest.update(f"{len(caller)}:{caller}".encode("utf-8", "surrogatepass"))
     return "sha256:" + digest.hexdigest()
 
 
@@ -480,10 +583,12 @@ def encode_response(
 ) -> dict[str, Any]:
     """The JSON object stored as the unit of work's result.
 
-    ``{"status": 201, "headers": [["content-type", "application/json"], ...], "body": "...",
+    ``{"body": "...", "status": 201, "headers": [["content-type", "application/json"], ...],
     "encoding": "utf-8"}`` -- the body as text when it is UTF-8 without NUL characters (JSON,
     HTML, plain text: readable in SQL and a quarter smaller), else ``"encoding": "base64"``.
-    Headers keep their order and repetitions; only those in ``stored_headers`` are kept.
+    Headers keep their order and repetitions; only those in ``stored_headers`` are kept. The
+    keys come in ``jsonb``'s own order, so PostgreSQL stores the object as it is
+    (:mod:`outbox._core.results`).
     """
     kept = [[name.lower(), value] for name, value in headers if name.lower() in stored_headers]
     text: str | None
@@ -492,11 +597,11 @@ def encode_response(
     except UnicodeDecodeError:
         text = None
     if text is not None and "\x00" not in text:
-        return {"status": status, "headers": kept, "body": text, "encoding": "utf-8"}
+        return {"body": text, "status": status, "headers": kept, "encoding": "utf-8"}
     return {
+        "body": base64.b64encode(body).decode("ascii"),
         "status": status,
         "headers": kept,
-        "body": base64.b64encode(body).decode("ascii"),
         "encoding": "base64",
     }
 

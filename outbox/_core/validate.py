@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from outbox._core import recordsize
 from outbox._core.codec import CONTENT_TYPE_HEADER, IDEMPOTENCY_HEADER, JSON_CONTENT_TYPE
 from outbox.errors import (
     ConfigurationError,
@@ -272,17 +273,17 @@ def check_idempotency_header(headers: Mapping[str, str | bytes]) -> None:
 def check_size(
     key: bytes | None, value: bytes, headers: Mapping[str, str | bytes], limit: int
 ) -> None:
-    """Refuse an event whose key, value and headers together exceed ``limit`` bytes."""
-    size = len(value) + (len(key) if key is not None else 0)
-    for name, header in headers.items():
-        size += len(name.encode("utf-8")) + (
-            len(header) if isinstance(header, bytes) else len(header.encode("utf-8"))
-        )
+    """Refuse an event whose record, as the relay's producer measures it (key, value, headers
+    with ``X-Idempotency-Key``, framing: :func:`outbox._core.recordsize.wire_size`), exceeds
+    ``limit`` bytes -- the producer's ``message.max.bytes``."""
+    size = recordsize.wire_size(key, value, headers)
     if size > limit:
         raise PayloadTooLargeError(
-            f"event is {size} bytes (key + value + headers); the limit is {limit} bytes. "
-            "Store large payloads elsewhere and publish a reference, or raise "
-            "OutboxConfig.max_payload_bytes (and the broker's message.max.bytes)"
+            f"event is {size} bytes as a Kafka record (key + value + headers + "
+            f"{recordsize.RECORD_OVERHEAD} bytes of framing); the limit is {limit} bytes, the "
+            "relay's producer's message.max.bytes. Store large payloads elsewhere and publish "
+            "a reference, or raise message.max.bytes for the relay (OUTBOX_KAFKA_CONFIG, or "
+            "OutboxConfig.max_payload_bytes with --kafka-config) and the broker's limit"
         )
 
 

@@ -21,7 +21,13 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
-from outbox._core.http import DEFAULT_STORED_HEADERS, Headers, Request, Response
+from outbox._core.http import (
+    DEFAULT_CALLER_HEADERS,
+    DEFAULT_STORED_HEADERS,
+    Headers,
+    Request,
+    Response,
+)
 from outbox.errors import NoUnitOfWork
 
 if TYPE_CHECKING:
@@ -30,7 +36,13 @@ if TYPE_CHECKING:
     from outbox.uow import UnitOfWork
     from outbox.uow_async import AsyncUnitOfWork
 
-__all__ = ["DEFAULT_STORED_HEADERS", "Headers", "Request", "current_unit_of_work"]
+__all__ = [
+    "DEFAULT_CALLER_HEADERS",
+    "DEFAULT_STORED_HEADERS",
+    "Headers",
+    "Request",
+    "current_unit_of_work",
+]
 
 # A context variable reaches the handler on the request's own task, on the tasks and threads
 # that copy its context (Starlette's thread pool for sync endpoints), and on a WSGI server's

@@ -14,6 +14,7 @@ from typing import Any
 
 from outbox._core.codec import TRACEPARENT_HEADER
 from outbox._core.http import (
+    DEFAULT_CALLER_HEADERS,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_METHODS,
@@ -21,6 +22,7 @@ from outbox._core.http import (
     DEFAULT_STORED_HEADERS,
     Headers,
     HttpSettings,
+    PrincipalOf,
     Refused,
     Request,
     Response,
@@ -116,6 +118,15 @@ class IdempotencyMiddleware:
       requests (over them: 413 before the handler runs / a 500 problem, nothing stored).
     * ``stored_headers`` -- the response headers stored and replayed with the body.
     * ``retry_after`` -- seconds in the ``Retry-After`` of a 409 (key in progress).
+    * ``caller_headers`` / ``caller_cookies`` -- the request headers (default
+      ``("authorization",)``) and cookies that carry the caller's credentials. The fingerprint
+      covers their digest: another caller presenting the same key gets a 422, never this
+      caller's response.
+    * ``principal`` -- instead, a callable of the :class:`~outbox.http.Request` returning the
+      caller's stable identity (an account id; ``None`` for an anonymous caller), for
+      credentials that change between retries (refreshed tokens, rotated session cookies).
+    * ``per_caller=False`` -- share stored responses among every caller who presents the key
+      (only where the key alone identifies the caller).
     """
 
     def __init__(
@@ -130,6 +141,10 @@ class IdempotencyMiddleware:
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
         retry_after: int = DEFAULT_RETRY_AFTER,
+        principal: PrincipalOf | None = None,
+        caller_headers: Iterable[str] = DEFAULT_CALLER_HEADERS,
+        caller_cookies: Iterable[str] = (),
+        per_caller: bool = True,
     ) -> None:
         if not isinstance(outbox, AsyncOutbox):
             raise ConfigurationError(
@@ -140,7 +155,7 @@ class IdempotencyMiddleware:
         self.outbox = outbox
         self.settings = HttpSettings(
             scope, require_key, methods, max_request_bytes, max_response_bytes,
-            stored_headers, retry_after,
+            stored_headers, retry_after, principal, caller_headers, caller_cookies, per_caller,
         ).validate()  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -191,7 +206,8 @@ class IdempotencyMiddleware:
             return None
         if body is None:
             return None  # the client went away before sending its body: nothing to answer
-        request_fingerprint = fingerprint(request.method, request.target, body)
+        caller = settings.caller_of(request)
+        request_fingerprint = fingerprint(request.method, request.target, body, caller)
         response: Response | None = None
         start: Message | None = None
         failure: BaseException | None = None

@@ -18,6 +18,7 @@ from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from outbox._core.codec import TRACEPARENT_HEADER
 from outbox._core.http import (
+    DEFAULT_CALLER_HEADERS,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_METHODS,
@@ -25,6 +26,7 @@ from outbox._core.http import (
     DEFAULT_STORED_HEADERS,
     Headers,
     HttpSettings,
+    PrincipalOf,
     Refused,
     Request,
     Response,
@@ -104,6 +106,10 @@ class IdempotencyMiddleware:
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
         retry_after: int = DEFAULT_RETRY_AFTER,
+        principal: PrincipalOf | None = None,
+        caller_headers: Iterable[str] = DEFAULT_CALLER_HEADERS,
+        caller_cookies: Iterable[str] = (),
+        per_caller: bool = True,
     ) -> None:
         if not isinstance(outbox, Outbox):
             raise ConfigurationError(
@@ -114,7 +120,7 @@ class IdempotencyMiddleware:
         self.outbox = outbox
         self.settings = HttpSettings(
             scope, require_key, methods, max_request_bytes, max_response_bytes,
-            stored_headers, retry_after,
+            stored_headers, retry_after, principal, caller_headers, caller_cookies, per_caller,
         ).validate()  # fmt: skip
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
@@ -153,7 +159,8 @@ class IdempotencyMiddleware:
             return self.app(environ, start_response)
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
-        request_fingerprint = fingerprint(method, request.target, body)
+        caller = settings.caller_of(request)
+        request_fingerprint = fingerprint(method, request.target, body, caller)
         response: Response | None = None
         line: str | None = None
         failure: BaseException | None = None

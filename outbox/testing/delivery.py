@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
-from outbox._core import codec
+from outbox._core import codec, results
 from outbox._core.deadletter import DeadLetter
 from outbox._core.disposition import Outcome
 from outbox._core.environment import ENV_KAFKA_BOOTSTRAP
@@ -241,7 +241,7 @@ class Deliverer:
             t.c.scope == self.config.effective_scope, t.c.key == key
         )
         with self.outbox.engine.connect() as conn:
-            return conn.execute(query).scalar_one_or_none()
+            return results.decoded_from_database(conn.execute(query).scalar_one_or_none())
 
     def deliver_many(
         self,

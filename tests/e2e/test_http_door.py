@@ -236,3 +236,29 @@ def test_a_request_body_over_the_limit_is_413(http_app: HttpApp) -> None:
         )
     problem(answer, 413, "request-too-large")
     assert effects(http_app) == (0, 0, 0)
+
+
+def test_a_stored_response_is_only_for_its_own_caller(
+    http_app: HttpApp, redis_url: str, redis_prefix: str
+) -> None:
+    """Alice's order answered with her card's digits; Mallory, with other credentials, the
+    same key and the same body, gets a 422 and nothing of Alice's -- from Redis and from
+    PostgreSQL alike -- and so does a caller without credentials. Alice still gets her
+    response back."""
+    key = str(uuid.uuid4())
+    body = {"amount": 3, "card": "4242"}
+    alice = post(http_app, key, body, Authorization="Bearer alice")
+    assert alice.status_code == 201 and "idempotent-replayed" not in alice.headers
+    secret = alice.json()["nonce"]
+    for flushed in (False, True):
+        if flushed:  # the answers below come from PostgreSQL
+            with redis.Redis.from_url(redis_url) as client:
+                assert client.delete(*client.scan_iter(match=f"{redis_prefix}*")) == 1
+        for other in ({"Authorization": "Bearer mallory"}, {}):
+            refused = post(http_app, key, body, **other)
+            problem(refused, 422, "idempotency-key-reused")
+            assert secret not in refused.text and "location" not in refused.headers
+        again = post(http_app, key, body, Authorization="Bearer alice")
+        assert again.status_code == 201 and again.content == alice.content
+        assert again.headers["idempotent-replayed"] == "true"
+    assert effects(http_app) == (1, 1, 1)

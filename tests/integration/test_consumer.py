@@ -392,10 +392,10 @@ def test_invalid_input_from_the_handler_is_dead_lettered_at_once_and_rolled_back
     dead-lettered on the first attempt as ``invalid-input``, the business row rolled back, the
     key left free (a redrive after the fix applies it).
 
-    With ``permanent_errors=(ValueError,)`` -- ValidationError is a ValueError -- the handler's
-    own InvalidTopicError is the user's permanent error (dead-lettered ``permanent-error``, key
-    recorded failed), but a result the runner cannot store stays ``invalid-input`` and is never
-    recorded as the key's failure.
+    With ``permanent_errors=(ValueError,)`` -- ValidationError is a ValueError -- nothing
+    changes: the toolkit's own refusals are never the key's failure, so neither the
+    InvalidTopicError the handler met nor a result the runner cannot store is dead-lettered as
+    ``permanent-error`` or recorded as failed.
     """
     calls: list[str] = []
 
@@ -453,12 +453,8 @@ def test_invalid_input_from_the_handler_is_dead_lettered_at_once_and_rolled_back
     assert "j1" not in statuses
     assert (bad_topic.error_type, bad_topic.attempts) == ("InvalidTopicError", 1)
     assert "invalid topic name 'orders accepted!'" in bad_topic.error
-    if permanent_errors:
-        assert bad_topic.reason == "permanent-error"
-        assert statuses["t1"] == "failed"
-    else:
-        assert bad_topic.reason == "invalid-input"
-        assert "t1" not in statuses
+    assert bad_topic.reason == "invalid-input"
+    assert "t1" not in statuses
     assert [statuses[k] for k in ("a", "b", "c")] == ["completed"] * 3
 
 

@@ -544,3 +544,62 @@ def test_idempotent_decorator_on_a_coroutine(database_url: str, engine: sa.Engin
             return None
 
     ob.close()
+
+
+def test_module_idempotent_decorator_takes_the_flavour_of_its_outbox(
+    database_url: str, engine: sa.Engine
+) -> None:
+    """``@outbox.idempotent(..., outbox=aob)`` on an ``async def`` with an ``AsyncOutbox`` runs
+    the body once and replays to the duplicate, as ``aob.idempotent`` does; a flavour mismatch
+    is refused at decoration, in both directions."""
+    calls: list[str] = []
+
+    async def scenario() -> list[Any]:
+        async with outbox.AsyncOutbox(database_url) as aob:
+
+            @outbox.idempotent(key="request_id", scope="payments", outbox=aob)
+            async def charge(uow: outbox.AsyncUnitOfWork, request_id: str) -> dict[str, str]:
+                calls.append(request_id)
+                return {"charged": request_id}
+
+            with pytest.raises(ConfigurationError, match="a plain function needs Outbox"):
+
+                @outbox.idempotent(key="k", outbox=aob)
+                def plain(uow: Any, k: str) -> None:
+                    return None
+
+            return [await charge("r-1"), await charge("r-1")]
+
+    assert asyncio.run(scenario()) == [{"charged": "r-1"}] * 2
+    assert calls == ["r-1"]
+    ob = outbox.Outbox(engine)
+    try:
+
+        @outbox.idempotent(key="k", scope="payments", outbox=ob)
+        def sync_charge(uow: outbox.UnitOfWork, k: str) -> str:
+            calls.append(k)
+            return k
+
+        assert [sync_charge("s-1"), sync_charge("s-1")] == ["s-1", "s-1"]
+        assert calls == ["r-1", "s-1"]
+        with pytest.raises(ConfigurationError, match="an async def needs AsyncOutbox"):
+
+            @outbox.idempotent(key="k", outbox=ob)
+            async def wrong(uow: Any, k: str) -> None:
+                return None
+
+        with pytest.raises(ConfigurationError, match="takes an Outbox or an AsyncOutbox"):
+            outbox.idempotent(key="k", outbox="postgresql://")  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="pass outbox=an AsyncOutbox"):
+
+            @outbox.idempotent(key="k")  # the default outbox: sync
+            async def on_the_default(uow: Any, k: str) -> None:
+                return None
+
+    finally:
+        ob.close()
+    with engine.connect() as conn:
+        stored = conn.execute(
+            sa.text("SELECT key FROM idempotency_keys WHERE scope = 'payments' ORDER BY key")
+        ).scalars()
+        assert list(stored) == ["r-1", "s-1"]

@@ -456,7 +456,7 @@ def test_bad_publish_or_result_raises_and_commits_nothing(ob: outbox.Outbox, cas
 
 
 def test_size_limit_is_configurable(engine: sa.Engine) -> None:
-    with outbox.Outbox(engine, config=OutboxConfig(max_payload_bytes=100)) as ob:
+    with outbox.Outbox(engine, config=OutboxConfig(max_payload_bytes=200)) as ob:
         with pytest.raises(PayloadTooLargeError), ob.unit_of_work("big") as uow:
             uow.publish("t", b"x" * 90, key="k" * 5, headers={"h": "v" * 10})
         with ob.unit_of_work("small") as uow:

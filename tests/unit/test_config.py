@@ -12,10 +12,11 @@ from outbox.config import normalize_database_url, redact_url
 from outbox.errors import ConfigurationError
 
 
-def test_defaults_are_valid() -> None:
+def test_defaults_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OUTBOX_KAFKA_CONFIG", raising=False)
     config = OutboxConfig().validate()
     assert config.cache_ttl < config.retention
-    assert config.max_payload_bytes == 1024 * 1024
+    assert config.max_payload_bytes == 1_000_000  # librdkafka's message.max.bytes
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from outbox._core.disposition import (
 from outbox._core.failures import is_permanent
 from outbox._core.offsets import Assignment, fair_shares
 from outbox.errors import (
+    ConfigurationError,
     DeadLetterError,
     GuardUnavailable,
     InvalidKeyError,
@@ -33,6 +34,7 @@ from outbox.errors import (
     KeyInProgress,
     KeyReuseError,
     LeaseLost,
+    OutboxError,
     PayloadTooLargeError,
     PermanentError,
     PreviouslyFailed,
@@ -337,7 +339,14 @@ def test_permanent_errors_are_permanent_error_or_a_configured_class() -> None:
     assert is_permanent(Declined("no"), (Declined,))
     assert is_permanent(type("Sub", (Declined,), {})("no"), (Declined,))  # subclasses too
     assert not is_permanent(RuntimeError("boom"), (Declined,))
-    assert is_permanent(SerializationError("x"), (ValueError,))  # ValidationError is a ValueError
+    # The toolkit's own refusals never, though ValidationError and ConfigurationError are
+    # ValueErrors: only PermanentError among OutboxErrors records a failure.
+    assert not is_permanent(SerializationError("x"), (ValueError,))
+    assert not is_permanent(InvalidTopicError("x"), (Exception,))
+    assert not is_permanent(ConfigurationError("x"), (ValueError,))
+    assert not is_permanent(KeyInProgress("s", "k"), (OutboxError,))
+    assert is_permanent(type("Mine", (PermanentError,), {})("no"), ())
+    assert is_permanent(ValueError("the business refuses"), (ValueError,))
     # The runner's internal carriers are BaseExceptions: even `Exception` does not catch them.
     assert not is_permanent(Stop(), (Exception,))
     assert is_permanent(Stop(), (Stop,))

@@ -100,9 +100,11 @@ def test_lone_surrogate_text_is_refused() -> None:
 
 
 def test_size_counts_key_value_and_headers() -> None:
-    _validate.check_size(b"k", b"v" * 98, {"a": ""}, 100)
-    with pytest.raises(PayloadTooLargeError, match="101 bytes"):
-        _validate.check_size(b"k", b"v" * 98, {"a": b"b"}, 100)
+    # 36 bytes of record framing, 55 of the X-Idempotency-Key the relay adds, 1 + 98 of key and
+    # value, and the header "a" with its two one-byte length varints.
+    _validate.check_size(b"k", b"v" * 98, {"a": ""}, 36 + 55 + 99 + 3)
+    with pytest.raises(PayloadTooLargeError, match="194 bytes"):
+        _validate.check_size(b"k", b"v" * 98, {"a": b"b"}, 36 + 55 + 99 + 3)
 
 
 @given(
