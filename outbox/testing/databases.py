@@ -141,7 +141,7 @@ def embedded_server() -> EmbeddedServer:
     """
     global _EMBEDDED
     if _EMBEDDED is None:
-        from outbox.embedded import start_postgres
+        from outbox.embedded import start_postgres  # deferred: only without a configured server
 
         _EMBEDDED = start_postgres(embedded_directory())
     return _EMBEDDED
