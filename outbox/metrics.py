@@ -1,9 +1,11 @@
 """Prometheus metrics and the health endpoint of ``outbox-relay``.
 
-One small HTTP server on ``--metrics-port`` answers ``/metrics`` (Prometheus text format) and
+One small HTTP server on ``--metrics-port`` answers ``/metrics`` (Prometheus text format),
 ``/healthz`` (200 while the relay's loop is turning and its database session is up, 503
-otherwise, so an orchestrator can restart a wedged relay). Each relay has its own registry, so
-several relays can live in one process (tests) without clashing.
+otherwise, so an orchestrator can restart a wedged relay) and ``/readyz`` (200 while it is also
+registered for lanes -- owning some or waiting for them -- and the broker answered its last
+check, so an orchestrator can tell a starting or cut-off relay from a serving one). Each relay
+has its own registry, so several relays can live in one process (tests) without clashing.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from prometheus_client import (
 
 
 class HealthSource(Protocol):
-    """What :class:`MetricsServer` serves: a metrics page and a liveness verdict.
+    """What :class:`MetricsServer` serves: a metrics page, a liveness and a readiness verdict.
 
     :class:`RelayMetrics` is one; the consumer runner brings its own (``outbox.consumer``).
     """
@@ -33,11 +35,13 @@ class HealthSource(Protocol):
 
     def healthy(self, max_silence: float) -> bool: ...
 
+    def ready(self, max_silence: float) -> bool: ...
+
 
 class RelayMetrics:
     """The relay's metrics (names are documented in docs/relay.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_silence: float = 30.0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.published = Counter(
@@ -68,11 +72,38 @@ class RelayMetrics:
             registry=r,
         )
         self.lanes_owned = Gauge("outbox_relay_lanes_owned", "Lanes this relay owns", registry=r)
+        self.lanes = Gauge(
+            "outbox_relay_lanes", "Lanes of the outbox (--lanes), shared by its relays", registry=r
+        )
         self.up = Gauge(
             "outbox_relay_database_up", "1 while the database session is up", registry=r
         )
+        topic = ("topic",)
+        self.topic_backlog = Gauge(
+            "outbox_relay_topic_backlog_rows", "Rows waiting in the outbox, per topic",
+            topic, registry=r,
+        )  # fmt: skip
+        self.topic_parked = Gauge(
+            "outbox_relay_topic_parked_rows", "Parked rows in the outbox, per topic",
+            topic, registry=r,
+        )  # fmt: skip
+        self.topic_oldest_age = Gauge(
+            "outbox_relay_topic_oldest_pending_age_seconds",
+            "Age of the oldest row waiting in the outbox, per topic",
+            topic, registry=r,
+        )  # fmt: skip
+        self._topics: set[str] = set()
         self.heartbeat = time.monotonic()
         self.database_up = False
+        # Set by the relay: false after a delivery outage or a failed broker check.
+        self.broker_up = False
+        self.max_silence = max_silence
+        Gauge(
+            "outbox_relay_ready",
+            "1 while /readyz answers 200: the loop turns, the database session is up, the relay "
+            "is registered for lanes (owning some or waiting) and the broker answered",
+            registry=r,
+        ).set_function(lambda: float(self.ready(self.max_silence)))
 
     def beat(self) -> None:
         """Record that the loop is alive (called every iteration)."""
@@ -81,12 +112,28 @@ class RelayMetrics:
     def healthy(self, max_silence: float) -> bool:
         return self.database_up and time.monotonic() - self.heartbeat <= max_silence
 
+    def ready(self, max_silence: float) -> bool:
+        # The database session is registered among the relays before database_up is set.
+        return self.broker_up and self.healthy(max_silence)
+
+    def topics(self, stats: dict[str, tuple[int, int, float]]) -> None:
+        """``(backlog, parked, oldest pending age)`` per topic; topics gone from the outbox
+        lose their series."""
+        gauges = (self.topic_backlog, self.topic_parked, self.topic_oldest_age)
+        for topic in self._topics - stats.keys():
+            for gauge in gauges:
+                gauge.remove(topic)
+        for topic, values in stats.items():
+            for gauge, value in zip(gauges, values, strict=True):
+                gauge.labels(topic).set(value)
+        self._topics = set(stats)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class MetricsServer:
-    """``/metrics`` and ``/healthz`` on a port, served from a daemon thread."""
+    """``/metrics``, ``/healthz`` and ``/readyz`` on a port, served from a daemon thread."""
 
     def __init__(self, metrics: HealthSource, port: int, host: str = "", max_silence: float = 30.0):
         handler = _handler(metrics, max_silence)
@@ -115,6 +162,9 @@ def _handler(metrics: HealthSource, max_silence: float) -> type[BaseHTTPRequestH
             elif path == "/healthz":
                 ok = metrics.healthy(max_silence)
                 self._reply(200 if ok else 503, b"ok\n" if ok else b"unhealthy\n", "text/plain")
+            elif path == "/readyz":
+                ok = metrics.ready(max_silence)
+                self._reply(200 if ok else 503, b"ready\n" if ok else b"not ready\n", "text/plain")
             else:
                 self._reply(404, b"not found: try /metrics or /healthz\n", "text/plain")
 

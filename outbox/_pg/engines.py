@@ -86,3 +86,28 @@ def notifier_engine(engine: sa.Engine | AsyncEngine) -> sa.Engine:
     return sa.create_engine(
         engine.url.render_as_string(hide_password=False), pool_size=1, max_overflow=0
     )
+
+
+# What a readiness check of the database may meet: the server down or refusing, a lost
+# connection, a pool that is exhausted.
+_UNREACHABLE = (sa.exc.SQLAlchemyError, OSError)
+
+
+def database_answers(engine: sa.Engine) -> bool:
+    """True when ``engine`` gets a connection and ``SELECT 1`` answers (readiness checks)."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except _UNREACHABLE:
+        return False
+    return True
+
+
+async def database_answers_async(engine: AsyncEngine) -> bool:
+    """:func:`database_answers` for an ``AsyncEngine``."""
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(sa.text("SELECT 1"))
+    except _UNREACHABLE:
+        return False
+    return True

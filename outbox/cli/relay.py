@@ -26,7 +26,7 @@ from outbox.cli._common import (
 )
 from outbox.config import RelayConfig
 from outbox.metrics import MetricsServer
-from outbox.relay import Relay, RunResult
+from outbox.relay import Relay, RunResult, relay_max_silence
 
 log = logging.getLogger("outbox.relay")
 
@@ -108,7 +108,7 @@ def command(args: argparse.Namespace) -> int:
         server = None
         if config.metrics_port is not None:
             server = MetricsServer(
-                relay.metrics, config.metrics_port, max_silence=max(30.0, 3 * config.poll_interval)
+                relay.metrics, config.metrics_port, max_silence=relay_max_silence(config)
             ).start()
             log.info("event=metrics_listening port=%d", server.port)
         try:
