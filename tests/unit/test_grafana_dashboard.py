@@ -69,7 +69,7 @@ def test_panels_fit_the_grid_without_overlapping(dashboard: dict[str, Any]) -> N
     assert len(set(ids)) == len(ids), "panel ids repeat"
     for panel in dashboard["panels"]:
         g = panel["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, panel["title"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, panel["title"]
         cells = {
             (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
         }
