@@ -62,7 +62,7 @@ from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
 from outbox._kafka.consumer import Committed, KafkaConsumer, Message, coordinates, header_key
 from outbox._kafka.deadletter import DeadLetterProducer
-from outbox._pg.engines import database_answers
+from outbox._pg.engines import database_answers, readiness_engine
 from outbox._pg.errors import database_unavailable
 from outbox.config import (
     ENV_CONSUMER_GROUP as ENV_GROUP,
@@ -228,6 +228,10 @@ class ConsumerRunner:
             stopping=self._stopping,
             beat=self._beat,
         )
+        # Readiness checks of the database use a connection of their own (see _check_if_due).
+        self._ready_engine = (
+            readiness_engine(self.outbox.engine) if self.outbox is not None else None
+        )
 
     # -- public --------------------------------------------------------------------------------
 
@@ -324,15 +328,17 @@ class ConsumerRunner:
     def _check_if_due(self) -> None:
         """Readiness checks, on the loop (so a wedged loop is never ready): a metadata request
         to the broker and ``SELECT 1`` on the outbox's database, each bounded by
-        ``READY_CHECK_TIMEOUT`` (the database by its connect timeout)."""
+        ``READY_CHECK_TIMEOUT`` (the database by its connect timeout). The database is checked
+        on a connection of its own, so units of work never wait for a check (nor the check for
+        a busy pool)."""
         now = time.monotonic()
         if now < self._next_check or self._consumer is None:
             return
         self._next_check = now + READY_CHECK_INTERVAL
         broker = self._consumer.check(READY_CHECK_TIMEOUT)
         database = True
-        if self.outbox is not None:
-            database = database_answers(self.outbox.engine)
+        if self._ready_engine is not None:
+            database = database_answers(self._ready_engine)
         if (broker, database) != (self._broker_up, self._database_up):
             log.log(
                 logging.INFO if broker and database else logging.WARNING,
@@ -479,6 +485,8 @@ class ConsumerRunner:
         if self._attempts.dlq is not None:
             self._attempts.dlq.close()
             self._attempts.dlq = None
+        if self._ready_engine is not None:
+            self._ready_engine.dispose()
         self._partitions.clear()
         log.info("consumer of group %r stopped", self.config.group)
 
