@@ -194,20 +194,30 @@ def test_consumer_rolling_update_applies_every_message_once(
     holder.commit()
     held = True
 
-    def waiting_handlers() -> int:
+    def waiting_handlers(application: str) -> int:
+        """Handlers of the consumer whose sessions are named ``application`` that wait for
+        the test's lock: messages that consumer has in hand."""
         with engine.connect() as conn:
             return int(conn.execute(sa.text(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
-                "AND objid = :lock"), {"lock": LOCK}).scalar_one())  # fmt: skip
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                "WHERE l.locktype = 'advisory' AND NOT l.granted AND l.objid = :lock "
+                "AND a.application_name = :application"),
+                {"lock": LOCK, "application": application}).scalar_one())  # fmt: skip
 
-    old = _consumer(database_url, kafka_bootstrap, topic, group, old_port, old_log)
+    def named(application: str) -> str:
+        return f"{database_url}{'&' if '?' in database_url else '?'}application_name={application}"
+
+    old = _consumer(named("old"), kafka_bootstrap, topic, group, old_port, old_log)
     new: subprocess.Popen[bytes] | None = None
     try:
+        wait_for(lambda: "assigned" in old_log.read_text(), 60, "old consumer never assigned")
+        # maxSurge: the new consumer starts and joins the group before the old one stops.
+        new = _consumer(named("new"), kafka_bootstrap, topic, group, new_port, new_log)
+        wait_for(lambda: "assigned" in new_log.read_text(), 60, "new consumer never assigned")
+        wait_for(lambda: get(new_port, "/readyz")[0] == 200, 60, "new consumer never ready")
         produce(kafka_bootstrap, topic, _messages(range(0, 400)))
         # The old consumer has a micro-batch in hand: its handler waits for the test's lock.
-        wait_for(lambda: waiting_handlers() > 0, 60, "the old consumer never took a message")
-        new = _consumer(database_url, kafka_bootstrap, topic, group, new_port, new_log)
-        wait_for(lambda: get(new_port, "/healthz")[0] == 200, 60, "new consumer never live")
+        wait_for(lambda: waiting_handlers("old") > 0, 60, "the old consumer took no message")
         old.send_signal(signal.SIGTERM)  # mid-message ...
         holder.execute(sa.text("SELECT pg_advisory_unlock(:lock)"), {"lock": LOCK})
         holder.commit()
