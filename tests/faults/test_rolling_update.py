@@ -22,10 +22,10 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from tests.fixtures.common import free_port, wait_for
+from tests.fixtures.common import REPORTS, free_port, wait_for
 from tests.fixtures.consumer import produce
 from tests.fixtures.kafka import create_topic
-from tests.fixtures.processes import die_with_parent, log_tail, stop_process
+from tests.fixtures.processes import die_with_parent, local_tcp_ports, log_tail, stop_process
 from tests.fixtures.relay import (
     assert_delivered,
     check_key_order,
@@ -68,10 +68,38 @@ def counter(port: int, name: str) -> float:
     return total
 
 
+def open_claims(engine: sa.Engine, pid: int) -> int:
+    """Transactions of relay process ``pid`` that hold claimed rows: its sessions (found by
+    their client ports) with a transaction id, which a row lock assigns."""
+    ports = local_tcp_ports(pid)
+    if not ports:
+        return 0
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND client_port = ANY(:ports) AND backend_xid IS NOT NULL"),
+            {"ports": sorted(ports)}).scalar_one())  # fmt: skip
+
+
+def stop_mid_batch(engine: sa.Engine, proc: subprocess.Popen[bytes]) -> int:
+    """SIGSTOP ``proc`` while it holds claimed rows; returns how many claims it holds then
+    (0: it was never caught with one)."""
+    for _ in range(500):
+        if open_claims(engine, proc.pid):
+            proc.send_signal(signal.SIGSTOP)  # what it holds cannot change any more
+            held = open_claims(engine, proc.pid)
+            if held or proc.poll() is not None:
+                return held
+            proc.send_signal(signal.SIGCONT)  # it finished the batch in between: again
+    return 0
+
+
 def sigterm_and_wait(proc: subprocess.Popen[bytes], grace: float, log: Path) -> int:
     """What the kubelet does: SIGTERM, then SIGKILL when the grace period runs out. Returns the
-    exit status; a process that needed the SIGKILL fails the test."""
+    exit status; a process that needed the SIGKILL fails the test. (A stopped process gets
+    SIGCONT after the SIGTERM: it goes on with the signal waiting.)"""
     proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)
     try:
         return proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
@@ -125,6 +153,8 @@ def test_relay_rolling_update_loses_nothing(
                           log_path=new_log)  # fmt: skip
         wait_for(lambda: get(new_port, "/readyz")[0] == 200, 60, "new relay never ready")
         assert writes.acquire(timeout=60)  # the writer is still at it
+        # SIGTERM lands while the old relay holds a claimed batch.
+        assert stop_mid_batch(engine, old) > 0, "the old relay was never caught mid-batch"
         assert sigterm_and_wait(old, grace_period("relay"), old_log) == 0
         stop_writing.set()
         thread.join(60)
@@ -144,6 +174,9 @@ def test_relay_rolling_update_loses_nothing(
     assert_delivered(records, ids)
     check_key_order(records, committed)
     duplicates = len(records) - len(ids)
+    REPORTS.setdefault("rolling updates", []).append(
+        f"relay: {len(ids)} events, {duplicates} sent twice (allowed: {batch}, one batch)"
+    )
     assert duplicates <= batch, f"{duplicates} duplicates: more than the batch in hand ({batch})"
 
 
@@ -254,6 +287,10 @@ def test_consumer_rolling_update_applies_every_message_once(
     assert set(counts) == {f"msg-{n}" for n in range(800)}
     doubled = {k: n for k, n in counts.items() if n > 1}
     assert not doubled, f"effects applied twice: {sorted(doubled)[:5]}"
+    REPORTS.setdefault("rolling updates", []).append(
+        f"consumer: 800 messages, applied by the old consumer {by_process.get(old.pid, 0)}, "
+        f"by the new one {by_process.get(new.pid if new else 0, 0)}, none twice"
+    )
     # The old consumer finished what it had in hand; the new one did the rest.
     assert new is not None and set(by_process) == {old.pid, new.pid}, by_process
     assert "consumer of group" in old_log.read_text()  # it stopped through its shutdown
