@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from outbox import admin, cli
+from outbox._kafka.config import consumer_config, producer_config
 from outbox.cli import consume, gc, relay
 from outbox.cli._common import resolve_flags
 from outbox.config import ConsumerConfig, RelayConfig
@@ -176,11 +177,15 @@ def test_each_command_accepts_its_configuration(
     argv = env_of("outbox-relay")
     config = relay.config_from_args(relay.build_parser().parse_args(argv))
     assert config.metrics_port == 9400 and config.lanes == 32
+    producer_config(config.bootstrap_servers, config.kafka_config)  # refuses unsafe settings
 
     argv = env_of("outbox-consumer")
     args = cli.build_parser(argv).parse_args(argv)
-    consumer_config = consume.config_from_args(args)
-    assert consumer_config.group == settings["configMapKeyRef"]["OUTBOX_CONSUMER_GROUP"]
+    runner_config = consume.config_from_args(args)
+    assert runner_config.group == settings["configMapKeyRef"]["OUTBOX_CONSUMER_GROUP"]
+    consumer_config(
+        runner_config.bootstrap_servers, runner_config.group, runner_config.kafka_config
+    )
     assert args.metrics_port == 9400 and args.database_url and args.redis_url
 
     argv = env_of("outbox-migrate")
