@@ -31,9 +31,10 @@ KUSTOMIZATION = "kustomization.yaml"
 # The Kubernetes release the manifests are validated against: the newest the installed
 # kubernetes-validate knows, and never older than this.
 OLDEST_CURRENT = (1, 33)
-# The seconds a relay may take after SIGTERM beyond the producer's shutdown grace: closing the
-# producer (1 s), the wake-up listener (2 s) and the database session.
-RELAY_CLOSE = 5.0
+# The seconds a process may take after SIGTERM to close its clients once its work in hand is
+# done (a relay: the producer 1 s, the wake-up listener 2 s, the database session; a consumer:
+# the offset commit and leaving the group).
+CLOSE = 5.0
 
 
 def _files() -> list[Path]:
@@ -261,8 +262,8 @@ def test_grace_periods_cover_the_documented_stop_bounds(
     objects: dict[tuple[str, str], dict[str, Any]],
 ) -> None:
     # The relay: the batch in hand gets shutdown_grace for Kafka's reports, then it closes.
-    relay_bound = RelayConfig("", "").shutdown_grace + RELAY_CLOSE
+    relay_bound = RelayConfig("", "").shutdown_grace + CLOSE
     assert grace_period(objects, "outbox-relay") >= 2 * relay_bound
     # The consumer: the message in hand, whose dead letter may wait dlq_timeout.
-    consumer_bound = ConsumerConfig.dlq_timeout + RELAY_CLOSE
+    consumer_bound = ConsumerConfig.dlq_timeout + CLOSE
     assert grace_period(objects, "outbox-consumer") >= 1.5 * consumer_bound
