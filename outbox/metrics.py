@@ -95,8 +95,10 @@ class RelayMetrics:
         self._topics: set[str] = set()
         self.heartbeat = time.monotonic()
         self.database_up = False
-        # Set by the relay: false after a delivery outage or a failed broker check.
+        # Set by the relay: false after a delivery outage or a failed broker check; stopping once
+        # it was asked to stop.
         self.broker_up = False
+        self.stopping = False
         self.max_silence = max_silence
         Gauge(
             "outbox_relay_ready",
@@ -114,7 +116,7 @@ class RelayMetrics:
 
     def ready(self, max_silence: float) -> bool:
         # The database session is registered among the relays before database_up is set.
-        return self.broker_up and self.healthy(max_silence)
+        return self.broker_up and not self.stopping and self.healthy(max_silence)
 
     def topics(self, stats: dict[str, tuple[int, int, float]]) -> None:
         """``(backlog, parked, oldest pending age)`` per topic; topics gone from the outbox

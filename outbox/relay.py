@@ -201,6 +201,7 @@ class Relay:
 
     def stop(self) -> None:
         """Ask the loop to finish the batch in hand and return (safe from signal handlers)."""
+        self.metrics.stopping = True  # no longer ready
         self.stop_event.set()
         self.kick.set()
 
