@@ -62,6 +62,7 @@ from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
 from outbox._kafka.consumer import AsyncKafkaConsumer, Committed, Message, coordinates, header_key
 from outbox._kafka.deadletter import AsyncDeadLetterProducer
+from outbox._pg.engines import database_answers_async, readiness_engine
 from outbox._pg.errors import database_unavailable
 from outbox.config import (
     ENV_CONSUMER_GROUP as ENV_GROUP,
@@ -78,7 +79,7 @@ from outbox.consumer_attempt_async import (
     batch_handler,
 )
 from outbox.consumer_guarded_async import AsyncGuardedAttempts
-from outbox.consumer_metrics import ConsumerMetrics, serve_metrics
+from outbox.consumer_metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer_rounds_async import AsyncRounds
 from outbox.errors import ConfigurationError, ConsumerError
 from outbox.guard_async import AsyncClaim, AsyncRedisGuard
@@ -116,6 +117,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("outbox.consumer")
+
+# Seconds between readiness checks of the broker and the database, and the broker check's bound.
+READY_CHECK_INTERVAL = 5.0
+READY_CHECK_TIMEOUT = 2.0
 
 _ASYNC = True
 
@@ -204,6 +209,10 @@ class AsyncConsumerRunner:
         self._running = threading.Lock()
         # Last turn of the poll loop (monotonic); None while the loop is not running.
         self._heartbeat: float | None = None
+        # Readiness: what the last checks found (see _check_if_due).
+        self._broker_up = False
+        self._database_up = False
+        self._next_check = 0.0
         self._attempts: AsyncVerdicts
         rules = {"key_func": key_func, "fingerprint_func": fingerprint_func, "beat": self._beat}
         if isinstance(outbox, AsyncRedisGuard):
@@ -222,6 +231,10 @@ class AsyncConsumerRunner:
             self._metrics,
             stopping=self._stopping,
             beat=self._beat,
+        )
+        # Readiness checks of the database use a connection of their own (see _check_if_due).
+        self._ready_engine = (
+            readiness_engine(self.outbox.engine) if self.outbox is not None else None
         )
 
     # -- public --------------------------------------------------------------------------------
@@ -258,8 +271,13 @@ class AsyncConsumerRunner:
                 "consuming %s as group %r (scope %r) from %s",
                 ", ".join(self.config.topics), self.config.group, self._scope, bootstrap,
             )  # fmt: skip
+            silence = default_max_silence(self.config)
+            self._metrics.ready.labels(self.config.group).set_function(
+                lambda: float(self.ready(silence))
+            )
             while not self._stopping.is_set():
                 self._heartbeat = time.monotonic()
+                await self._check_if_due()
                 timeout = self._poll_timeout()
                 received = await self._consumer.consume(
                     self.config.batch_size, timeout, self.config.batch_wait
@@ -270,6 +288,7 @@ class AsyncConsumerRunner:
                 await self._commit_if_due()
         finally:
             self._heartbeat = None
+            self._broker_up = self._database_up = False
             try:
                 await self._shutdown()
             finally:
@@ -301,8 +320,37 @@ class AsyncConsumerRunner:
             and time.monotonic() - beat <= max_silence
         )
 
+    def ready(self, max_silence: float) -> bool:
+        """True while :meth:`healthy` holds and the last checks (every
+        ``READY_CHECK_INTERVAL`` seconds) reached the broker and, for a runner with an outbox,
+        PostgreSQL: what ``/readyz`` answers."""
+        return self._broker_up and self._database_up and self.healthy(max_silence)
+
     def _beat(self) -> None:
         self._heartbeat = time.monotonic()
+
+    async def _check_if_due(self) -> None:
+        """Readiness checks, on the loop (so a wedged loop is never ready): a metadata request
+        to the broker and ``SELECT 1`` on the outbox's database, each bounded by
+        ``READY_CHECK_TIMEOUT`` (the database by its connect timeout). The database is checked
+        on a connection of its own, so units of work never wait for a check (nor the check for
+        a busy pool)."""
+        now = time.monotonic()
+        if now < self._next_check or self._consumer is None:
+            return
+        self._next_check = now + READY_CHECK_INTERVAL
+        broker = await self._consumer.check(READY_CHECK_TIMEOUT)
+        database = True
+        if self._ready_engine is not None:
+            database = await database_answers_async(self._ready_engine)
+        if (broker, database) != (self._broker_up, self._database_up):
+            log.log(
+                logging.INFO if broker and database else logging.WARNING,
+                "readiness: broker %s, database %s",
+                "answers" if broker else "does not answer",
+                "answers" if database else "does not answer",
+            )
+        self._broker_up, self._database_up = broker, database
 
     # -- partitions and offsets ----------------------------------------------------------------
 
@@ -441,6 +489,8 @@ class AsyncConsumerRunner:
         if self._attempts.dlq is not None:
             await self._attempts.dlq.close()
             self._attempts.dlq = None
+        if self._ready_engine is not None:
+            await self._ready_engine.dispose()
         self._partitions.clear()
         log.info("consumer of group %r stopped", self.config.group)
 

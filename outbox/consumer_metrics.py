@@ -2,7 +2,7 @@
 
 The collectors are created once per registry and shared by the runners of a process (their
 ``group`` and ``topic`` labels tell them apart); ``docs/consumer.md`` lists them. The
-``/metrics`` and ``/healthz`` endpoints are served by the relay's
+``/metrics``, ``/healthz`` and ``/readyz`` endpoints are served by the relay's
 :class:`outbox.metrics.MetricsServer`.
 """
 
@@ -36,6 +36,8 @@ class _Runner(Protocol):
     def config(self) -> Any: ...
 
     def healthy(self, max_silence: float) -> bool: ...
+
+    def ready(self, max_silence: float) -> bool: ...
 
 
 class _Series:
@@ -117,6 +119,12 @@ class ConsumerMetrics:
             "(as of the last fetch) minus the next offset to commit. Updated at offset commits.",
             ("group", "topic", "partition"), registry=registry,
         )  # fmt: skip
+        self.ready = Gauge(
+            "outbox_consumer_ready",
+            "1 while the group's runner answers /readyz with 200: its loop turns and its last "
+            "checks reached the broker and (with an outbox) PostgreSQL.",
+            ("group",), registry=registry,
+        )  # fmt: skip
         self._series: dict[tuple[str, str], _Series] = {}
 
     def _of(self, group: str, topic: str) -> _Series:
@@ -169,21 +177,30 @@ class ConsumerMetrics:
             return metrics
 
 
+def default_max_silence(config: Any) -> float:
+    """How long a runner's loop may stand still before ``/healthz`` says it is stuck: 60 s or
+    twice ``dlq_timeout``, whichever is longer (one attempt may wait that long for a dead
+    letter)."""
+    return max(60.0, 2 * float(config.dlq_timeout))
+
+
 def serve_metrics(
     runner: _Runner, port: int, *, host: str = DEFAULT_HOST, max_silence: float | None = None
 ) -> MetricsServer:
-    """Serve ``/metrics`` and ``/healthz`` for ``runner`` on ``host:port`` (0: any free port;
-    the loopback interface unless ``host`` says otherwise, e.g. ``0.0.0.0`` in a container).
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` for ``runner`` on ``host:port`` (0: any
+    free port; the loopback interface unless ``host`` says otherwise, e.g. ``0.0.0.0`` in a
+    container).
 
     ``/metrics`` is the runner's registry (the global one by default) in Prometheus text format;
     ``/healthz`` answers 200 while :meth:`ConsumerRunner.healthy` holds and 503 otherwise, so an
-    orchestrator restarts a wedged consumer. ``max_silence`` defaults to 60 s or twice
-    ``dlq_timeout``, whichever is longer: one attempt at a message may legitimately wait that
-    long for a dead letter. The server is the relay's (:class:`outbox.metrics.MetricsServer`);
-    its ``port`` attribute names the bound port, ``close()`` stops it.
+    orchestrator restarts a wedged consumer; ``/readyz`` answers 200 while
+    :meth:`ConsumerRunner.ready` holds (also the broker and the database answer).
+    ``max_silence`` defaults to :func:`default_max_silence`. The server is the relay's
+    (:class:`outbox.metrics.MetricsServer`); its ``port`` attribute names the bound port,
+    ``close()`` stops it.
     """
     if max_silence is None:
-        max_silence = max(60.0, 2 * runner.config.dlq_timeout)
+        max_silence = default_max_silence(runner.config)
     return MetricsServer(_Health(runner), port, host=host, max_silence=max_silence).start()
 
 
@@ -198,3 +215,6 @@ class _Health:
 
     def healthy(self, max_silence: float) -> bool:
         return self._runner.healthy(max_silence)
+
+    def ready(self, max_silence: float) -> bool:
+        return self._runner.ready(max_silence)

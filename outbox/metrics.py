@@ -1,10 +1,12 @@
 """Prometheus metrics and the health endpoint of ``outbox-relay``.
 
 One small HTTP server on ``--metrics-port`` (on the loopback interface unless
-``--metrics-host`` says otherwise) answers ``/metrics`` (Prometheus text format) and
+``--metrics-host`` says otherwise) answers ``/metrics`` (Prometheus text format),
 ``/healthz`` (200 while the relay's loop is turning and its database session is up, 503
-otherwise, so an orchestrator can restart a wedged relay). Each relay has its own registry, so
-several relays can live in one process (tests) without clashing.
+otherwise, so an orchestrator can restart a wedged relay) and ``/readyz`` (200 while it is also
+registered for lanes -- owning some or waiting for them -- and the broker answered its last
+check, so an orchestrator can tell a starting or cut-off relay from a serving one). Each relay
+has its own registry, so several relays can live in one process (tests) without clashing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from prometheus_client import (
 
 
 class HealthSource(Protocol):
-    """What :class:`MetricsServer` serves: a metrics page and a liveness verdict.
+    """What :class:`MetricsServer` serves: a metrics page, a liveness and a readiness verdict.
 
     :class:`RelayMetrics` is one; the consumer runner brings its own (``outbox.consumer``).
     """
@@ -35,11 +37,13 @@ class HealthSource(Protocol):
 
     def healthy(self, max_silence: float) -> bool: ...
 
+    def ready(self, max_silence: float) -> bool: ...
+
 
 class RelayMetrics:
     """The relay's metrics (names are documented in docs/relay.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_silence: float = 30.0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.published = Counter(
@@ -70,11 +74,40 @@ class RelayMetrics:
             registry=r,
         )
         self.lanes_owned = Gauge("outbox_relay_lanes_owned", "Lanes this relay owns", registry=r)
+        self.lanes = Gauge(
+            "outbox_relay_lanes", "Lanes of the outbox (--lanes), shared by its relays", registry=r
+        )
         self.up = Gauge(
             "outbox_relay_database_up", "1 while the database session is up", registry=r
         )
+        topic = ("topic",)
+        self.topic_backlog = Gauge(
+            "outbox_relay_topic_backlog_rows", "Rows waiting in the outbox, per topic",
+            topic, registry=r,
+        )  # fmt: skip
+        self.topic_parked = Gauge(
+            "outbox_relay_topic_parked_rows", "Parked rows in the outbox, per topic",
+            topic, registry=r,
+        )  # fmt: skip
+        self.topic_oldest_age = Gauge(
+            "outbox_relay_topic_oldest_pending_age_seconds",
+            "Age of the oldest row waiting in the outbox, per topic",
+            topic, registry=r,
+        )  # fmt: skip
+        self._topics: set[str] = set()
         self.heartbeat = time.monotonic()
         self.database_up = False
+        # Set by the relay: false after a delivery outage or a failed broker check; stopping once
+        # it was asked to stop.
+        self.broker_up = False
+        self.stopping = False
+        self.max_silence = max_silence
+        Gauge(
+            "outbox_relay_ready",
+            "1 while /readyz answers 200: the loop turns, the database session is up, the relay "
+            "is registered for lanes (owning some or waiting) and the broker answered",
+            registry=r,
+        ).set_function(lambda: float(self.ready(self.max_silence)))
 
     def beat(self) -> None:
         """Record that the loop is alive (called every iteration)."""
@@ -82,6 +115,22 @@ class RelayMetrics:
 
     def healthy(self, max_silence: float) -> bool:
         return self.database_up and time.monotonic() - self.heartbeat <= max_silence
+
+    def ready(self, max_silence: float) -> bool:
+        # The database session is registered among the relays before database_up is set.
+        return self.broker_up and not self.stopping and self.healthy(max_silence)
+
+    def topics(self, stats: dict[str, tuple[int, int, float]]) -> None:
+        """``(backlog, parked, oldest pending age)`` per topic; topics gone from the outbox
+        lose their series."""
+        gauges = (self.topic_backlog, self.topic_parked, self.topic_oldest_age)
+        for topic in self._topics - stats.keys():
+            for gauge in gauges:
+                gauge.remove(topic)
+        for topic, values in stats.items():
+            for gauge, value in zip(gauges, values, strict=True):
+                gauge.labels(topic).set(value)
+        self._topics = set(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -97,8 +146,8 @@ DEFAULT_HOST = "127.0.0.1"
 
 
 class MetricsServer:
-    """``/metrics`` and ``/healthz`` on ``host:port``, served by one asyncio loop in a daemon
-    thread.
+    """``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port``, served by one asyncio loop
+    in a daemon thread.
 
     One thread serves every connection: an idle or half-sent request costs a socket, not a
     thread. Each connection has :data:`REQUEST_TIMEOUT` seconds to send a request of at most
@@ -201,13 +250,16 @@ class MetricsServer:
             return 400, b"bad request\n", "text/plain"
         method, target = parts[0].upper(), parts[1].split(b"?", 1)[0]
         if method != b"GET":
-            return 405, b"method not allowed: GET /metrics or /healthz\n", "text/plain"
+            return 405, b"method not allowed: GET /metrics, /healthz or /readyz\n", "text/plain"
         if target == b"/metrics":
             return 200, self._metrics.render(), CONTENT_TYPE_LATEST
         if target == b"/healthz":
             ok = self._metrics.healthy(self._max_silence)
             return (200, b"ok\n", "text/plain") if ok else (503, b"unhealthy\n", "text/plain")
-        return 404, b"not found: try /metrics or /healthz\n", "text/plain"
+        if target == b"/readyz":
+            ok = self._metrics.ready(self._max_silence)
+            return (200, b"ready\n", "text/plain") if ok else (503, b"not ready\n", "text/plain")
+        return 404, b"not found: try /metrics, /healthz or /readyz\n", "text/plain"
 
 
 _REASONS = {

@@ -88,6 +88,16 @@ from outbox.relay_lanes import LaneOwnership
 log = logging.getLogger("outbox.relay")
 
 
+# Seconds a readiness check of the brokers may take (see Relay._check_broker).
+BROKER_CHECK_TIMEOUT = 2.0
+
+
+def relay_max_silence(config: RelayConfig) -> float:
+    """Seconds the loop may go without turning before ``/healthz`` reports the relay wedged:
+    an idle relay turns at least every ``poll_interval``."""
+    return max(30.0, 3 * config.poll_interval)
+
+
 class RunResult(enum.IntEnum):
     """How :meth:`Relay.run` ended; every other end is an exception."""
 
@@ -151,7 +161,8 @@ class Relay:
         self.kick = threading.Event()
         # Set while the loop waits for work (tests and benchmarks wait for an idle relay).
         self.idle = threading.Event()
-        self.metrics = RelayMetrics()
+        self.metrics = RelayMetrics(max_silence=relay_max_silence(self.config))
+        self.metrics.lanes.set(self.config.lanes)
         self.lanes = LaneOwnership(self.config, self.metrics)
         self.totals = BatchResult()
         self.engine = relay_engine(self.url)
@@ -174,6 +185,7 @@ class Relay:
         # draining (to give the announcement back).
         self._announce = self._announced = self._draining = False
         self._db_backoff = Backoff(config.backoff_initial, config.backoff_max)
+        self._confirmed_since_check = False
 
     @property
     def owned(self) -> set[int]:
@@ -189,6 +201,7 @@ class Relay:
 
     def stop(self) -> None:
         """Ask the loop to finish the batch in hand and return (safe from signal handlers)."""
+        self.metrics.stopping = True  # no longer ready
         self.stop_event.set()
         self.kick.set()
 
@@ -224,9 +237,28 @@ class Relay:
     def _refresh_stats(self, conn: sa.Connection) -> None:
         stats = outbox_stats(conn, self.sql)
         conn.commit()
-        self.metrics.backlog.set(stats.backlog)
-        self.metrics.parked_rows.set(stats.parked)
-        self.metrics.oldest_age.set(stats.oldest_age)
+        values = stats.values()
+        self.metrics.backlog.set(sum(s.backlog for s in values))
+        self.metrics.parked_rows.set(sum(s.parked for s in values))
+        self.metrics.oldest_age.set(max((s.oldest_age for s in values), default=0.0))
+        self.metrics.topics({t: (s.backlog, s.parked, s.oldest_age) for t, s in stats.items()})
+
+    def _check_broker(self) -> None:
+        """Readiness: ask the brokers for metadata, unless Kafka confirmed a delivery since the
+        last check (then it evidently answers). A cut-off broker costs the loop at most
+        ``BROKER_CHECK_TIMEOUT`` per stats interval; it could deliver nothing meanwhile."""
+        if self._confirmed_since_check:
+            self._confirmed_since_check = False
+            self.metrics.broker_up = True
+            return
+        try:
+            self._producer_or_new().check(BROKER_CHECK_TIMEOUT)
+        except PublishError as exc:
+            if self.metrics.broker_up:
+                log.warning("event=kafka_check_failed error=%r", str(exc))
+            self.metrics.broker_up = False
+        else:
+            self.metrics.broker_up = True
 
     # ------------------------------------------------------------------------------- batch
 
@@ -475,6 +507,7 @@ class Relay:
                     self.lanes.next_rebalance = now + self.config.rebalance_interval
                 if not once and now >= self._next_stats:
                     self._refresh_stats(conn)
+                    self._check_broker()
                     self._next_stats = now + self.config.stats_interval
                 self._announce_idle(conn)
                 self.kick.clear()
@@ -492,7 +525,10 @@ class Relay:
                 if result.stale_producer and not result.outage:
                     log.warning("event=producer_rebuilt reason=%r", result.error)
                 self._close_producer()
+            if result.confirmed:
+                self._confirmed_since_check = True
             if result.outage:
+                self.metrics.broker_up = False
                 delay = self._kafka_backoff.failed()
                 log.warning(
                     "event=kafka_unavailable failed=%d consecutive=%d retry_in=%.2fs error=%r",

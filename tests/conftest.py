@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 # Before anything imports them: the helpers' asserts report their operands like a test's own.
 pytest.register_assert_rewrite("tests.fixtures")
 
-from tests.fixtures.common import USED, in_ci  # noqa: E402
+from tests.fixtures.common import REPORTS, USED, in_ci  # noqa: E402
 from tests.fixtures.hostile import TALLY  # noqa: E402
 from tests.fixtures.postgres import FACTORIES  # noqa: E402
 
@@ -52,6 +52,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if TALLY.examples:
         terminalreporter.section("hostile input")
         terminalreporter.write_line(TALLY.summary())
+    for title, lines in REPORTS.items():
+        terminalreporter.section(title)
+        for line in lines:
+            terminalreporter.write_line(line)
     if not USED and not FACTORIES:
         return
     terminalreporter.section("outbox test services")

@@ -315,6 +315,15 @@ class KafkaConsumer:
         except KafkaException as exc:
             raise ConsumerError(str(exc)) from exc
 
+    def check(self, timeout: float) -> bool:
+        """True when a broker answered a metadata request within ``timeout`` seconds
+        (readiness checks)."""
+        try:
+            self._consumer.list_topics(timeout=timeout)
+        except (KafkaException, RuntimeError):
+            return False
+        return True
+
     def close(self) -> None:
         """Leave the group (partitions move to other members at once) and release the client.
 
@@ -393,6 +402,10 @@ class AsyncKafkaConsumer:
     def release(self, partitions: Iterable[TP]) -> None:
         """See :meth:`KafkaConsumer.release`."""
         self._client.release(partitions)
+
+    async def check(self, timeout: float) -> bool:
+        """See :meth:`KafkaConsumer.check`."""
+        return await self._thread.run(self._client.check, timeout)
 
     async def close(self) -> None:
         """See :meth:`KafkaConsumer.close`; the consumer's thread ends afterwards."""

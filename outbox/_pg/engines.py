@@ -6,7 +6,7 @@ Not generated: the sync and asyncio units of work both call these to tell an ``E
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg.conninfo
 import sqlalchemy as sa
@@ -86,3 +86,49 @@ def notifier_engine(engine: sa.Engine | AsyncEngine) -> sa.Engine:
     return sa.create_engine(
         engine.url.render_as_string(hide_password=False), pool_size=1, max_overflow=0
     )
+
+
+EngineT = TypeVar("EngineT", sa.Engine, AsyncEngine)
+
+# libpq's connect_timeout (whole seconds, at least 2) of a readiness check's connection.
+READINESS_CONNECT_TIMEOUT = 2
+
+
+def readiness_engine(engine: EngineT) -> EngineT:
+    """A one-connection engine of ``engine``'s flavour on the same URL, for readiness checks:
+    they neither wait for the pool that units of work use nor take a connection from it.
+    (Settings given to ``engine`` outside its URL, such as ``connect_args``, are not carried
+    over.) A connection attempt gives up after ``READINESS_CONNECT_TIMEOUT`` seconds."""
+    options: dict[str, Any] = {
+        "pool_size": 1,
+        "max_overflow": 0,
+        "connect_args": {"connect_timeout": READINESS_CONNECT_TIMEOUT},
+    }
+    if isinstance(engine, AsyncEngine):
+        return create_async_engine(engine.url, **options)
+    return sa.create_engine(engine.url, **options)
+
+
+# What a readiness check of the database may meet: the server down or refusing, a lost
+# connection, a pool that is exhausted.
+_UNREACHABLE = (sa.exc.SQLAlchemyError, OSError)
+
+
+def database_answers(engine: sa.Engine) -> bool:
+    """True when ``engine`` gets a connection and ``SELECT 1`` answers (readiness checks)."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except _UNREACHABLE:
+        return False
+    return True
+
+
+async def database_answers_async(engine: AsyncEngine) -> bool:
+    """:func:`database_answers` for an ``AsyncEngine``."""
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(sa.text("SELECT 1"))
+    except _UNREACHABLE:
+        return False
+    return True

@@ -175,10 +175,12 @@ WHERE o.id = f.id
 """
 
 OUTBOX_STATS = """
-SELECT count(*) FILTER (WHERE parked_at IS NULL) AS backlog,
+SELECT topic,
+       count(*) FILTER (WHERE parked_at IS NULL) AS backlog,
        count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,
        EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE parked_at IS NULL)) AS oldest
 FROM {outbox}
+GROUP BY topic
 """
 
 OUTBOX_STATS_SEQSCAN = sa.text("SET LOCAL enable_seqscan = on")
@@ -305,12 +307,14 @@ class OutboxStats:
     oldest_age: float
 
 
-def outbox_stats(conn: sa.Connection, sql: OutboxStatements) -> OutboxStats:
-    """Count the whole outbox (in a transaction the caller commits)."""
+def outbox_stats(conn: sa.Connection, sql: OutboxStatements) -> dict[str, OutboxStats]:
+    """Count the whole outbox, per topic (in a transaction the caller commits)."""
     # A whole-table count: here a sequential scan is the right plan (see SESSION_SETTINGS).
     conn.execute(OUTBOX_STATS_SEQSCAN)
-    row = conn.execute(sql.stats).one()
-    return OutboxStats(int(row.backlog), int(row.parked), float(row.oldest or 0.0))
+    return {
+        str(row.topic): OutboxStats(int(row.backlog), int(row.parked), float(row.oldest or 0.0))
+        for row in conn.execute(sql.stats)
+    }
 
 
 def _driver(conn: sa.Connection) -> psycopg.Connection[Any]:

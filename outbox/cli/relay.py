@@ -27,7 +27,7 @@ from outbox.cli._common import (
 )
 from outbox.config import RelayConfig
 from outbox.metrics import MetricsServer
-from outbox.relay import Relay, RunResult
+from outbox.relay import Relay, RunResult, relay_max_silence
 
 log = logging.getLogger("outbox.relay")
 
@@ -115,7 +115,7 @@ def command(args: argparse.Namespace) -> int:
                 relay.metrics,
                 config.metrics_port,
                 host=config.metrics_host,
-                max_silence=max(30.0, 3 * config.poll_interval),
+                max_silence=relay_max_silence(config),
             ).start()
             log.info("event=metrics_listening host=%s port=%d", server.host, server.port)
         try:

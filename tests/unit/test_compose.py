@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,6 +37,7 @@ from outbox.config import (
     ENV_RELAY_REBALANCE_INTERVAL,
     ENV_SCHEMA,
 )
+from tests.fixtures.common import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,8 +81,12 @@ def _published(service: dict[str, Any]) -> dict[int, int]:
 
 def test_services_and_pinned_images(compose: dict[str, Any]) -> None:
     services = _services(compose)
-    assert set(services) == {"postgres", "redis", "kafka", "migrate", "relay"}
+    assert set(services) == {
+        "postgres", "redis", "kafka", "migrate", "relay", "prometheus", "grafana",
+    }  # fmt: skip
     assert services["postgres"]["image"].startswith("postgres:16")
+    assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", services["prometheus"]["image"])
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", services["grafana"]["image"])
     assert services["redis"]["image"].startswith("redis:7")
     assert re.fullmatch(r"apache/kafka:\d+\.\d+\.\d+", services["kafka"]["image"])
     for name in ("migrate", "relay"):
@@ -251,3 +258,63 @@ def test_dockerfile_installs_the_package_and_runs_the_relay() -> None:
         if line.startswith("COPY "):
             for src in shlex.split(line)[1:-1]:
                 assert (REPO / src).exists(), f"Dockerfile copies missing {src}"
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """container path -> file of this repository, for the read-only bind mounts."""
+    out = {}
+    for spec in service.get("volumes", []):
+        source, target, mode = str(spec).split(":")
+        assert mode == "ro", f"{spec}: mount configuration read-only"
+        assert source.startswith("./"), f"{spec}: a file of this repository"
+        path = REPO / source
+        assert path.exists(), f"{spec}: {path} does not exist"
+        out[target] = path
+    return out
+
+
+def test_prometheus_loads_the_alert_rules_and_scrapes_the_relay(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    services = _services(compose)
+    mounts = _mounts(services["prometheus"])
+    config_path = mounts["/etc/prometheus/prometheus.yml"]
+    config = yaml.safe_load(config_path.read_text())
+    (rules,) = config["rule_files"]
+    assert mounts[rules] == REPO / "deploy" / "prometheus" / "outbox-kit-rules.yml"
+    (job,) = config["scrape_configs"]
+    port = _env(services["relay"])[ENV_RELAY_METRICS_PORT]
+    assert job["static_configs"] == [{"targets": [f"relay:{port}"]}]
+    assert job["job_name"] == "outbox-relay"
+    assert "relay" in services["prometheus"]["depends_on"]
+    assert _published(services["prometheus"]) == {9090: 9090}
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        unavailable("promtool", "not on PATH", "apt-get install -y prometheus")
+    # promtool checks the configuration with the rule file where this repository has it.
+    config["rule_files"] = [str(mounts[rules])]
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(config))
+    done = subprocess.run([promtool, "check", "config", str(local)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_grafana_provisions_the_dashboard_on_the_prometheus_service(
+    compose: dict[str, Any],
+) -> None:
+    services = _services(compose)
+    mounts = _mounts(services["grafana"])
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert source["type"] == "prometheus" and source["isDefault"] is True
+    assert source["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "outbox-kit.yml").read_text())[
+        "providers"
+    ]
+    folder = provider["options"]["path"]
+    assert mounts[f"{folder}/outbox-kit.json"] == REPO / "deploy" / "grafana" / "outbox-kit.json"
+    assert "prometheus" in services["grafana"]["depends_on"]
+    assert _published(services["grafana"]) == {3000: 3000}
