@@ -244,7 +244,7 @@ class AsyncBatch:
         self._errors.append(error)
         if status == claim.STATUS_COMPLETED:
             self._events.extend(uow._events)
-            self.staged_bytes += sum(len(e.value) for e in uow._events)
+            self.staged_bytes += sum(len(e.value or b"") for e in uow._events)
         self._outcomes.append(
             (uow.key, StoredOutcome(status, uow.fingerprint, result_json, error), None)
         )

@@ -137,7 +137,8 @@ class UnitOfWork:
 
         Synchronous in both flavours: it only buffers. ``value`` may be ``bytes``, ``str``
         (UTF-8) or anything JSON-serializable (encoded as JSON with a
-        ``content-type: application/json`` header). ``key`` is the Kafka message key (``str``,
+        ``content-type: application/json`` header); ``None`` is a tombstone, a record with a
+        null value (a compacted topic deletes the key). ``key`` is the Kafka message key (``str``,
         ``bytes`` or ``None``); events with the same key reach Kafka in commit order. Returns
         the event's UUID, also sent as the ``X-Idempotency-Key`` header unless ``headers`` sets
         one. Invalid input raises before anything is written. Inside an active OpenTelemetry

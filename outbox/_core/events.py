@@ -34,7 +34,7 @@ class Event:
     event_id: uuid.UUID
     topic: str
     key: bytes | None
-    value: bytes
+    value: bytes | None  # None: a tombstone
     headers_json: str
     key_hash: int
 
@@ -60,7 +60,8 @@ def encode_event(
     if trace_context and not any(name.lower() == codec.TRACEPARENT_HEADER for name in checked):
         checked.update(trace_context)
     value_bytes, content_type = validate.encode_value(value)
-    validate.with_content_type(checked, content_type)
+    if content_type is not None:
+        validate.with_content_type(checked, content_type)
     validate.check_size(key_bytes, value_bytes, checked, max_payload_bytes)
     event_id = uuid.uuid4()
     headers_json = json.dumps(codec.encode_headers(checked), ensure_ascii=False)
@@ -102,7 +103,8 @@ def event_params(
         params[f"v{i}"] = e.value
         params[f"h{i}"] = e.headers_json
         params[f"x{i}"] = e.key_hash
-        size += len(e.value)
+        if e.value is not None:
+            size += len(e.value)
         if e.key is not None:
             keys.add(e.key)
     # Ascending, so that two writers of overlapping key sets cannot deadlock on these locks.

@@ -173,8 +173,13 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def encode_value(value: object) -> tuple[bytes, str]:
-    """Encode an event value; returns the bytes and their content type."""
+def encode_value(value: object) -> tuple[bytes | None, str | None]:
+    """Encode an event value; returns the bytes and their content type.
+
+    ``None`` is a tombstone: a record with a null value (no bytes, no content type), which a
+    compacted topic reads as "delete this key"."""
+    if value is None:
+        return None, None
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value), OCTET_CONTENT_TYPE
     if isinstance(value, str):
@@ -270,10 +275,10 @@ def check_idempotency_header(headers: Mapping[str, str | bytes]) -> None:
 
 
 def check_size(
-    key: bytes | None, value: bytes, headers: Mapping[str, str | bytes], limit: int
+    key: bytes | None, value: bytes | None, headers: Mapping[str, str | bytes], limit: int
 ) -> None:
     """Refuse an event whose key, value and headers together exceed ``limit`` bytes."""
-    size = len(value) + (len(key) if key is not None else 0)
+    size = (len(value) if value is not None else 0) + (len(key) if key is not None else 0)
     for name, header in headers.items():
         size += len(name.encode("utf-8")) + (
             len(header) if isinstance(header, bytes) else len(header.encode("utf-8"))

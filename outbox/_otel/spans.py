@@ -152,7 +152,7 @@ def encode_event(
         event = events.encode_event(topic, value, key, headers, max_payload_bytes, carrier)
         if span.is_recording():
             span.set_attribute(A_MESSAGE_ID, str(event.event_id))
-            span.set_attribute(A_BODY_SIZE, len(event.value))
+            span.set_attribute(A_BODY_SIZE, len(event.value or b""))
             text = _key_text(event.key)
             if text is not None:
                 span.set_attribute(A_KEY, text)
