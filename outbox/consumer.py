@@ -62,6 +62,7 @@ from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
 from outbox._kafka.consumer import Committed, KafkaConsumer, Message, coordinates, header_key
 from outbox._kafka.deadletter import DeadLetterProducer
+from outbox._kafka.serialization import Deserializer
 from outbox._pg.errors import database_unavailable
 from outbox.config import (
     ENV_CONSUMER_GROUP as ENV_GROUP,
@@ -146,7 +147,10 @@ class ConsumerRunner:
     dlq_topic_suffix=".dlq", ...)`` takes the fields of :class:`ConsumerConfig` as keywords (or a
     ready ``config=``). ``key_func`` replaces the header lookup; ``fingerprint_func`` adds a
     request fingerprint to each key; ``metrics_registry`` receives the metrics (default: the
-    global registry).
+    global registry). ``value_deserializer`` / ``key_deserializer`` (confluent-kafka's shape:
+    ``deserializer(data, SerializationContext)``, e.g. an ``AvroDeserializer``) decode each
+    message before its handler sees it; a message they cannot decode is dead-lettered as a
+    permanent failure (``docs/payload-formats.md``).
 
     :meth:`run` returns after :meth:`stop` is called (from a signal handler, another task or
     another thread), once the message in hand finished and the finished offsets are committed.
@@ -163,6 +167,8 @@ class ConsumerRunner:
         key_func: KeyFunc | None = None,
         fingerprint_func: FingerprintFunc | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        key_deserializer: Deserializer | None = None,
+        value_deserializer: Deserializer | None = None,
         **settings: Any,
     ) -> None:
         guarded = isinstance(outbox, RedisGuard)
@@ -203,7 +209,21 @@ class ConsumerRunner:
         # Last turn of the poll loop (monotonic); None while the loop is not running.
         self._heartbeat: float | None = None
         self._attempts: Verdicts
-        rules = {"key_func": key_func, "fingerprint_func": fingerprint_func, "beat": self._beat}
+        for name, given in (
+            ("key_deserializer", key_deserializer),
+            ("value_deserializer", value_deserializer),
+        ):
+            if given is not None and not callable(given):
+                raise ConfigurationError(
+                    f"{name} must be callable as deserializer(data, ctx), got {given!r}"
+                )
+        rules = {
+            "key_func": key_func,
+            "fingerprint_func": fingerprint_func,
+            "beat": self._beat,
+            "key_deserializer": key_deserializer,
+            "value_deserializer": value_deserializer,
+        }
         if isinstance(outbox, RedisGuard):
             _check_guarded(self.config, handler)
             self.guard = outbox

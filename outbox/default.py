@@ -13,6 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from outbox._core.results import ResultCodec
 from outbox.config import DEFAULT_SCOPE, ENV_DATABASE_URL, ENV_REDIS_URL, env
 from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError
@@ -72,6 +73,8 @@ def idempotent(
     scope: str = DEFAULT_SCOPE,
     fingerprint: Callable[..., str | None] | None = None,
     outbox: Outbox | None = None,
+    result_type: Any = None,
+    result_codec: ResultCodec | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function at most once per idempotency key.
 
@@ -91,11 +94,17 @@ def idempotent(
     the caller's arguments and returns the key. ``fingerprint`` is an optional callable of the
     same arguments returning a request fingerprint (reusing a key with another one raises
     :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
-    stored and a duplicate gets its JSON form back (tuples come back as lists). ``outbox``
+    stored and a duplicate gets its JSON form back (tuples come back as lists) -- unless
+    ``result_type`` declares its type (a pydantic model, a dataclass, ``Decimal``, ``UUID``,
+    ``datetime``...; or ``result_codec`` encodes it): a duplicate then gets an equal value of
+    that type. ``outbox``
     defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
     """
 
     def resolve() -> Outbox:
         return outbox if outbox is not None else default_outbox()
 
-    return make_idempotent(resolve, key, scope, fingerprint, is_async=False)
+    return make_idempotent(
+        resolve, key, scope, fingerprint, is_async=False,
+        result_type=result_type, result_codec=result_codec,
+    )  # fmt: skip

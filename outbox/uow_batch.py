@@ -210,7 +210,7 @@ class Batch:
                 for uow in units:
                     if uow._session is not None:
                         uow._session.flush()
-                    finals.append(_validate.dumps_json(uow._result, "uow.result"))
+                    finals.append(_validate.dumps_json(uow._stored, "uow.result"))
                 if touched:
                     tx.renew(rollback=False)
             except BaseException:

@@ -210,7 +210,7 @@ class AsyncBatch:
                 for uow in units:
                     if uow._session is not None:
                         await uow._session.flush()
-                    finals.append(_validate.dumps_json(uow._result, "uow.result"))
+                    finals.append(_validate.dumps_json(uow._stored, "uow.result"))
                 if touched:
                     await tx.renew(rollback=False)
             except BaseException:

@@ -190,6 +190,18 @@ def encode_value(value: object) -> tuple[bytes | None, str | None]:
     return dumps_json(value, "event value").encode("utf-8"), JSON_CONTENT_TYPE
 
 
+def serialized_value(value: object) -> bytes | None:
+    """What a serializer returned for an event value: ``bytes`` (or ``None``, a tombstone)."""
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise SerializationError(
+        f"a serializer returned {type(value).__name__}, not bytes: it must return the "
+        "encoded value (bytes) or None"
+    )
+
+
 def encode_message_key(key: object) -> bytes | None:
     """Encode a Kafka message key (``str``, ``bytes`` or ``None``)."""
     if key is None:
