@@ -3,16 +3,20 @@ out of reach, the serializer settings, and tombstones in the event encoder."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
+import uuid
+from decimal import Decimal
 from typing import Any
 
 import pytest
 from hypothesis import given, strategies as st
 
 from outbox import OutboxConfig
-from outbox._core import cloudevents, events
+from outbox._core import cloudevents, events, validate as _validate
 from outbox._core.failures import is_unreachable
+from outbox._core.results import TypedResult
 from outbox.errors import ConfigurationError, SerializationError
 from outbox.payloads import CloudEvent, cloudevent_id
 
@@ -205,3 +209,52 @@ def test_the_package_imports_without_the_optional_format_libraries() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.split() == ["None", "False"]
+
+
+# -- typed results (outbox._core.results): encode to JSON data, decode to the declared type ----
+
+_OFFSETS = st.builds(
+    lambda minutes: dt.timezone(dt.timedelta(minutes=minutes)), st.integers(-23 * 60, 23 * 60)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Payment:
+    id: uuid.UUID
+    amount: Decimal
+    at: dt.datetime
+    day: dt.date
+    rate: float
+    lines: list[Decimal]
+    by_id: dict[uuid.UUID, int]
+    memo: str | None
+
+
+_PAYMENTS = st.builds(
+    _Payment,
+    id=st.uuids(),
+    amount=st.decimals(allow_nan=False, allow_infinity=False),
+    at=st.datetimes(timezones=st.none() | _OFFSETS),
+    day=st.dates(),
+    rate=st.floats(allow_nan=False, allow_infinity=False),
+    lines=st.lists(st.decimals(allow_nan=False, allow_infinity=False), max_size=3),
+    by_id=st.dictionaries(st.uuids(), st.integers(-(2**53), 2**53), max_size=3),
+    memo=st.none() | st.text().filter(lambda s: "\x00" not in s),
+)
+
+
+@given(_PAYMENTS)
+def test_typed_results_round_trip_through_stored_json(payment: _Payment) -> None:
+    typed = TypedResult(_Payment)
+    stored = _validate.dumps_json(typed.encode(payment), "uow.result")
+    again = typed.decode(json.loads(stored))
+    assert again == payment
+    assert str(again.amount) == str(payment.amount)  # the exponent too: 1.10 stays 1.10
+    assert type(again.rate) is float and all(type(x) is Decimal for x in again.lines)
+    assert again.at.utcoffset() == payment.at.utcoffset()
+
+
+def test_a_declared_float_comes_back_a_float_whatever_the_json_layer_reads() -> None:
+    # A JSON layer may read 3.0 back as the integer 3: the declared type decides.
+    assert type(TypedResult(float).decode(3)) is float
+    assert TypedResult(list[float]).decode([1, 2.5]) == [1.0, 2.5]
