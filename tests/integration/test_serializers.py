@@ -286,3 +286,36 @@ def test_the_consumer_runner_decodes_and_dead_letters_what_it_cannot_decode(
     assert seen == [("o-1", {"id": "o-1", "amount": 7}), ("o-2", None)]
     assert [m.value() for m in letters] == [b"not avro at all"]  # the original bytes
     assert dict(letters[0].headers())[HEADER_REASON] == b"permanent-error"
+
+
+def test_a_registry_out_of_reach_while_decoding_is_retried_then_dead_lettered(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    topic = f"avro-down-{uuid.uuid4().hex[:10]}"
+    create_topic(kafka_bootstrap, topic, partitions=1)
+    create_topic(kafka_bootstrap, topic + ".dlq", partitions=1)
+    wire_format = b"\x00\x00\x00\x00\x01\x02a\x06"  # magic byte, schema id 1, a record
+    produce(kafka_bootstrap, topic, [
+        {"key": b"o-1", "value": wire_format, "headers": [("X-Idempotency-Key", b"m-1")]},
+    ])  # fmt: skip
+    registry = SchemaRegistryClient(
+        {"url": f"http://127.0.0.1:{_closed_port()}", "max.retries": 0, "timeout": 5}
+    )
+    called: list[Any] = []
+    ob = Outbox(database_url)
+    runner = ConsumerRunner(
+        ob, lambda uow, message: called.append(message), topics=[topic],
+        group=f"g-{uuid.uuid4().hex[:8]}", bootstrap_servers=kafka_bootstrap, kafka_config=KAFKA,
+        max_attempts=3, retry_backoff=0.05, retry_backoff_max=0.1,
+        value_deserializer=AvroDeserializer(registry),
+    )  # fmt: skip
+    running = Running(runner, None)  # type: ignore[arg-type]
+    try:
+        letters = read_to_end(kafka_bootstrap, topic + ".dlq", at_least=1)
+    finally:
+        running.stop()  # the runner kept running: no crash, no endless loop
+        ob.close()
+    assert called == []
+    headers = dict(letters[0].headers())
+    assert headers[HEADER_REASON] == b"retries-exhausted"  # retried, not refused at once
+    assert letters[0].value() == wire_format

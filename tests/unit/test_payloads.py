@@ -258,3 +258,16 @@ def test_a_declared_float_comes_back_a_float_whatever_the_json_layer_reads() -> 
     # A JSON layer may read 3.0 back as the integer 3: the declared type decides.
     assert type(TypedResult(float).decode(3)) is float
     assert TypedResult(list[float]).decode([1, 2.5]) == [1.0, 2.5]
+
+
+def test_a_registry_out_of_reach_is_retried_and_a_refused_value_dead_lettered() -> None:
+    from outbox._core.deadletter import Reason
+    from outbox._core.disposition import Action, classify
+    from outbox.errors import SerializerError
+
+    down = SerializerError("registry down", retriable=True)
+    assert classify(down, attempts=0, max_attempts=3).action is Action.RETRY
+    exhausted = classify(down, attempts=2, max_attempts=3)
+    assert (exhausted.action, exhausted.reason) == (Action.DEAD_LETTER, Reason.RETRIES_EXHAUSTED)
+    refused = classify(SerializerError("schema says no"), attempts=0, max_attempts=3)
+    assert (refused.action, refused.reason) == (Action.DEAD_LETTER, Reason.INVALID_INPUT)
