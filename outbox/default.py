@@ -62,9 +62,19 @@ def default_outbox() -> Outbox:
     return _default
 
 
-def unit_of_work(key: str, scope: str = DEFAULT_SCOPE, fingerprint: str | None = None) -> _Attempt:
+def unit_of_work(
+    key: str,
+    scope: str = DEFAULT_SCOPE,
+    fingerprint: str | None = None,
+    *,
+    result_type: Any = None,
+    result_codec: ResultCodec | None = None,
+) -> _Attempt:
     """:meth:`Outbox.unit_of_work` on the default :class:`Outbox`."""
-    return default_outbox().unit_of_work(key, scope=scope, fingerprint=fingerprint)
+    return default_outbox().unit_of_work(
+        key, scope=scope, fingerprint=fingerprint, result_type=result_type,
+        result_codec=result_codec,
+    )  # fmt: skip
 
 
 def idempotent(
