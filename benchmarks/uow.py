@@ -2,6 +2,7 @@
 
     python benchmarks/uow.py [--database-url URL] [--redis-url URL] [--seconds 5]
     python benchmarks/uow.py --async [--tasks 1,16,64]
+    python benchmarks/uow.py --payloads [--rounds 3]
 
 For 1, 4 and 16 concurrent worker processes it measures units of work per second and p50/p99
 latency against two baselines measured in the same run:
@@ -395,6 +396,89 @@ async def async_benchmark(url: str, sync_engine: sa.Engine, args: argparse.Names
     await engine.dispose()
 
 
+AVRO_ORDER = (
+    '{"type": "record", "name": "Order", "namespace": "bench", "fields": ['
+    '{"name": "order_id", "type": "long"}, {"name": "amount", "type": "long"}, '
+    '{"name": "currency", "type": "string"}]}'
+)
+
+
+def payload_formats(url: str, args: argparse.Namespace) -> None:
+    """The cost of a registry-serialized publish against a JSON one, in the same run: the
+    publish alone (checked and encoded, no I/O; the fastest of ten slices, which a busy machine
+    disturbs least) and whole units of work publishing one event, one process, rounds
+    alternating. The registry is confluent-kafka's ``mock://`` client:
+    after the first publish a real client answers from its cache just the same (no HTTP)."""
+    # This script's folder holds benchmarks/http.py, which would stand in for the standard
+    # library's http package that the registry client imports.
+    here = os.path.dirname(os.path.abspath(__file__))
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    try:
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+        from confluent_kafka.schema_registry.avro import AvroSerializer
+    finally:
+        sys.path[:] = saved
+
+    from outbox.payloads import CloudEvent, encode_publish
+
+    registry = SchemaRegistryClient.new_client({"url": f"mock://{uuid.uuid4().hex}"})
+    avro = AvroSerializer(registry, AVRO_ORDER)
+    order = {"order_id": 42, "amount": 1999, "currency": "EUR"}
+    cloudevent = CloudEvent(type="com.example.order.created", source="/bench")
+    kinds: dict[str, dict[str, Any]] = {
+        "json": {},
+        "avro (registry)": {"serializer": avro},
+        "json + cloudevent": {"cloudevent": cloudevent},
+    }
+    config = outbox.OutboxConfig()
+    n_encode, n_units = 20000, max(200, int(args.seconds * 200))
+    encode_us: dict[str, list[float]] = {k: [] for k in kinds}
+    unit_rate: dict[str, list[float]] = {k: [] for k in kinds}
+    ob = outbox.Outbox(url)
+    try:
+        for round_ in range(args.rounds):
+            for kind, options in kinds.items():
+                serializer = options.get("serializer")
+                event = options.get("cloudevent")
+                for _ in range(200):  # warm: the schema is registered, its id cached
+                    encode_publish(config, "orders", order, "k", None, serializer, None, event)
+                # The fastest of 10 slices: what encoding costs when nothing else runs.
+                fastest = float("inf")
+                for _ in range(10):
+                    start = time.perf_counter()
+                    for _ in range(n_encode // 10):
+                        encode_publish(config, "orders", order, "k", None, serializer, None, event)
+                    fastest = min(fastest, time.perf_counter() - start)
+                encode_us[kind].append(fastest / (n_encode // 10) * 1e6)
+                start = time.perf_counter()
+                for i in range(n_units):
+                    with ob.unit_of_work(f"pf-{kind}-{round_}-{i}", scope="bench") as uow:
+                        uow.publish("orders.created", order, key=str(i), **options)
+                unit_rate[kind].append(n_units / (time.perf_counter() - start))
+    finally:
+        ob.close()
+
+    # Each round's rate against JSON's in the same round; the median of those ratios.
+    def paired(figures: dict[str, list[float]], kind: str) -> float:
+        ratios = sorted(a / b for a, b in zip(figures[kind], figures["json"], strict=True))
+        return ratios[len(ratios) // 2]
+
+    print(
+        f"payload formats (1 process, {args.rounds} alternating rounds; encode: the fastest "
+        "slice of all rounds; units/s: the median round, its ratio the median of the rounds' "
+        "ratios to JSON)"
+    )
+    print(f"{'publish':<20} {'encode us':>10} {'x json':>8} {'units/s':>9} {'x json':>8}")
+    for kind in kinds:
+        us = min(encode_us[kind])
+        rate = sorted(unit_rate[kind])[len(unit_rate[kind]) // 2]
+        print(
+            f"{kind:<20} {us:>10.1f} {us / min(encode_us['json']):>8.2f} {rate:>9.0f} "
+            f"{paired(unit_rate, kind):>8.2f}"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     database_argument(parser, "outbox_bench")
@@ -411,11 +495,18 @@ def main() -> int:
         help="measure the asyncio flavour (one process, --tasks concurrent tasks) instead",
     )
     parser.add_argument("--tasks", default="1,16,64")
+    parser.add_argument(
+        "--payloads",
+        action="store_true",
+        help="measure a registry-serialized (Avro) publish and a CloudEvent against JSON instead",
+    )
     args = parser.parse_args()
     with scratch_database(args.database_url, BUSINESS_DDL, FLOOR_DDL) as url:
         engine = sa.create_engine(url)
         try:
-            if args.use_async:
+            if args.payloads:
+                payload_formats(url, args)
+            elif args.use_async:
                 asyncio.run(async_benchmark(url, engine, args))
             else:
                 sync_benchmark(url, engine, args)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -101,6 +101,11 @@ class OutboxConfig:
     # After a commit that appended events, wake relays that wait for work with a pg_notify sent
     # from a background thread (outbox._pg.wakeup). Off: relays find new rows at their next poll.
     wake_relays: bool = True
+    # Per topic: the serializer of event values and of message keys published to it, of
+    # confluent-kafka's shape serializer(obj, SerializationContext) -> bytes (outbox.payloads).
+    # A serializer given to publish() wins.
+    serializers: Mapping[str, Callable[[Any, Any], bytes | None]] = field(default_factory=dict)
+    key_serializers: Mapping[str, Callable[[Any, Any], bytes | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.permanent_errors, list):
@@ -125,6 +130,8 @@ class OutboxConfig:
             check_int("max_payload_bytes", self.max_payload_bytes, 1, MAX_PAYLOAD_BYTES)
         check_exception_classes("permanent_errors", self.permanent_errors)
         check_bool("wake_relays", self.wake_relays)
+        for name in ("serializers", "key_serializers"):
+            _check_serializers(name, getattr(self, name))
         if self.max_payload_bytes is None:
             return replace(self, max_payload_bytes=producer_limit(env(ENV_KAFKA_CONFIG)))
         return self
@@ -135,6 +142,23 @@ class OutboxConfig:
         if self.max_payload_bytes is not None:
             return self.max_payload_bytes
         return producer_limit(env(ENV_KAFKA_CONFIG))
+
+
+def _check_serializers(name: str, serializers: object) -> None:
+    if not isinstance(serializers, Mapping):
+        raise ConfigurationError(
+            f"{name} must map topic names to serializers, got {type(serializers).__name__}"
+        )
+    for topic, serializer in serializers.items():
+        try:
+            _validate.check_topic(topic)
+        except ValidationError as exc:
+            raise ConfigurationError(f"{name}: {exc}") from None
+        if not callable(serializer):
+            raise ConfigurationError(
+                f"{name}[{topic!r}] must be callable as serializer(obj, ctx), got "
+                f"{type(serializer).__name__}"
+            )
 
 
 @dataclass(frozen=True, repr=False)

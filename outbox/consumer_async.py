@@ -62,6 +62,7 @@ from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
 from outbox._kafka.consumer import AsyncKafkaConsumer, Committed, Message, coordinates, header_key
 from outbox._kafka.deadletter import AsyncDeadLetterProducer
+from outbox._kafka.serialization import Deserializer
 from outbox._pg.engines import database_answers_async, readiness_engine
 from outbox._pg.errors import database_unavailable
 from outbox.config import (
@@ -154,6 +155,10 @@ class AsyncConsumerRunner:
     a key reused on another topic is a ``key-reuse`` dead letter, not a duplicate;
     :func:`message_fingerprint` adds the value; ``None``: no fingerprint);
     ``metrics_registry`` receives the metrics (default: the global registry).
+    ``value_deserializer`` / ``key_deserializer`` (confluent-kafka's shape:
+    ``deserializer(data, SerializationContext)``, e.g. an ``AvroDeserializer``) decode each
+    message before its handler sees it; a message they cannot decode is dead-lettered as a
+    permanent failure (``docs/payload-formats.md``).
 
     :meth:`run` returns after :meth:`stop` is called (from a signal handler, another task or
     another thread), once the message in hand finished and the finished offsets are committed.
@@ -170,6 +175,8 @@ class AsyncConsumerRunner:
         key_func: KeyFunc | None = None,
         fingerprint_func: FingerprintFunc | None = topic_fingerprint,
         metrics_registry: CollectorRegistry | None = None,
+        key_deserializer: Deserializer | None = None,
+        value_deserializer: Deserializer | None = None,
         **settings: Any,
     ) -> None:
         guarded = isinstance(outbox, AsyncRedisGuard)
@@ -214,7 +221,21 @@ class AsyncConsumerRunner:
         self._database_up = False
         self._next_check = 0.0
         self._attempts: AsyncVerdicts
-        rules = {"key_func": key_func, "fingerprint_func": fingerprint_func, "beat": self._beat}
+        for name, given in (
+            ("key_deserializer", key_deserializer),
+            ("value_deserializer", value_deserializer),
+        ):
+            if given is not None and not callable(given):
+                raise ConfigurationError(
+                    f"{name} must be callable as deserializer(data, ctx), got {given!r}"
+                )
+        rules = {
+            "key_func": key_func,
+            "fingerprint_func": fingerprint_func,
+            "beat": self._beat,
+            "key_deserializer": key_deserializer,
+            "value_deserializer": value_deserializer,
+        }
         if isinstance(outbox, AsyncRedisGuard):
             _check_guarded(self.config, handler)
             self.guard = outbox

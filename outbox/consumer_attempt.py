@@ -33,6 +33,7 @@ from outbox._core.offsets import Tries
 from outbox._core.redact import one_line
 from outbox._core.retry import backoff_delay
 from outbox._kafka.consumer import Message, header_key
+from outbox._kafka.serialization import Deserializer, decode
 from outbox._otel import spans
 from outbox._pg.errors import database_unavailable
 from outbox.errors import DeadLetterError, KeyInProgress, SerializationError
@@ -89,8 +90,12 @@ class Verdicts(ABC):
         key_func: KeyFunc | None,
         fingerprint_func: FingerprintFunc | None,
         beat: Callable[[], None],
+        key_deserializer: Deserializer | None = None,
+        value_deserializer: Deserializer | None = None,
     ) -> None:
         self.config = config
+        self._deserializers = (key_deserializer, value_deserializer)
+        self._decodes = key_deserializer is not None or value_deserializer is not None
         self._handler = handler
         self._key_func = key_func
         self._fingerprint_func = fingerprint_func
@@ -194,7 +199,15 @@ class Verdicts(ABC):
 
     def _call(self, unit: Any, message: Message) -> Any:
         """The handler's result for ``message``."""
-        return self._handler(unit, message)
+        return self._handler(unit, self.decoded(message))
+
+    def decoded(self, message: Message) -> Any:
+        """``message`` as the handler gets it: decoded by the runner's deserializers, if any
+        (:func:`outbox._kafka.serialization.decode`; raises
+        :class:`~outbox.errors.UndecodableMessage` for bytes they refuse)."""
+        if not self._decodes:
+            return message
+        return decode(message, *self._deserializers)
 
     def unavailable(self, error: BaseException) -> bool:
         """True when ``error`` says the store of outcomes is out of reach (an outage that is
@@ -352,7 +365,7 @@ class Attempts(Verdicts):
     def run_group(self, units: Sequence[UnitOfWork], messages: Sequence[Message]) -> None:
         """Hand a batch handler its units of work and messages together; store each result.
         Raises what the handler raised, or :class:`Carried` for results that cannot be stored."""
-        handed = MessageBatch(list(zip(units, messages, strict=True)))
+        handed = MessageBatch(list(zip(units, map(self.decoded, messages), strict=True)))
         if spans is None:
             results = batch_results(self._handler(handed), units)
         else:  # one span for the handler's one call, linked to every message's context
@@ -383,9 +396,10 @@ class Attempts(Verdicts):
 
     def _call(self, unit: Any, message: Message) -> Any:
         """The handler's result for ``message`` (a batch handler gets a batch of one)."""
+        handed = self.decoded(message)
         if not self.batch_form:
-            return self._handler(unit, message)
-        return batch_results(self._handler(MessageBatch([(unit, message)])), [unit])[0]
+            return self._handler(unit, handed)
+        return batch_results(self._handler(MessageBatch([(unit, handed)])), [unit])[0]
 
     def unavailable(self, error: BaseException) -> bool:
         return database_unavailable(error)

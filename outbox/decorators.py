@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from outbox._core.decorating import check_flavour, key_function
+from outbox._core.typed_results import ResultCodec, typed_result
 from outbox._core.validate import check_scope
 from outbox.errors import ConfigurationError
 
@@ -18,7 +19,15 @@ from outbox.errors import ConfigurationError
 class _UnitOfWorkSource(Protocol):
     """What the decorator needs of an outbox: units of work (``Outbox`` is one)."""
 
-    def unit_of_work(self, key: str, scope: str = ..., fingerprint: str | None = None) -> Any: ...
+    def unit_of_work(
+        self,
+        key: str,
+        scope: str = ...,
+        fingerprint: str | None = None,
+        *,
+        result_type: Any = ...,
+        result_codec: ResultCodec | None = ...,
+    ) -> Any: ...
 
 
 def make_idempotent(
@@ -28,14 +37,19 @@ def make_idempotent(
     fingerprint: Callable[..., str | None] | None,
     *,
     is_async: bool | None = False,
+    result_type: Any = None,
+    result_codec: ResultCodec | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The ``@idempotent`` decorator on the outbox ``get_outbox()`` returns.
 
     ``is_async`` is the flavour of that outbox (``None``: not known until the call): an
-    ``async def`` needs an ``AsyncOutbox`` and a plain function an ``Outbox``.
+    ``async def`` needs an ``AsyncOutbox`` and a plain function an ``Outbox``. ``result_type``
+    / ``result_codec``: see :meth:`outbox.Outbox.unit_of_work`.
     """
 
     check_scope(scope)  # refused at decoration time, not at the first call
+    typed_result(result_type, result_codec)  # likewise an unsupported result type
+    declared = {"result_type": result_type, "result_codec": result_codec}
     if fingerprint is not None and not callable(fingerprint):
         raise ConfigurationError(
             f"@idempotent fingerprint must be a callable or None, got {type(fingerprint).__name__}"
@@ -51,7 +65,9 @@ def make_idempotent(
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 ob = get_outbox()
                 fp = fingerprint(*args, **kwargs) if fingerprint is not None else None
-                attempt = ob.unit_of_work(key_of(*args, **kwargs), scope=scope, fingerprint=fp)
+                attempt = ob.unit_of_work(
+                    key_of(*args, **kwargs), scope=scope, fingerprint=fp, **declared
+                )
                 async with attempt as uow:
                     if uow.replayed:
                         return uow.result
@@ -65,7 +81,10 @@ def make_idempotent(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             ob = get_outbox()
             fp = fingerprint(*args, **kwargs) if fingerprint is not None else None
-            with ob.unit_of_work(key_of(*args, **kwargs), scope=scope, fingerprint=fp) as uow:
+            attempt = ob.unit_of_work(
+                key_of(*args, **kwargs), scope=scope, fingerprint=fp, **declared
+            )
+            with attempt as uow:
                 if uow.replayed:
                     return uow.result
                 value = func(uow, *args, **kwargs)

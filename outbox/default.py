@@ -14,6 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from outbox._core.typed_results import ResultCodec
 from outbox.config import DEFAULT_SCOPE, ENV_DATABASE_URL, ENV_REDIS_URL, env
 from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError
@@ -63,9 +64,19 @@ def default_outbox() -> Outbox:
     return _default
 
 
-def unit_of_work(key: str, scope: str = DEFAULT_SCOPE, fingerprint: str | None = None) -> _Attempt:
+def unit_of_work(
+    key: str,
+    scope: str = DEFAULT_SCOPE,
+    fingerprint: str | None = None,
+    *,
+    result_type: Any = None,
+    result_codec: ResultCodec | None = None,
+) -> _Attempt:
     """:meth:`Outbox.unit_of_work` on the default :class:`Outbox`."""
-    return default_outbox().unit_of_work(key, scope=scope, fingerprint=fingerprint)
+    return default_outbox().unit_of_work(
+        key, scope=scope, fingerprint=fingerprint, result_type=result_type,
+        result_codec=result_codec,
+    )  # fmt: skip
 
 
 def idempotent(
@@ -74,6 +85,8 @@ def idempotent(
     scope: str = DEFAULT_SCOPE,
     fingerprint: Callable[..., str | None] | None = None,
     outbox: Outbox | AsyncOutbox | None = None,
+    result_type: Any = None,
+    result_codec: ResultCodec | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function at most once per idempotency key.
 
@@ -93,7 +106,10 @@ def idempotent(
     the caller's arguments and returns the key. ``fingerprint`` is an optional callable of the
     same arguments returning a request fingerprint (reusing a key with another one raises
     :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
-    stored and a duplicate gets its JSON form back (tuples come back as lists). ``outbox``
+    stored and a duplicate gets its JSON form back (tuples come back as lists) -- unless
+    ``result_type`` declares its type (a pydantic model, a dataclass, ``Decimal``, ``UUID``,
+    ``datetime``...; or ``result_codec`` encodes it): a duplicate then gets an equal value of
+    that type. ``outbox``
     defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
     With ``outbox=`` an :class:`~outbox.AsyncOutbox`, decorate an ``async def``: the decorator
     takes the flavour of the outbox it is given (``AsyncOutbox.idempotent`` does the same).
@@ -104,8 +120,17 @@ def idempotent(
                 f"@idempotent(outbox=...) takes an Outbox or an AsyncOutbox, got "
                 f"{type(outbox).__name__}"
             )
-        return outbox.idempotent(key, scope=scope, fingerprint=fingerprint)
-    decorate = make_idempotent(default_outbox, key, scope, fingerprint, is_async=False)
+        return outbox.idempotent(
+            key,
+            scope=scope,
+            fingerprint=fingerprint,
+            result_type=result_type,
+            result_codec=result_codec,
+        )
+    decorate = make_idempotent(
+        default_outbox, key, scope, fingerprint, is_async=False,
+        result_type=result_type, result_codec=result_codec,
+    )  # fmt: skip
 
     def on_the_default(func: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(func):

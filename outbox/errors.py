@@ -32,6 +32,22 @@ class SerializationError(ValidationError):
     """A value, header or result cannot be encoded (not bytes/str/JSON-serializable)."""
 
 
+class SerializerError(SerializationError):
+    """A serializer given to ``publish()`` (``serializer=``, ``key_serializer=``, or
+    ``OutboxConfig.serializers``) refused a value, or a consumer's deserializer could not reach
+    its schema registry.
+
+    Raised inside the unit of work, before anything is written: a value that does not match its
+    schema, a schema the registry does not know (``auto.register.schemas`` off), a registry that
+    cannot be reached while its answer is not cached. ``retriable`` is true for the last kind
+    (connection refused, timeout, a 5xx answer): the same value may pass later.
+    """
+
+    def __init__(self, message: str, *, retriable: bool = False) -> None:
+        super().__init__(message)
+        self.retriable = retriable
+
+
 class PayloadTooLargeError(ValidationError):
     """An event value (with key and headers) exceeds the configured size limit."""
 
@@ -98,6 +114,12 @@ class PermanentError(OutboxError):
     error's text, and every later attempt raises :class:`PreviouslyFailed` without running the
     body.
     """
+
+
+class UndecodableMessage(PermanentError):
+    """A consumed message that the runner's deserializer cannot decode (not the wire format,
+    a schema id the registry does not know, a value its schema refuses): dead-lettered at once,
+    never retried."""
 
 
 class PublishError(OutboxError):

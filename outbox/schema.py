@@ -113,7 +113,8 @@ def tables(schema: str | None = None) -> Tables:
         Column("event_id", Uuid(as_uuid=True), nullable=False),
         Column("topic", Text, nullable=False),
         Column("key", LargeBinary, nullable=True),
-        Column("value", LargeBinary, nullable=False),
+        # NULL: a tombstone, sent as a record with a null value (migration 0005).
+        Column("value", LargeBinary, nullable=True),
         Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
         # Stable 31-bit hash of the message key (of the event id for key-less rows). Relays map
         # it to lanes with `key_hash % lanes`, so every row of one key lands in one lane.

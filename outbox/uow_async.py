@@ -37,8 +37,8 @@ from outbox._core import claim, validate as _validate
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import event_params
 from outbox._core.failures import is_permanent
+from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
-from outbox._otel import encode_event
 from outbox._pg.after_commit import defer
 from outbox._pg.engines import engine_for, notifier_engine
 from outbox._pg.errors import unique_violation_of
@@ -57,6 +57,7 @@ from outbox._redis.clients import check_flavour
 from outbox.config import DEFAULT_SCOPE, OutboxConfig
 from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError, KeyInProgress
+from outbox.payloads import CloudEvent, Serializer, encode_publish
 from outbox.uow_joined_async import AsyncJoinedUnits, check_joinable
 from outbox.uow_unit_async import AsyncUnitOfWork, close_unit, completion
 
@@ -74,7 +75,9 @@ _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their num
 class _AsyncAttempt:
     """Context manager returned by :meth:`AsyncOutbox.unit_of_work`."""
 
-    __slots__ = ("_connection", "_fingerprint", "_key", "_outbox", "_scope", "_session", "_uow")
+    __slots__ = (
+        "_connection", "_fingerprint", "_key", "_outbox", "_scope", "_session", "_typed", "_uow",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -84,8 +87,10 @@ class _AsyncAttempt:
         fingerprint: str | None,
         session: AsyncSession | None = None,
         connection: AsyncConnection | None = None,
+        typed: TypedResult | None = None,
     ) -> None:
         self._outbox = outbox
+        self._typed = typed
         self._key = key
         self._scope = scope
         self._fingerprint = fingerprint
@@ -100,6 +105,7 @@ class _AsyncAttempt:
             )
         else:
             self._uow = await self._outbox._begin(self._key, self._scope, self._fingerprint)
+        self._uow._typed = self._typed
         return self._uow
 
     async def __aexit__(
@@ -189,6 +195,8 @@ class AsyncOutbox(AsyncJoinedUnits):
         *,
         session: AsyncSession | None = None,
         connection: AsyncConnection | None = None,
+        result_type: Any = None,
+        result_codec: ResultCodec | None = None,
     ) -> _AsyncAttempt:
         """Run a block of work at most once for ``(scope, key)``; see :class:`AsyncUnitOfWork`.
 
@@ -203,12 +211,19 @@ class AsyncOutbox(AsyncJoinedUnits):
         only if -- the caller commits; Redis is written and relays are woken only after that
         commit. An exception in the body rolls back to the savepoint and is re-raised;
         :class:`~outbox.errors.PermanentError` records the failure, to commit with the caller.
+
+        ``result_type`` declares the type of ``uow.result`` beyond plain JSON (a pydantic model,
+        a dataclass, ``Decimal``, ``UUID``, ``datetime``, ``date``, lists and dicts of them): it
+        is stored as JSON data and a replay -- from Redis or PostgreSQL -- returns an equal
+        value of that type. ``result_codec`` (``encode(value)`` / ``decode(data)``) does the
+        same for other types. See ``docs/payload-formats.md``.
         """
         _validate.check_key(key)
         _validate.check_scope(scope)
         _validate.check_fingerprint(fingerprint)
         check_joinable(session, connection)
-        return _AsyncAttempt(self, key, scope, fingerprint, session, connection)
+        typed = typed_result(result_type, result_codec)
+        return _AsyncAttempt(self, key, scope, fingerprint, session, connection, typed)
 
     async def publish(
         self,
@@ -217,12 +232,17 @@ class AsyncOutbox(AsyncJoinedUnits):
         value: Any,
         key: str | bytes | None = None,
         headers: dict[str, str | bytes] | None = None,
+        *,
+        serializer: Serializer | None = None,
+        key_serializer: Serializer | None = None,
+        cloudevent: CloudEvent | None = None,
     ) -> uuid.UUID:
         """Write one event to the outbox in the caller's transaction, without an idempotency key.
 
         ``transaction`` is the caller's session or connection; the row becomes visible when --
         and only if -- the caller commits, and ``outbox-relay`` then carries it to Kafka with
-        ``X-Idempotency-Key`` set to the returned event id. Same value, key and header rules as
+        ``X-Idempotency-Key`` set to the returned event id. Same value, key, header, serializer
+        and CloudEvent rules as
         :meth:`AsyncUnitOfWork.publish`; invalid input raises before anything is written.
         """
         if isinstance(transaction, AsyncSession):
@@ -230,7 +250,9 @@ class AsyncOutbox(AsyncJoinedUnits):
         else:
             session, connection = None, transaction
         check_joinable(session, connection, required=True)
-        event = encode_event(topic, value, key, headers, self.config.payload_limit)
+        event = encode_publish(
+            self.config, topic, value, key, headers, serializer, key_serializer, cloudevent
+        )
         params: dict[str, Any] = {}
         _size, locks = event_params([event], params, self.config.schema)
         insert = outbox_insert(self.config.schema, locks)
@@ -252,9 +274,14 @@ class AsyncOutbox(AsyncJoinedUnits):
         *,
         scope: str = DEFAULT_SCOPE,
         fingerprint: Callable[..., str | None] | None = None,
+        result_type: Any = None,
+        result_codec: ResultCodec | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator form of :meth:`unit_of_work`; see :func:`outbox.idempotent`."""
-        return make_idempotent(lambda: self, key, scope, fingerprint, is_async=_ASYNC)
+        return make_idempotent(
+            lambda: self, key, scope, fingerprint, is_async=_ASYNC,
+            result_type=result_type, result_codec=result_codec,
+        )  # fmt: skip
 
     async def close(self) -> None:
         """Dispose of the engine and Redis client if this object created them."""

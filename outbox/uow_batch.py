@@ -213,7 +213,7 @@ class Batch:
                 for uow in units:
                     if uow._session is not None:
                         uow._session.flush()
-                    finals.append(_validate.dumps_json(uow._result, "uow.result"))
+                    finals.append(_validate.dumps_json(uow._stored, "uow.result"))
                 if touched:
                     tx.renew(rollback=False)
             except BaseException:
@@ -249,7 +249,7 @@ class Batch:
         self._errors.append(error)
         if status == claim.STATUS_COMPLETED:
             self._events.extend(uow._events)
-            self.staged_bytes += sum(len(e.value) for e in uow._events)
+            self.staged_bytes += sum(len(e.value or b"") for e in uow._events)
         self._outcomes.append(
             (uow.key, StoredOutcome(status, uow.fingerprint, result_json, error), None)
         )

@@ -21,10 +21,11 @@ from sqlalchemy.orm import Session
 
 from outbox._core import results, validate as _validate
 from outbox._core.events import Event, event_params
-from outbox._otel import encode_event
+from outbox._core.typed_results import TypedResult
 from outbox._pg.transaction import Transaction
 from outbox.config import OutboxConfig
 from outbox.errors import ReplayedWriteError
+from outbox.payloads import CloudEvent, Serializer, encode_publish
 
 
 class _Owner(Protocol):
@@ -72,6 +73,10 @@ class UnitOfWork:
         self._session: Session | None = None
         self._result: Any = result
         self._events: list[Event] = []
+        # A declared result type (outbox._core.typed_results): the result is stored as JSON data
+        # it encodes to, and a replay's stored data is decoded on first read.
+        self._typed: TypedResult | None = None
+        self._stored: Any = result
 
     def _refuse(self, what: str) -> ReplayedWriteError:
         return ReplayedWriteError(
@@ -111,15 +116,20 @@ class UnitOfWork:
 
     @property
     def result(self) -> Any:
-        """The result stored with the key and replayed to every duplicate (JSON-serializable)."""
+        """The result stored with the key and replayed to every duplicate: JSON-serializable,
+        or of the unit of work's declared ``result_type`` (a replay returns an equal value of
+        that type)."""
+        if self.replayed and self._typed is not None and self._result is self._stored:
+            self._result = self._typed.decode(self._stored)
         return self._result
 
     @result.setter
     def result(self, value: Any) -> None:
         if self.replayed:
             raise self._refuse("setting the result")
-        _validate.dumps_json(value, "uow.result")  # refuse early, before any I/O
-        self._result = value
+        stored = self._typed.encode(value) if self._typed is not None else value
+        _validate.dumps_json(stored, "uow.result")  # refuse early, before any I/O
+        self._result, self._stored = value, stored
 
     @property
     def event_ids(self) -> list[uuid.UUID]:
@@ -132,22 +142,36 @@ class UnitOfWork:
         value: Any,
         key: str | bytes | None = None,
         headers: dict[str, str | bytes] | None = None,
+        *,
+        serializer: Serializer | None = None,
+        key_serializer: Serializer | None = None,
+        cloudevent: CloudEvent | None = None,
     ) -> uuid.UUID:
         """Append an event to the outbox; it is written when the unit of work commits.
 
         Synchronous in both flavours: it only buffers. ``value`` may be ``bytes``, ``str``
         (UTF-8) or anything JSON-serializable (encoded as JSON with a
-        ``content-type: application/json`` header). ``key`` is the Kafka message key (``str``,
+        ``content-type: application/json`` header); ``None`` is a tombstone, a record with a
+        null value (a compacted topic deletes the key). ``key`` is the Kafka message key (``str``,
         ``bytes`` or ``None``); events with the same key reach Kafka in commit order. Returns
         the event's UUID, also sent as the ``X-Idempotency-Key`` header unless ``headers`` sets
         one. Invalid input raises before anything is written. Inside an active OpenTelemetry
         span, a ``create {topic}`` span is started and its context stored with the event as
         ``traceparent``/``tracestate`` headers (unless ``headers`` has a ``traceparent``); see
         ``docs/tracing.md``.
+
+        ``serializer`` / ``key_serializer`` (else the topic's in ``OutboxConfig.serializers`` /
+        ``key_serializers``) turn the value / key into bytes here, with confluent-kafka's
+        serializer shape (an ``AvroSerializer`` with a Schema Registry client, or any function
+        ``(obj, SerializationContext) -> bytes``); what they refuse raises
+        :class:`~outbox.errors.SerializerError`. ``cloudevent`` sends the event as a CloudEvent
+        in binary content mode, its event id as ``ce_id``. See ``docs/payload-formats.md``.
         """
         if self.replayed:
             raise self._refuse("publish()")
-        event = encode_event(topic, value, key, headers, self._outbox.config.payload_limit)
+        event = encode_publish(
+            self._outbox.config, topic, value, key, headers, serializer, key_serializer, cloudevent
+        )
         self._events.append(event)
         return event.event_id
 
@@ -179,7 +203,7 @@ def completion(uow: UnitOfWork, schema: str | None) -> tuple[str, dict[str, Any]
     result's exact JSON text (as Redis keeps it), the statement's parameters (key, result,
     events), the events' total size and their number of order locks. Raises
     :class:`~outbox.errors.SerializationError` for a result that cannot be stored."""
-    result_json = _validate.dumps_json(uow._result, "uow.result")
+    result_json = _validate.dumps_json(uow._stored, "uow.result")
     if uow._session is not None:
         uow._session.flush()
     params: dict[str, Any] = {

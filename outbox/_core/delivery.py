@@ -50,7 +50,7 @@ R = TypeVar("R", bound=DeliveryReport)
 # A row as the claim returns it (a plain tuple: the relay handles thousands per batch):
 # (id, attempts, topic, key, value, headers JSON text, event id as ASCII bytes, skipped).
 # Skipped rows (see outbox._pg.relay.OUTBOX_CLAIM_BATCH) carry only id and key.
-ClaimedRow = tuple[int, int, str, bytes | None, bytes, str, bytes, bool]
+ClaimedRow = tuple[int, int, str, bytes | None, bytes | None, str, bytes, bool]
 ID: Final = 0
 ATTEMPTS: Final = 1
 TOPIC: Final = 2

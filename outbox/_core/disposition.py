@@ -35,6 +35,7 @@ from outbox.errors import (
     KeyReuseError,
     LeaseLost,
     PreviouslyFailed,
+    SerializerError,
     ValidationError,
 )
 
@@ -206,6 +207,10 @@ def classify(
         return PREVIOUSLY_FAILED
     if isinstance(error, KeyReuseError):
         return dead_letter(Reason.KEY_REUSE)
+    if isinstance(error, SerializerError) and error.retriable:
+        # A schema registry out of reach (decoding the message, or a publish of its handler):
+        # the same message may pass once it answers, so it is retried like any failure.
+        return _failed(attempts, max_attempts)
     if isinstance(error, ValidationError):
         return dead_letter(Reason.INVALID_INPUT)
     if database_unavailable:

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from outbox._core import codec, validate
+from outbox._core import cloudevents, codec, validate
+from outbox.errors import SerializationError
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class Event:
     event_id: uuid.UUID
     topic: str
     key: bytes | None
-    value: bytes
+    value: bytes | None  # None: a tombstone
     headers_json: str
     key_hash: int
 
@@ -46,23 +47,41 @@ def encode_event(
     headers: Mapping[str, str | bytes] | None,
     max_payload_bytes: int,
     trace_context: Mapping[str, str] | None = None,
+    *,
+    serialized: bool = False,
+    cloudevent: cloudevents.CloudEvent | None = None,
 ) -> Event:
     """Check and encode one event (see :meth:`outbox.UnitOfWork.publish` for the rules).
 
     ``trace_context`` (``traceparent``, ``tracestate``: the publish's span, see
     :mod:`outbox._otel`) joins the headers unless the publisher set a ``traceparent`` header
     itself: an explicit context is the publisher's decision and is stored as given.
+    ``serialized``: ``value`` is what a serializer returned (``bytes`` or ``None``), sent as it
+    is with no content type of its own. ``cloudevent`` adds its ``ce_*`` headers, with the
+    event id as ``ce_id`` (:mod:`outbox._core.cloudevents`).
     """
     validate.check_topic(topic)
+    if cloudevent is not None:
+        if not isinstance(cloudevent, cloudevents.CloudEvent):
+            raise SerializationError(
+                f"cloudevent must be an outbox.payloads.CloudEvent, got {type(cloudevent).__name__}"
+            )
+        cloudevent.validate()
     key_bytes = validate.encode_message_key(key)
     checked = validate.check_headers(headers)
     validate.check_idempotency_header(checked)
     if trace_context and not any(name.lower() == codec.TRACEPARENT_HEADER for name in checked):
         checked.update(trace_context)
-    value_bytes, content_type = validate.encode_value(value)
-    validate.with_content_type(checked, content_type)
-    validate.check_size(key_bytes, value_bytes, checked, max_payload_bytes)
+    if serialized:
+        value_bytes, content_type = validate.serialized_value(value), None
+    else:
+        value_bytes, content_type = validate.encode_value(value)
     event_id = uuid.uuid4()
+    if cloudevent is not None:
+        checked.update(cloudevents.headers(cloudevent, str(event_id), content_type, checked))
+    elif content_type is not None:
+        validate.with_content_type(checked, content_type)
+    validate.check_size(key_bytes, value_bytes, checked, max_payload_bytes)
     headers_json = json.dumps(codec.encode_headers(checked), ensure_ascii=False)
     return Event(
         event_id,
@@ -102,7 +121,8 @@ def event_params(
         params[f"v{i}"] = e.value
         params[f"h{i}"] = e.headers_json
         params[f"x{i}"] = e.key_hash
-        size += len(e.value)
+        if e.value is not None:
+            size += len(e.value)
         if e.key is not None:
             keys.add(e.key)
     # Ascending, so that two writers of overlapping key sets cannot deadlock on these locks.

@@ -34,3 +34,22 @@ def is_permanent(exc: BaseException, extra: tuple[type[BaseException], ...] = ()
     if isinstance(exc, PermanentError):
         return True
     return bool(extra) and isinstance(exc, extra) and not is_refusal(exc)
+
+
+# Answers of an HTTP service that may change on their own (a timeout, throttling, an outage).
+_TRANSIENT_STATUS = frozenset({408, 425, 429})
+# Libraries whose exceptions are transport failures (a schema registry client's HTTP stack).
+_TRANSPORT_MODULES = frozenset({"httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"})
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """True when ``exc`` says a remote service (a schema registry) could not answer: a network
+    or timeout error, or an HTTP answer of 5xx, 408, 425 or 429 (an ``http_status_code``
+    attribute, as confluent-kafka's ``SchemaRegistryError`` has). Trying again may succeed;
+    any other answer (404: unknown subject or schema, 422: incompatible) will not change."""
+    status = getattr(exc, "http_status_code", None)
+    if isinstance(status, int) and status > 0:
+        return status >= 500 or status in _TRANSIENT_STATUS
+    if isinstance(exc, OSError | TimeoutError):
+        return True
+    return any(cls.__module__.partition(".")[0] in _TRANSPORT_MODULES for cls in type(exc).__mro__)

@@ -54,10 +54,12 @@ def _header_size(name: bytes, value: bytes) -> int:
 _IDEMPOTENCY_HEADER_SIZE: Final = _header_size(IDEMPOTENCY_HEADER.encode(), b"-" * _EVENT_ID_LENGTH)
 
 
-def wire_size(key: bytes | None, value: bytes, headers: Mapping[str, str | bytes]) -> int:
+def wire_size(key: bytes | None, value: bytes | None, headers: Mapping[str, str | bytes]) -> int:
     """The size librdkafka checks against ``message.max.bytes`` for the record the relay makes
-    of this event (``X-Idempotency-Key`` included when the publisher did not set it)."""
-    size = RECORD_OVERHEAD + len(value) + (len(key) if key is not None else 0)
+    of this event (``X-Idempotency-Key`` included when the publisher did not set it; a
+    tombstone's value is ``None``)."""
+    size = RECORD_OVERHEAD + (len(value) if value is not None else 0)
+    size += len(key) if key is not None else 0
     wanted = IDEMPOTENCY_HEADER.lower()
     has_idempotency_key = False
     for name, header in headers.items():

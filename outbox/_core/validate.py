@@ -174,8 +174,13 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def encode_value(value: object) -> tuple[bytes, str]:
-    """Encode an event value; returns the bytes and their content type."""
+def encode_value(value: object) -> tuple[bytes | None, str | None]:
+    """Encode an event value; returns the bytes and their content type.
+
+    ``None`` is a tombstone: a record with a null value (no bytes, no content type), which a
+    compacted topic reads as "delete this key"."""
+    if value is None:
+        return None, None
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value), OCTET_CONTENT_TYPE
     if isinstance(value, str):
@@ -184,6 +189,18 @@ def encode_value(value: object) -> tuple[bytes, str]:
         except UnicodeEncodeError as exc:
             raise SerializationError(f"event value is not valid UTF-8 text: {exc}") from exc
     return dumps_json(value, "event value").encode("utf-8"), JSON_CONTENT_TYPE
+
+
+def serialized_value(value: object) -> bytes | None:
+    """What a serializer returned for an event value: ``bytes`` (or ``None``, a tombstone)."""
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise SerializationError(
+        f"a serializer returned {type(value).__name__}, not bytes: it must return the "
+        "encoded value (bytes) or None"
+    )
 
 
 def encode_message_key(key: object) -> bytes | None:
@@ -271,7 +288,7 @@ def check_idempotency_header(headers: Mapping[str, str | bytes]) -> None:
 
 
 def check_size(
-    key: bytes | None, value: bytes, headers: Mapping[str, str | bytes], limit: int
+    key: bytes | None, value: bytes | None, headers: Mapping[str, str | bytes], limit: int
 ) -> None:
     """Refuse an event whose record, as the relay's producer measures it (key, value, headers
     with ``X-Idempotency-Key``, framing: :func:`outbox._core.recordsize.wire_size`), exceeds

@@ -98,7 +98,7 @@ Headers = list[tuple[str, str | bytes | None]]
 # (topic, key, value, headers): what :meth:`KafkaProducer.send` takes. The relay builds plain
 # tuples on its hot path (a NamedTuple costs several times more to create); ``Record`` is the
 # same shape with names.
-RecordTuple = tuple[str, bytes | None, bytes, Headers]
+RecordTuple = tuple[str, bytes | None, bytes | None, Headers]  # value None: a tombstone
 
 
 class Record(NamedTuple):
@@ -106,7 +106,7 @@ class Record(NamedTuple):
 
     topic: str
     key: bytes | None
-    value: bytes
+    value: bytes | None
     headers: Headers
 
 
@@ -307,7 +307,7 @@ class KafkaProducer:
         value (librdkafka drops the headers of records purged from its queue); records alike in
         all three are told apart by order: the failed records of a partition are its tail
         (module docstring), so the reports belong to the last of them."""
-        slots: dict[tuple[str, bytes | None, bytes], list[int]] = {}
+        slots: dict[tuple[str, bytes | None, bytes | None], list[int]] = {}
         for index, (topic, key, value, _headers) in enumerate(records):
             if outcomes[index] is CONFIRMED:
                 slots.setdefault((topic, key, value), []).append(index)

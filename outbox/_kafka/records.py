@@ -49,7 +49,11 @@ def build_records_checked(
 
 
 def build_record(
-    topic: str, key: bytes | None, value: bytes, stored_headers: Mapping[str, Any], event_id: str
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    stored_headers: Mapping[str, Any],
+    event_id: str,
 ) -> Record:
     """The Kafka record of an outbox row: the publisher's headers plus ``X-Idempotency-Key``
     (the event id, unless the publisher set that header itself)."""

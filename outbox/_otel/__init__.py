@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from outbox._core import events
+from outbox._core.cloudevents import CloudEvent
 
 try:
     from outbox._otel import spans as spans
@@ -29,9 +30,17 @@ def encode_event(
     key: str | bytes | None,
     headers: Mapping[str, str | bytes] | None,
     max_payload_bytes: int,
+    *,
+    serialized: bool = False,
+    cloudevent: CloudEvent | None = None,
 ) -> events.Event:
     """:func:`outbox._core.events.encode_event`; with tracing on and a span active, inside a
     ``create {topic}`` span whose context is stored with the event (:func:`spans.encode_event`)."""
     if spans is None:
-        return events.encode_event(topic, value, key, headers, max_payload_bytes)
-    return spans.encode_event(topic, value, key, headers, max_payload_bytes)
+        return events.encode_event(
+            topic, value, key, headers, max_payload_bytes,
+            serialized=serialized, cloudevent=cloudevent,
+        )  # fmt: skip
+    return spans.encode_event(
+        topic, value, key, headers, max_payload_bytes, serialized=serialized, cloudevent=cloudevent
+    )

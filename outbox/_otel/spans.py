@@ -31,6 +31,7 @@ from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, Statu
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from outbox._core import codec, events, validate
+from outbox._core.cloudevents import CloudEvent
 from outbox._core.delivery import HEADERS, TOPIC, ClaimedRow, DeliveryReport
 from outbox._core.redact import one_line, redact_text
 
@@ -134,6 +135,9 @@ def encode_event(
     key: str | bytes | None,
     headers: Mapping[str, str | bytes] | None,
     max_payload_bytes: int,
+    *,
+    serialized: bool = False,
+    cloudevent: CloudEvent | None = None,
 ) -> events.Event:
     """:func:`outbox._core.events.encode_event`, inside a ``create {topic}`` span whose context
     is stored with the event -- when a span is active; otherwise exactly that function.
@@ -141,7 +145,10 @@ def encode_event(
     A ``traceparent`` header the publisher set is kept as given (the span still describes
     the publish, in the current trace)."""
     if not active():
-        return events.encode_event(topic, value, key, headers, max_payload_bytes)
+        return events.encode_event(
+            topic, value, key, headers, max_payload_bytes,
+            serialized=serialized, cloudevent=cloudevent,
+        )  # fmt: skip
     validate.check_topic(topic)  # the span's name: refuse a bad topic before it is used
     span = _tracer.start_span(
         f"create {topic}", kind=SpanKind.PRODUCER, attributes=_base(topic, "create")
@@ -149,10 +156,13 @@ def encode_event(
     try:
         carrier: dict[str, str] = {}
         _W3C.inject(carrier, context=trace.set_span_in_context(span))
-        event = events.encode_event(topic, value, key, headers, max_payload_bytes, carrier)
+        event = events.encode_event(
+            topic, value, key, headers, max_payload_bytes, carrier,
+            serialized=serialized, cloudevent=cloudevent,
+        )  # fmt: skip
         if span.is_recording():
             span.set_attribute(A_MESSAGE_ID, str(event.event_id))
-            span.set_attribute(A_BODY_SIZE, len(event.value))
+            span.set_attribute(A_BODY_SIZE, len(event.value or b""))
             text = _key_text(event.key)
             if text is not None:
                 span.set_attribute(A_KEY, text)

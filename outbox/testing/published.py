@@ -17,14 +17,15 @@ from outbox.schema import tables
 @dataclass(frozen=True)
 class PublishedEvent:
     """An event in the outbox, decoded: ``value`` is the JSON document for a JSON event, the
-    text for a ``text/*`` one, else the bytes (``raw`` always holds the bytes)."""
+    text for a ``text/*`` one, else the bytes (``raw`` always holds the bytes); ``None`` in
+    both for a tombstone."""
 
     topic: str
     key: str | bytes | None
     value: Any
     headers: Mapping[str, str | bytes]
     event_id: uuid.UUID
-    raw: bytes = field(repr=False)
+    raw: bytes | None = field(repr=False)
 
 
 def _decoded(key: bytes | None) -> str | bytes | None:
@@ -43,7 +44,11 @@ def _header(stored: Any) -> str | bytes:
 
 
 def decode_event(
-    topic: str, key: bytes | None, value: bytes, headers: Mapping[str, Any], event_id: uuid.UUID
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Mapping[str, Any],
+    event_id: uuid.UUID,
 ) -> PublishedEvent:
     """An outbox row as a :class:`PublishedEvent`."""
     decoded_headers = {name: _header(stored) for name, stored in headers.items()}
@@ -51,7 +56,9 @@ def decode_event(
         (str(v) for n, v in decoded_headers.items() if n.lower() == codec.CONTENT_TYPE_HEADER), ""
     )
     decoded: Any = value
-    if content_type.startswith(codec.JSON_CONTENT_TYPE):
+    if value is None:  # a tombstone
+        pass
+    elif content_type.startswith(codec.JSON_CONTENT_TYPE):
         decoded = json.loads(value)
     elif content_type.startswith("text/"):
         decoded = value.decode("utf-8", errors="replace")

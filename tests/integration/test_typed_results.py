@@ -1,0 +1,221 @@
+"""Typed results: with a declared result type, a replay -- from Redis or from PostgreSQL --
+returns a value equal to the first answer and of the same types, all the way down."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import uuid
+from collections.abc import Callable, Iterator
+from decimal import Decimal
+from typing import Any
+
+import pydantic
+import pytest
+import sqlalchemy as sa
+
+from outbox import AsyncOutbox, Outbox, OutboxConfig
+from outbox.errors import ConfigurationError, SerializationError
+
+UTC_MOMENT = dt.datetime(2026, 11, 27, 23, 45, 1, 500, tzinfo=dt.UTC)
+LOCAL_MOMENT = dt.datetime(2026, 11, 27, 9, 0, tzinfo=dt.timezone(dt.timedelta(hours=-5)))
+
+
+class Line(pydantic.BaseModel):
+    sku: str
+    price: Decimal
+
+
+class Order(pydantic.BaseModel):
+    id: uuid.UUID
+    total: Decimal
+    placed_at: dt.datetime
+    lines: list[Line]
+
+
+@dataclasses.dataclass(frozen=True)
+class Receipt:
+    id: uuid.UUID
+    total: Decimal
+    day: dt.date
+    paid_at: dt.datetime
+    ratio: float
+    tags: tuple[str, ...]
+    counts: dict[str, int]
+    note: str | None = None
+
+
+ORDER = Order(
+    id=uuid.UUID(int=7), total=Decimal("19.90"), placed_at=UTC_MOMENT,
+    lines=[Line(sku="a", price=Decimal("9.95")), Line(sku="b", price=Decimal("9.95"))],
+)  # fmt: skip
+RECEIPT = Receipt(
+    uuid.UUID(int=9), Decimal("0.10"), dt.date(2026, 2, 28), LOCAL_MOMENT, 2.0, ("x", "y"),
+    {"n": 1},
+)  # fmt: skip
+
+CASES: dict[str, tuple[Any, Any]] = {
+    "pydantic": (Order, ORDER),
+    "dataclass": (Receipt, RECEIPT),
+    "decimal": (Decimal, Decimal("1.10")),
+    "uuid": (uuid.UUID, uuid.UUID(int=12345)),
+    "datetime": (dt.datetime, LOCAL_MOMENT),
+    "date": (dt.date, dt.date(2024, 2, 29)),
+    "float": (float, 3.0),  # an integral float stays a float
+    "list": (list[Receipt], [RECEIPT, dataclasses.replace(RECEIPT, note="second")]),
+    "optional": (Receipt | None, None),
+}
+
+
+def _types(value: Any) -> Any:
+    """The type of ``value`` and of everything inside it, to compare beyond ``==``."""
+    if isinstance(value, pydantic.BaseModel):
+        return (type(value), {k: _types(getattr(value, k)) for k in type(value).model_fields})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return (type(value), {f.name: _types(getattr(value, f.name)) for f in fields})
+    if isinstance(value, list | tuple):
+        return (type(value), [_types(v) for v in value])
+    if isinstance(value, dict):
+        return (type(value), {k: _types(v) for k, v in value.items()})
+    return type(value)
+
+
+@pytest.fixture(params=["redis", "postgresql"])
+def replay_from(
+    request: pytest.FixtureRequest, database_url: str, redis_url: str, redis_prefix: str,
+    engine: sa.Engine,
+) -> Iterator[tuple[Outbox, Callable[[], None]]]:  # fmt: skip
+    """An outbox whose replays come from Redis (the database forgets the key after the first
+    commit, so only the cache can answer) or from PostgreSQL (no Redis)."""
+    if request.param == "redis":
+        ob = Outbox(
+            database_url, redis_url=redis_url, config=OutboxConfig(cache_prefix=redis_prefix)
+        )
+
+        def forget() -> None:
+            with engine.begin() as conn:
+                assert conn.execute(sa.text("DELETE FROM idempotency_keys")).rowcount == 1
+
+    else:
+        ob = Outbox(database_url)
+
+        def forget() -> None:
+            pass
+
+    try:
+        yield ob, forget
+    finally:
+        ob.close()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_replay_returns_an_equal_value_of_the_same_types(
+    case: str, replay_from: tuple[Outbox, Callable[[], None]]
+) -> None:
+    ob, forget = replay_from
+    result_type, value = CASES[case]
+    calls: list[int] = []
+
+    @ob.idempotent(key="request_id", result_type=result_type)
+    def handle(uow: Any, request_id: str) -> Any:
+        calls.append(1)
+        return value
+
+    first = handle("req-1")
+    forget()
+    again = handle("req-1")
+    assert calls == [1]  # the second answer is a replay
+    assert again == value == first
+    assert _types(again) == _types(value)
+
+
+def test_the_unit_of_work_decodes_on_replay(database_url: str) -> None:
+    ob = Outbox(database_url)
+    try:
+        with ob.unit_of_work("k", result_type=Order) as uow:
+            uow.result = ORDER
+        with ob.unit_of_work("k", result_type=Order) as uow:
+            assert uow.replayed and uow.result == ORDER and isinstance(uow.result, Order)
+        with ob.unit_of_work("k") as uow:  # undeclared: the stored JSON data
+            assert uow.result == ORDER.model_dump(mode="json")
+    finally:
+        ob.close()
+
+
+def test_the_asyncio_flavour_replays_typed_results(database_url: str) -> None:
+    async def run() -> list[Any]:
+        async with AsyncOutbox(database_url) as ob:
+
+            @ob.idempotent(key="request_id", result_type=Receipt)
+            async def handle(uow: Any, request_id: str) -> Receipt:
+                return RECEIPT
+
+            return [await handle("r"), await handle("r")]
+
+    first, again = asyncio.run(run())
+    assert again == first == RECEIPT and _types(again) == _types(RECEIPT)
+
+
+class _Money:
+    """A type the rules do not know, with its own codec."""
+
+    def __init__(self, cents: int) -> None:
+        self.cents = cents
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Money) and other.cents == self.cents
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _MoneyCodec:
+    def encode(self, value: _Money) -> dict[str, int]:
+        return {"cents": value.cents}
+
+    def decode(self, data: dict[str, int]) -> _Money:
+        return _Money(data["cents"])
+
+
+def test_a_result_codec_serves_other_types(database_url: str) -> None:
+    ob = Outbox(database_url)
+    try:
+
+        @ob.idempotent(key="request_id", result_codec=_MoneyCodec())
+        def charge(uow: Any, request_id: str) -> _Money:
+            return _Money(250)
+
+        assert charge("c") == _Money(250)
+        again = charge("c")
+        assert isinstance(again, _Money) and again == _Money(250)
+    finally:
+        ob.close()
+
+
+def test_a_result_of_another_type_is_refused_before_commit(
+    database_url: str, engine: sa.Engine
+) -> None:
+    ob = Outbox(database_url)
+    try:
+        with pytest.raises(SerializationError, match="declared type is Order"):  # noqa: SIM117
+            with ob.unit_of_work("wrong", result_type=Order) as uow:
+                uow.result = ORDER.model_dump(mode="json")  # a dict: a replay would be an Order
+    finally:
+        ob.close()
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM idempotency_keys")).scalar_one() == 0
+
+
+@pytest.mark.parametrize("declared", [set[int], complex, object, dict[str, complex]])
+def test_unsupported_result_types_are_refused_at_declaration(
+    declared: Any, database_url: str
+) -> None:
+    ob = Outbox(database_url)
+    try:
+        with pytest.raises(ConfigurationError, match="not supported"):
+            ob.idempotent(key="request_id", result_type=declared)
+        with pytest.raises(ConfigurationError, match="not supported"):
+            ob.unit_of_work("k", result_type=declared)
+    finally:
+        ob.close()
