@@ -40,7 +40,7 @@ from outbox._core.failures import is_permanent
 from outbox._core.urls import check_redis_url
 from outbox._otel import encode_event
 from outbox._pg.after_commit import defer
-from outbox._pg.engines import engine_for, notifier_engine
+from outbox._pg.engines import engine_for, notifier_engine, reader_engine
 from outbox._pg.errors import unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
 from outbox._pg.statements import (
@@ -166,6 +166,9 @@ class AsyncOutbox(AsyncJoinedUnits):
             AsyncOutcomeCache(client, self.config) if client is not None else None
         )
         self._identity = cache_identity(self.config.schema)
+        self._reader: AsyncEngine = (
+            reader_engine(self.engine) if self.cache is not None else self.engine
+        )
         if self.cache is not None:
             # A new connection may lead to a recreated or restored database: read its key again.
             event.listen(self.engine.sync_engine.pool, "connect", self._on_connect)
@@ -260,6 +263,8 @@ class AsyncOutbox(AsyncJoinedUnits):
         """Dispose of the engine and Redis client if this object created them."""
         if event.contains(self.engine.sync_engine.pool, "connect", self._on_connect):
             event.remove(self.engine.sync_engine.pool, "connect", self._on_connect)
+        if self._reader is not self.engine:
+            await self._reader.dispose()
         if self._owns_engine:
             await self.engine.dispose()
         if self._owns_redis and self.cache is not None:
