@@ -236,9 +236,14 @@ class Transaction:
             for _attempt in range(2):
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
+                if driver.isolation_level not in (None, IsolationLevel.READ_COMMITTED):
+                    # PREPARE counts as a query: BEGIN ISOLATION LEVEL must come first.
+                    head = f"{begin}; {prefix}"
+                else:
+                    head = f"{prefix}{begin}; "
                 cursor = driver.cursor()
                 try:
-                    cursor.execute(f"{prefix}{begin}; ".encode() + body)
+                    cursor.execute(head.encode() + body)
                 except (
                     psycopg.errors.InvalidSqlStatementName,
                     psycopg.errors.DuplicatePreparedStatement,

@@ -239,9 +239,14 @@ class AsyncTransaction:
             for _attempt in range(2):
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
+                if driver.isolation_level not in (None, IsolationLevel.READ_COMMITTED):
+                    # PREPARE counts as a query: BEGIN ISOLATION LEVEL must come first.
+                    head = f"{begin}; {prefix}"
+                else:
+                    head = f"{prefix}{begin}; "
                 cursor = driver.cursor()
                 try:
-                    await cursor.execute(f"{prefix}{begin}; ".encode() + body)
+                    await cursor.execute(head.encode() + body)
                 except (
                     psycopg.errors.InvalidSqlStatementName,
                     psycopg.errors.DuplicatePreparedStatement,
