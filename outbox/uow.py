@@ -40,7 +40,7 @@ from outbox._core.events import event_params
 from outbox._core.failures import is_permanent
 from outbox._core.urls import check_redis_url
 from outbox._otel import encode_event
-from outbox._pg.after_commit import defer
+from outbox._pg.after_commit import defer, take
 from outbox._pg.engines import engine_for, notifier_engine, reader_engine
 from outbox._pg.errors import unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
@@ -295,12 +295,15 @@ class Outbox(JoinedUnits):
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
         tx = Transaction.open(self.engine)
+        lock_id = claim.lock_id(scope, key)
         try:
             acquired, status, stored_fp, result_json, error, age = tx.begin_with(
                 self._sql.idempotency_key_claim_prepared,
-                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+                {"lock_id": lock_id, "scope": scope, "key": key},
             )
             if status is None and acquired:
+                # A unit of work joined to this one's connection for the same key is refused.
+                take(tx.connection, lock_id)
                 return UnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
         except BaseException:
             tx.close()

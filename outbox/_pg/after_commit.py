@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -41,6 +42,9 @@ _SESSION_HOOKED = "outbox.after_commit.hooked"
 _HELD = "outbox.after_commit.held"
 
 Callback = Callable[[], None]
+
+# Engines whose events are hooked (checked on every take(): cheaper than sa.event.contains).
+_hooked: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
 
 # Tasks started by spawn(), kept referenced until they finish.
 _tasks: set[asyncio.Task[Any]] = set()
@@ -93,8 +97,10 @@ def _session_transaction_ended(session: Session, transaction: Any) -> None:
 # -- keys held by a connection's transaction ----------------------------------------------------
 
 
-def take(conn: sa.Connection, lock_id: int) -> None:
+def take(conn: sa.Connection | None, lock_id: int) -> None:
     """Note that ``conn``'s current transaction holds the key lock ``lock_id``."""
+    if conn is None:
+        return
     _hook_engine(conn.engine)
     conn.info.setdefault(_HELD, set()).add(lock_id)
 
@@ -116,6 +122,9 @@ def holds(conn: sa.Connection, lock_id: int) -> bool:
 
 
 def _hook_engine(engine: sa.Engine) -> None:
+    if engine in _hooked:
+        return
+    _hooked.add(engine)
     if sa.event.contains(engine, "commit", _committing):
         return
     sa.event.listen(engine, "commit", _committing)

@@ -194,6 +194,19 @@ def test_same_key_nested_fails_fast(ob: outbox.Outbox, engine: sa.Engine, mode: 
         assert again.replayed and again.result == "outer"
 
 
+def test_same_key_joined_to_its_own_unit_of_work_fails_fast(
+    ob: outbox.Outbox, engine: sa.Engine
+) -> None:
+    ran: list[str] = []
+    with ob.unit_of_work("inside") as uow:
+        ran.append("outer")
+        with pytest.raises(KeyInProgress), ob.unit_of_work("inside", connection=uow.connection):
+            ran.append("inner")
+        uow.result = "outer"
+    assert ran == ["outer"]
+    assert _key_rows(engine, "inside") == [("completed",)]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_same_key_again_after_a_rolled_back_savepoint_runs(
     ob: outbox.Outbox, engine: sa.Engine, mode: str
