@@ -36,6 +36,8 @@ ROUNDS = 60  # interrupted units of work per flavour
 AFTER = 200  # units of work that must then run cleanly
 SEEDS = [11, 12]
 INTERRUPTS: list[type[BaseException]] = [KeyboardInterrupt, SystemExit]
+# No relay wake-ups: their thread's short transactions are not under test here.
+QUIET = outbox.OutboxConfig(wake_relays=False)
 WATCHED = ("/outbox/", "/sqlalchemy/", "/psycopg/")
 
 # Every backend of this test's database other than the one asking: what it is doing.
@@ -157,7 +159,7 @@ def test_sync_interrupted_anywhere_then_hundreds_run(
     rng = random.Random(seed)
     pooled = sa.create_engine(database_url, pool_size=3, max_overflow=0, pool_timeout=10)
     try:
-        with outbox.Outbox(pooled) as ob:
+        with outbox.Outbox(pooled, config=QUIET) as ob:
             lines = _lines_of_one(ob, pooled)
             interrupted = 0
             for i in range(ROUNDS):
@@ -202,7 +204,7 @@ def test_interrupted_commit_of_a_joined_connection_is_not_handed_out_again(
         raise kind("interrupted in commit")
 
     try:
-        with outbox.Outbox(pooled) as ob:
+        with outbox.Outbox(pooled, config=QUIET) as ob:
             with pytest.raises(kind), pooled.connect() as conn:
                 with ob.unit_of_work("joined", connection=conn) as uow:
                     uow.result = 1
@@ -226,7 +228,7 @@ def test_sync_interrupt_while_waiting_on_an_order_lock_frees_the_key(
 ) -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.fail("signals reach the main thread only")
-    with outbox.Outbox(engine) as ob, engine.connect() as holder:
+    with outbox.Outbox(engine, config=QUIET) as ob, engine.connect() as holder:
         # Another transaction wrote an event of message key "hot" and has not committed:
         # a later writer of "hot" waits for it in its final statement.
         with ob.unit_of_work("holder", connection=holder) as uow:
@@ -325,7 +327,7 @@ def test_async_cancelled_anywhere_then_hundreds_run(
         pooled = create_async_engine(database_url, pool_size=3, max_overflow=0, pool_timeout=10)
         cancelled = 0
         try:
-            async with outbox.AsyncOutbox(pooled) as aob:
+            async with outbox.AsyncOutbox(pooled, config=QUIET) as aob:
                 for i in range(ROUNDS):
                     key, mode = f"a{seed}-{i}", rng.choice(["owned", "joined"])
                     if await cancel_after(
@@ -352,7 +354,10 @@ def test_async_cancel_while_waiting_on_an_order_lock_frees_the_key(
             uow.publish("chaos.events", "second", key="hot")
 
     async def run() -> None:
-        async with outbox.AsyncOutbox(database_url) as aob, aob.engine.connect() as holder:
+        async with (
+            outbox.AsyncOutbox(database_url, config=QUIET) as aob,
+            aob.engine.connect() as holder,
+        ):
             async with aob.unit_of_work("holder", connection=holder) as uow:
                 uow.publish("chaos.events", "first", key="hot")
 
