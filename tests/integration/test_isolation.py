@@ -1,11 +1,13 @@
-"""Units of work, batches and the consumer's attempts on engines that run REPEATABLE READ or
-SERIALIZABLE transactions: on a fresh connection (no statement prepared yet) and on a pooled
-one, in both flavours, the transaction runs at the engine's level; a serialization failure
-leaves the key free and the consumer retries it without counting an attempt."""
+"""Units of work, batches, the consumer's attempts and the consumer runner on engines that run
+REPEATABLE READ or SERIALIZABLE transactions: on a fresh connection (no statement prepared yet)
+and on a pooled one, in both flavours, the transaction runs at the engine's level; a
+serialization failure leaves the key free and the consumer retries it without counting an
+attempt."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,11 +20,22 @@ import outbox
 from outbox._core.disposition import Outcome
 from outbox._core.offsets import Tries
 from outbox._pg.errors import transaction_conflict
+from outbox.consumer import AsyncConsumerRunner, ConsumerRunner
 from outbox.consumer_attempt_async import AsyncAttempts
 from outbox.consumer_metrics import ConsumerMetrics
 from outbox.testing import Deliverer
 from outbox.uow_batch import Batch
 from outbox.uow_batch_async import AsyncBatch
+from tests.fixtures.common import wait_for
+from tests.fixtures.consumer import (
+    KAFKA,
+    Running,
+    committed,
+    keyed,
+    metric,
+    produce,
+    topic_with_dead_letters,
+)
 
 LEVELS = ["REPEATABLE READ", "SERIALIZABLE"]
 POOLS = ["fresh", "pooled"]
@@ -202,3 +215,57 @@ def test_async_consumer_attempts_on_an_isolated_engine(
 
     # max_attempts=1: a counted failure would dead-letter the message at once.
     assert asyncio.run(run()) == [(Outcome.RETRY, 0), (Outcome.PROCESSED, 0)]
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_the_consumer_runner_on_a_serializable_engine(
+    kafka_bootstrap: str, database_url: str, engine: sa.Engine, counter: None, flavour: str
+) -> None:
+    topic = topic_with_dead_letters(kafka_bootstrap, "isolation")
+    options = {"isolation_level": "SERIALIZABLE"}  # through engine_options, as users do
+    processed: list[str] = []
+
+    def handle(uow: Any, message: Any) -> str:
+        processed.append(uow.key)
+        uow.connection.execute(BUMP)
+        return uow.key
+
+    async def ahandle(uow: Any, message: Any) -> str:
+        processed.append(uow.key)
+        await uow.connection.execute(BUMP)
+        return uow.key
+
+    produce(kafka_bootstrap, topic, [keyed(f"k{i}", "x", i % 2) for i in range(10)])
+    ob: Any
+    if flavour == "sync":
+        ob = outbox.Outbox(database_url, engine_options=options)
+        runner: Any = ConsumerRunner(
+            ob, handle, topics=[topic], bootstrap_servers=kafka_bootstrap, kafka_config=KAFKA,
+            group=f"g-{uuid.uuid4().hex[:8]}", metrics_registry=CollectorRegistry(),
+        )  # fmt: skip
+    else:  # closed by Running on its event loop
+        ob = outbox.AsyncOutbox(database_url, engine_options=options)
+        runner = AsyncConsumerRunner(
+            ob, ahandle, topics=[topic], bootstrap_servers=kafka_bootstrap, kafka_config=KAFKA,
+            group=f"g-{uuid.uuid4().hex[:8]}", metrics_registry=CollectorRegistry(),
+        )  # fmt: skip
+    registry = runner.metrics_registry
+    running = Running(runner, registry)
+    try:
+        wait_for(
+            lambda: committed(kafka_bootstrap, runner.config.group, topic) == [5, 5],
+            60,
+            "all ten messages processed and their offsets committed",
+            interval=0.1,
+        )
+    finally:
+        running.stop()
+        if flavour == "sync":
+            ob.close()
+    assert sorted(set(processed)) == sorted(f"k{i}" for i in range(10))
+    assert metric(running, "outbox_consumer_dead_lettered_total", topic=topic) == 0
+    # Not one attempt failed (a failure would have been retried on a connection that had
+    # prepared its statements by then, and gone unnoticed).
+    assert metric(running, "outbox_consumer_failed_total", topic=topic, kind="error") == 0
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT n FROM counters")).scalar() == 10
