@@ -281,7 +281,7 @@ class AsyncTransaction:
             for _attempt in range(2):
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
-                if driver.isolation_level not in (None, IsolationLevel.READ_COMMITTED):
+                if driver.isolation_level is not None:
                     # PREPARE counts as a query: BEGIN ISOLATION LEVEL must come first.
                     head = f"{begin}; {prefix}"
                 else:
