@@ -36,6 +36,7 @@ from outbox._pg.after_commit import defer, holds, release, take
 from outbox._pg.errors import unique_violation_of
 from outbox._pg.identity import identity_of
 from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
+from outbox._pg.transaction import cancel_key, stop_abandoned
 from outbox._redis.cache import OutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
@@ -144,7 +145,7 @@ class JoinedUnits:
             raise
         if status is None and acquired:
             take(_sync(conn), lock_id)
-            joined = Joined(conn, savepoint, session)
+            joined = Joined(conn, savepoint, session, cancel_key(_sync(conn)))
             return UnitOfWork(self, scope, key, fingerprint, None, replayed=False, joined=joined)
         savepoint.rollback()  # nothing was written
         row = (status, stored_fp, result_json, error, age)
@@ -203,6 +204,10 @@ class JoinedUnits:
             joined.connection.execute(statement, params)
             joined.savepoint.commit()
         except BaseException as exc:
+            if joined.server is not None and not isinstance(exc, Exception):
+                # Interrupted, maybe while the final statement waited on an order lock: the
+                # server must not go on holding the key for a client that gave up.
+                stop_abandoned(*joined.server, again=True)
             end_joined(uow, joined, rollback=True)
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc

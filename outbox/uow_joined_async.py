@@ -34,6 +34,7 @@ from outbox._pg.after_commit import defer, holds, release, spawn, take
 from outbox._pg.errors import unique_violation_of
 from outbox._pg.identity import identity_of
 from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
+from outbox._pg.transaction_async import cancel_key, stop_abandoned
 from outbox._redis.cache_async import AsyncOutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
@@ -144,7 +145,7 @@ class AsyncJoinedUnits:
             raise
         if status is None and acquired:
             take(_sync(conn), lock_id)
-            joined = Joined(conn, savepoint, session)
+            joined = Joined(conn, savepoint, session, cancel_key(_sync(conn)))
             return AsyncUnitOfWork(
                 self, scope, key, fingerprint, None, replayed=False, joined=joined
             )
@@ -205,6 +206,10 @@ class AsyncJoinedUnits:
             await joined.connection.execute(statement, params)
             await joined.savepoint.commit()
         except BaseException as exc:
+            if joined.server is not None and not isinstance(exc, Exception):
+                # Interrupted, maybe while the final statement waited on an order lock: the
+                # server must not go on holding the key for a client that gave up.
+                stop_abandoned(*joined.server, again=True)
             await end_joined(uow, joined, rollback=True)
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc

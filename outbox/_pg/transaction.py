@@ -132,6 +132,46 @@ def install_guard(engine: Engine) -> None:
         sa.event.listen(engine.pool, "checkin", _discard_unclean)
 
 
+def cancel_key(connection: sa.Connection) -> tuple[Any, Any] | None:
+    """``(driver connection, its cancel key)`` of a SQLAlchemy connection on psycopg, for
+    :func:`stop_abandoned` (a caller's connection joined by a unit of work); ``None`` for
+    another driver. The key is made once per driver connection, while it is alive."""
+    if connection.invalidated:
+        return None
+    driver = connection.connection.driver_connection
+    if not isinstance(driver, psycopg.BaseConnection) or driver.closed:
+        return None
+    cancel = _cancel_keys.get(driver)
+    if cancel is None:
+        cancel = _cancel_keys[driver] = driver.pgconn.get_cancel()
+    return driver, cancel
+
+
+_cancel_keys: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def stop_abandoned(driver: Any, cancel: Any, *, again: bool = False) -> None:
+    """Cancel the statement the server may still run for ``driver``, without awaiting.
+
+    Needed when the client stopped waiting for it: psycopg, interrupted, cancels it itself, but
+    gives up and closes the connection when interrupted again (an anyio cancel scope interrupts
+    every await) -- and a backend waiting on a lock does not notice that its client closed the
+    connection. ``cancel`` is the cancel key taken while the connection was alive (it works
+    after the close). Sent only while a statement runs, or after an interruption (``again``:
+    one that is being handled elsewhere): a connection lost in a network failure is not
+    waited on.
+    """
+    running = not driver.closed and (
+        driver.pgconn.transaction_status == pq.TransactionStatus.ACTIVE
+    )
+    if not (running or ((again or _interrupted()) and (driver.closed or driver.broken))):
+        return
+    with contextlib.suppress(psycopg.Error):  # the backend is gone already
+        cancel.cancel()
+    if not driver.closed:
+        driver.pgconn.finish()
+
+
 def _interrupted() -> bool:
     """True while an interruption (not an ordinary exception) is being handled."""
     exc = sys.exc_info()[1]
@@ -489,25 +529,9 @@ class Transaction:
             connection.close()
 
     def _stop_server_work(self, *, again: bool = False) -> None:
-        """Cancel the statement the server may still run for this connection, without awaiting.
-
-        Needed when the client stopped waiting for it: psycopg, interrupted, cancels it itself,
-        but gives up and closes the connection when interrupted again (an anyio cancel scope
-        interrupts every await) -- and a backend waiting on a lock does not notice that its
-        client closed the connection. Sent with the cancel key taken when the connection was
-        checked out (it works after the close), and only after an interruption or while a
-        statement is running: a connection lost in a network failure is not waited on.
-        """
-        driver = self._driver
-        running = not driver.closed and (
-            driver.pgconn.transaction_status == pq.TransactionStatus.ACTIVE
-        )
-        if not (running or ((again or _interrupted()) and (driver.closed or driver.broken))):
-            return
-        with contextlib.suppress(psycopg.Error):  # the backend is gone already
-            self._cancel.cancel()
-        if not driver.closed:
-            driver.pgconn.finish()
+        """Cancel the statement the server may still run for this connection, without awaiting
+        (see :func:`stop_abandoned`)."""
+        stop_abandoned(self._driver, self._cancel, again=again)
 
     def _rollback(self) -> None:
         driver = self._driver

@@ -345,13 +345,20 @@ def test_async_cancelled_anywhere_then_hundreds_run(
     _clean(engine)
 
 
+@pytest.mark.parametrize("mode", ["owned", "joined"])
 @pytest.mark.parametrize("canceller", ["asyncio", "anyio"])
 def test_async_cancel_while_waiting_on_an_order_lock_frees_the_key(
-    engine: sa.Engine, database_url: str, orders: None, canceller: str
+    engine: sa.Engine, database_url: str, orders: None, canceller: str, mode: str
 ) -> None:
     async def victim(aob: outbox.AsyncOutbox) -> None:
-        async with aob.unit_of_work("victim") as uow:
-            uow.publish("chaos.events", "second", key="hot")
+        if mode == "owned":
+            async with aob.unit_of_work("victim") as uow:
+                uow.publish("chaos.events", "second", key="hot")
+            return
+        async with aob.engine.connect() as conn:
+            async with aob.unit_of_work("victim", connection=conn) as uow:
+                uow.publish("chaos.events", "second", key="hot")
+            await conn.commit()
 
     async def run() -> None:
         async with (
