@@ -40,8 +40,8 @@ from outbox._core.events import event_params
 from outbox._core.failures import is_permanent
 from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
-from outbox._pg.after_commit import defer
-from outbox._pg.engines import engine_for, notifier_engine
+from outbox._pg.after_commit import defer, take
+from outbox._pg.engines import engine_for, notifier_engine, reader_engine
 from outbox._pg.errors import unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
 from outbox._pg.statements import (
@@ -173,6 +173,7 @@ class Outbox(JoinedUnits):
             OutcomeCache(client, self.config) if client is not None else None
         )
         self._identity = cache_identity(self.config.schema)
+        self._reader: Engine = reader_engine(self.engine) if self.cache is not None else self.engine
         if self.cache is not None:
             # A new connection may lead to a recreated or restored database: read its key again.
             event.listen(self.engine.pool, "connect", self._on_connect)
@@ -288,6 +289,8 @@ class Outbox(JoinedUnits):
         """Dispose of the engine and Redis client if this object created them."""
         if event.contains(self.engine.pool, "connect", self._on_connect):
             event.remove(self.engine.pool, "connect", self._on_connect)
+        if self._reader is not self.engine:
+            self._reader.dispose()
         if self._owns_engine:
             self.engine.dispose()
         if self._owns_redis and self.cache is not None:
@@ -319,12 +322,15 @@ class Outbox(JoinedUnits):
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
         tx = Transaction.open(self.engine)
+        lock_id = claim.lock_id(scope, key)
         try:
             acquired, status, stored_fp, result_json, error, age = tx.begin_with(
                 self._sql.idempotency_key_claim_prepared,
-                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+                {"lock_id": lock_id, "scope": scope, "key": key},
             )
             if status is None and acquired:
+                # A unit of work joined to this one's connection for the same key is refused.
+                take(tx.connection, lock_id)
                 return UnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
         except BaseException:
             tx.close()

@@ -42,6 +42,7 @@ class Joined:
     connection: Connection
     savepoint: Any
     session: Session | None
+    server: tuple[Any, Any] | None = None  # psycopg's connection and its cancel key
 
 
 class UnitOfWork:

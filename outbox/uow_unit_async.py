@@ -40,6 +40,7 @@ class Joined:
     connection: AsyncConnection
     savepoint: Any
     session: AsyncSession | None
+    server: tuple[Any, Any] | None = None  # psycopg's connection and its cancel key
 
 
 class AsyncUnitOfWork:

@@ -132,3 +132,17 @@ async def database_answers_async(engine: AsyncEngine) -> bool:
     except _UNREACHABLE:
         return False
     return True
+
+
+def reader_engine(engine: Any) -> Any:
+    """The engine on which a joined unit of work reads its key back after the caller's commit.
+
+    An ``AsyncEngine`` serves itself: the read runs in a task of its own, which waits for a
+    pooled connection without holding anyone up. A sync engine's read runs inside the caller's
+    commit, while the caller's connection is still checked out: on a full pool it would wait
+    for that very connection. So the sync flavour reads on a pool of its own, a twin of the
+    engine's (same connection factory and settings), that opens connections only when used.
+    """
+    if isinstance(engine, AsyncEngine):
+        return engine
+    return sa.create_engine(engine.url, pool=engine.pool.recreate())

@@ -7,6 +7,8 @@ import the driver themselves:
   outage, a restart, a failover, a full pool): retry later without counting an attempt. The relay
   and the consumer runner both use it.
 * :func:`unique_violation_of` -- a unique constraint refused a row (the unit of work's key race).
+* :func:`transaction_conflict` -- the transaction lost to a concurrent one (a serialization
+  failure under REPEATABLE READ or SERIALIZABLE, a deadlock): the same work may succeed again.
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ def unique_violation_of(exc: BaseException, constraint: str) -> bool:
     if not isinstance(origin, psycopg.errors.UniqueViolation):
         return False
     return origin.diag.constraint_name == constraint
+
+
+# serialization_failure, deadlock_detected
+_CONFLICT_SQLSTATES = ("40001", "40P01")
+
+
+def transaction_conflict(exc: BaseException) -> bool:
+    """True when PostgreSQL rolled the transaction back because of a concurrent one: a
+    serialization failure (REPEATABLE READ, SERIALIZABLE) or a deadlock. Nothing was committed,
+    and running the same work again may succeed."""
+    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    return isinstance(origin, psycopg.Error) and origin.sqlstate in _CONFLICT_SQLSTATES
 
 
 def is_database_error(exc: BaseException) -> bool:

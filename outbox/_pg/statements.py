@@ -202,6 +202,8 @@ class JoinedStatements:
     idempotency_key_claim: sa.TextClause
     idempotency_key_fail: sa.TextClause
     idempotency_key_relock: sa.TextClause
+    idempotency_key_read: sa.TextClause
+    idempotency_key_held: sa.TextClause
 
 
 def _named(sql: str) -> str:
@@ -221,6 +223,21 @@ def joined_statements(schema: str | None) -> JoinedStatements:
         ),
         idempotency_key_fail=sa.text(_named(statements(schema).idempotency_key_fail)),
         idempotency_key_relock=sa.text("SELECT pg_try_advisory_xact_lock(:lock_id)"),
+        # After the caller's commit, on a connection of the toolkit's own: the key's committed
+        # row, if any (what the cache may learn).
+        idempotency_key_read=sa.text(
+            "SELECT status, fingerprint, result::text AS result, error, "
+            "EXTRACT(EPOCH FROM now() - updated_at)::float8 AS age "
+            f"FROM {keys} WHERE scope = :scope AND key = :key"
+        ),
+        # Does this server session hold the key's advisory lock already? (A bigint lock shows
+        # in pg_locks as its high and low 32 bits.)
+        idempotency_key_held=sa.text(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+            "AND pid = pg_backend_pid() AND granted AND objsubid = 1 "
+            "AND classid::bigint = ((CAST(:lock_id AS bigint) >> 32) & 4294967295) "
+            "AND objid::bigint = (CAST(:lock_id AS bigint) & 4294967295))"
+        ),
     )
 
 

@@ -19,12 +19,21 @@ Round trips are most of a short transaction's cost, so the toolkit keeps its own
 
 Driver errors are translated here, the one place, into SQLAlchemy's exception types, and a
 broken connection is invalidated so the pool never hands it out again.
+
+An interruption (``KeyboardInterrupt``, ``SystemExit``, a cancelled task) may land anywhere,
+also while psycopg waits for the server or cleans up after itself. Two things then hold: a
+statement the client gave up on is cancelled on the server at once (its transaction holds the
+key's lock, and a backend waiting on another lock would not notice its client had gone), and a
+connection that goes back to the pool not idle, or still switched to autocommit, is discarded
+(:func:`install_guard`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import sys
 import uuid
 import weakref
 from typing import Any
@@ -52,6 +61,11 @@ _wanted: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[Prepared]] 
 
 _GUARDED = "outbox.unit_of_work_open"
 _ENDED = "outbox.unit_of_work_rolled_back"
+# Set while the driver connection is switched to autocommit by a unit of work.
+_SWITCHED = "outbox.autocommit_switched"
+# The connection's cancel key (libpq PGcancel), made while the connection is alive: usable
+# after psycopg closed the connection, to stop what its backend still runs.
+_CANCEL = "outbox.cancel"
 
 # The savepoint a batch runs each unit of work in.
 _SAVEPOINT = "outbox_unit"
@@ -85,13 +99,28 @@ def _refuse_begin(conn: sa.Connection) -> None:
         )
 
 
+def _discard_unclean(dbapi_connection: Any, record: Any) -> None:
+    # After the pool's reset: a connection a unit of work left switched to autocommit, or in
+    # any state but idle (an interruption inside SQLAlchemy or an event handler can leave the
+    # pool believing a transaction was ended that the server still holds), is not handed out
+    # again.
+    if dbapi_connection is None:
+        return
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    pgconn = getattr(driver, "pgconn", None)
+    switched = record.info.pop(_SWITCHED, False)
+    if switched or (pgconn is not None and pgconn.transaction_status != pq.TransactionStatus.IDLE):
+        record.info[_GUARDED] = False
+        record.invalidate()
+
+
 def install_guard(engine: AsyncEngine) -> None:
-    """Keep a unit of work's transaction whole against its own body.
+    """Keep a unit of work's transaction whole against its own body, and the pool clean.
 
     ``commit()`` from the body would commit business rows without the key and the outbox rows:
     refused before anything is sent. After a rollback from the body, any further statement is
     refused instead of running outside the transaction. Connections outside a unit of work are
-    unaffected.
+    unaffected. A connection that comes back to the pool other than idle is discarded.
     """
     for name, fn in (
         ("commit", _refuse_commit),
@@ -100,6 +129,54 @@ def install_guard(engine: AsyncEngine) -> None:
     ):
         if not sa.event.contains(engine.sync_engine, name, fn):
             sa.event.listen(engine.sync_engine, name, fn)
+    if not sa.event.contains(engine.sync_engine.pool, "checkin", _discard_unclean):
+        sa.event.listen(engine.sync_engine.pool, "checkin", _discard_unclean)
+
+
+def cancel_key(connection: sa.Connection) -> tuple[Any, Any] | None:
+    """``(driver connection, its cancel key)`` of a SQLAlchemy connection on psycopg, for
+    :func:`stop_abandoned` (a caller's connection joined by a unit of work); ``None`` for
+    another driver. The key is made once per driver connection, while it is alive."""
+    if connection.invalidated:
+        return None
+    driver = connection.connection.driver_connection
+    if not isinstance(driver, psycopg.BaseConnection) or driver.closed:
+        return None
+    cancel = _cancel_keys.get(driver)
+    if cancel is None:
+        cancel = _cancel_keys[driver] = driver.pgconn.get_cancel()
+    return driver, cancel
+
+
+_cancel_keys: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def stop_abandoned(driver: Any, cancel: Any, *, again: bool = False) -> None:
+    """Cancel the statement the server may still run for ``driver``, without awaiting.
+
+    Needed when the client stopped waiting for it: psycopg, interrupted, cancels it itself, but
+    gives up and closes the connection when interrupted again (an anyio cancel scope interrupts
+    every await) -- and a backend waiting on a lock does not notice that its client closed the
+    connection. ``cancel`` is the cancel key taken while the connection was alive (it works
+    after the close). Sent only while a statement runs, or after an interruption (``again``:
+    one that is being handled elsewhere): a connection lost in a network failure is not
+    waited on.
+    """
+    running = not driver.closed and (
+        driver.pgconn.transaction_status == pq.TransactionStatus.ACTIVE
+    )
+    if not (running or ((again or _interrupted()) and (driver.closed or driver.broken))):
+        return
+    with contextlib.suppress(psycopg.Error):  # the backend is gone already
+        cancel.cancel()
+    if not driver.closed:
+        driver.pgconn.finish()
+
+
+def _interrupted() -> bool:
+    """True while an interruption (not an ordinary exception) is being handled."""
+    exc = sys.exc_info()[1]
+    return exc is not None and not isinstance(exc, Exception)
 
 
 def _execute_text(
@@ -188,12 +265,16 @@ def _begin_command(driver: psycopg.AsyncConnection[Any]) -> str:
 class AsyncTransaction:
     """A transaction on a connection checked out of ``engine``."""
 
-    __slots__ = ("_driver", "_saved_autocommit", "connection")
+    __slots__ = ("_cancel", "_driver", "_saved_autocommit", "connection")
 
     def __init__(self, connection: AsyncConnection, driver: psycopg.AsyncConnection[Any]) -> None:
         self.connection = connection
         self._driver = driver
         self._saved_autocommit: bool | None = None
+        info = connection.info
+        self._cancel: pq.abc.PGcancel = info.get(_CANCEL) or info.setdefault(
+            _CANCEL, driver.pgconn.get_cancel()
+        )
 
     @classmethod
     async def open(cls, engine: AsyncEngine) -> AsyncTransaction:
@@ -229,6 +310,7 @@ class AsyncTransaction:
         driver = self._driver
         known = _prepared.setdefault(driver, set())
         self._saved_autocommit = driver.autocommit
+        self.connection.info[_SWITCHED] = True
         try:
             await driver.set_autocommit(True)
             begin = _begin_command(driver)
@@ -239,9 +321,14 @@ class AsyncTransaction:
             for _attempt in range(2):
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
+                if driver.isolation_level is not None:
+                    # PREPARE counts as a query: BEGIN ISOLATION LEVEL must come first.
+                    head = f"{begin}; {prefix}"
+                else:
+                    head = f"{prefix}{begin}; "
                 cursor = driver.cursor()
                 try:
-                    await cursor.execute(f"{prefix}{begin}; ".encode() + body)
+                    await cursor.execute(head.encode() + body)
                 except (
                     psycopg.errors.InvalidSqlStatementName,
                     psycopg.errors.DuplicatePreparedStatement,
@@ -424,6 +511,7 @@ class AsyncTransaction:
     async def close(self) -> None:
         """Roll back whatever is uncommitted and return the connection to the pool."""
         connection = self.connection
+        self._stop_server_work()
         try:
             if not connection.invalidated:
                 connection.info[_GUARDED] = False
@@ -433,10 +521,20 @@ class AsyncTransaction:
                 await self._rollback()
                 if self._saved_autocommit is not None:
                     await self._driver.set_autocommit(self._saved_autocommit)
+                connection.info.pop(_SWITCHED, None)
         except (sa.exc.DBAPIError, psycopg.Error) as exc:
             await connection.invalidate(exc)
+        except BaseException:
+            # Interrupted again while cleaning up: the pool discards the connection.
+            self._stop_server_work(again=True)
+            raise
         finally:
             await connection.close()
+
+    def _stop_server_work(self, *, again: bool = False) -> None:
+        """Cancel the statement the server may still run for this connection, without awaiting
+        (see :func:`stop_abandoned`)."""
+        stop_abandoned(self._driver, self._cancel, again=again)
 
     async def _rollback(self) -> None:
         driver = self._driver
