@@ -89,6 +89,10 @@ class OutboxConfig:
     # After a commit that appended events, wake relays that wait for work with a pg_notify sent
     # from a background thread (outbox._pg.wakeup). Off: relays find new rows at their next poll.
     wake_relays: bool = True
+    # What stands between the application and PostgreSQL: None (a direct connection, or a
+    # pooler in session mode) or "transaction" (PgBouncer and the like in transaction pooling
+    # mode: nothing may rely on the session; docs/operations.md, "Connection poolers").
+    pooler: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.permanent_errors, list):
@@ -112,7 +116,19 @@ class OutboxConfig:
         check_int("max_payload_bytes", self.max_payload_bytes, 1, MAX_PAYLOAD_BYTES)
         check_exception_classes("permanent_errors", self.permanent_errors)
         check_bool("wake_relays", self.wake_relays)
+        check_pooler("pooler", self.pooler)
         return self
+
+
+POOLERS = ("transaction", "session")
+
+
+def check_pooler(name: str, value: object) -> None:
+    if value is not None and value not in POOLERS:
+        raise ConfigurationError(
+            f"{name} must be None (a direct connection), 'session' or 'transaction' (a "
+            f"connection pooler in that mode), got {shown(value)}"
+        )
 
 
 @dataclass(frozen=True, repr=False)

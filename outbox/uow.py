@@ -42,7 +42,7 @@ from outbox._core.urls import check_redis_url
 from outbox._otel import encode_event
 from outbox._pg.after_commit import defer
 from outbox._pg.engines import engine_for, notifier_engine
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.errors import split_error, split_refused, unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
 from outbox._pg.statements import (
     Statements,
@@ -51,7 +51,7 @@ from outbox._pg.statements import (
     outbox_insert,
     statements,
 )
-from outbox._pg.transaction import Transaction, install_guard
+from outbox._pg.transaction import Transaction, check_caller, install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache import OutcomeCache, make_client
 from outbox._redis.clients import check_flavour
@@ -159,7 +159,11 @@ class Outbox(JoinedUnits):
             check_redis_url(redis_url)
         if redis is not None:
             check_flavour(redis, want_async=_ASYNC)
-        engine, self._owns_engine = engine_for(database, _ASYNC, engine_options)
+        # Behind a transaction pooler nothing may rely on the session (see Transaction).
+        self._pooled = self.config.pooler == "transaction"
+        engine, self._owns_engine = engine_for(
+            database, _ASYNC, engine_options, pooled=self._pooled
+        )
         self.engine: Engine = engine
         self._owns_redis = redis_url is not None
         client = make_client(redis_url, self.config) if redis_url is not None else redis
@@ -235,6 +239,8 @@ class Outbox(JoinedUnits):
         params: dict[str, Any] = {}
         _size, locks = event_params([event], params, self.config.schema)
         insert = outbox_insert(self.config.schema, locks)
+        if self._pooled:
+            check_caller(session, connection)
         if session is not None:
             session.execute(insert, params)
             target: Any = session
@@ -291,7 +297,7 @@ class Outbox(JoinedUnits):
             cached = self._cached(cache, scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
-        tx = Transaction.open(self.engine)
+        tx = Transaction.open(self.engine, pooled=self._pooled)
         try:
             acquired, status, stored_fp, result_json, error, age = tx.begin_with(
                 self._sql.idempotency_key_claim_prepared,
@@ -327,6 +333,8 @@ class Outbox(JoinedUnits):
                 # Another attempt committed the key between our read and our lock: a race
                 # of microseconds. Its effects stand; ours were rolled back.
                 raise KeyInProgress(uow.scope, uow.key) from exc
+            if split_refused(exc):
+                raise split_error() from exc
             raise
         close_unit(uow)
         if self.cache is not None:

@@ -41,7 +41,7 @@ from outbox._core.urls import check_redis_url
 from outbox._otel import encode_event
 from outbox._pg.after_commit import defer
 from outbox._pg.engines import engine_for, notifier_engine
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.errors import split_error, split_refused, unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
 from outbox._pg.statements import (
     Statements,
@@ -50,7 +50,7 @@ from outbox._pg.statements import (
     outbox_insert,
     statements,
 )
-from outbox._pg.transaction_async import AsyncTransaction, install_guard
+from outbox._pg.transaction_async import AsyncTransaction, check_caller, install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache_async import AsyncOutcomeCache, make_async_client
 from outbox._redis.clients import check_flavour
@@ -158,7 +158,11 @@ class AsyncOutbox(AsyncJoinedUnits):
             check_redis_url(redis_url)
         if redis is not None:
             check_flavour(redis, want_async=_ASYNC)
-        engine, self._owns_engine = engine_for(database, _ASYNC, engine_options)
+        # Behind a transaction pooler nothing may rely on the session (see AsyncTransaction).
+        self._pooled = self.config.pooler == "transaction"
+        engine, self._owns_engine = engine_for(
+            database, _ASYNC, engine_options, pooled=self._pooled
+        )
         self.engine: AsyncEngine = engine
         self._owns_redis = redis_url is not None
         client = make_async_client(redis_url, self.config) if redis_url is not None else redis
@@ -234,6 +238,8 @@ class AsyncOutbox(AsyncJoinedUnits):
         params: dict[str, Any] = {}
         _size, locks = event_params([event], params, self.config.schema)
         insert = outbox_insert(self.config.schema, locks)
+        if self._pooled:
+            await check_caller(session, connection)
         if session is not None:
             await session.execute(insert, params)
             target: Any = session.sync_session
@@ -290,7 +296,7 @@ class AsyncOutbox(AsyncJoinedUnits):
             cached = await self._cached(cache, scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
-        tx = await AsyncTransaction.open(self.engine)
+        tx = await AsyncTransaction.open(self.engine, pooled=self._pooled)
         try:
             acquired, status, stored_fp, result_json, error, age = await tx.begin_with(
                 self._sql.idempotency_key_claim_prepared,
@@ -326,6 +332,8 @@ class AsyncOutbox(AsyncJoinedUnits):
                 # Another attempt committed the key between our read and our lock: a race
                 # of microseconds. Its effects stand; ours were rolled back.
                 raise KeyInProgress(uow.scope, uow.key) from exc
+            if split_refused(exc):
+                raise split_error() from exc
             raise
         await close_unit(uow)
         if self.cache is not None:

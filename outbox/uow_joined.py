@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +26,10 @@ from outbox._core import claim
 from outbox._core.claim import StoredOutcome
 from outbox._core.failures import is_permanent
 from outbox._pg.after_commit import defer
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.errors import split_error, split_refused, unique_violation_of
 from outbox._pg.identity import identity_of
 from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
+from outbox._pg.transaction import check_caller
 from outbox._redis.cache import OutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
@@ -45,6 +47,7 @@ class JoinedUnits:
     _identity: tuple[str, Any]
     _joined_sql: JoinedStatements
     _notify: Callable[[], None]
+    _pooled: bool
 
     def _cached(self, cache: OutcomeCache, scope: str, key: str) -> StoredOutcome | None:
         """The outcome Redis holds for the key, if the cache can vouch for it."""
@@ -110,6 +113,9 @@ class JoinedUnits:
         # The claim runs in the savepoint: its advisory lock is released if the savepoint is
         # rolled back (the body failed) and passes to the caller's transaction when it is
         # released (the body succeeded), to be held until the caller commits or rolls back.
+        if self._pooled:
+            check_caller(session, connection)
+        unit = secrets.token_hex(8)
         if session is not None:
             savepoint: Any = session.begin_nested()
             conn = session.connection()
@@ -120,14 +126,14 @@ class JoinedUnits:
         try:
             result = conn.execute(
                 self._joined_sql.idempotency_key_claim,
-                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key, "unit": unit},
             )
             acquired, status, stored_fp, result_json, error, age = result.one()
         except BaseException:
             savepoint.rollback()
             raise
         if status is None and acquired:
-            joined = Joined(conn, savepoint, session)
+            joined = Joined(conn, savepoint, session, unit)
             return UnitOfWork(self, scope, key, fingerprint, None, replayed=False, joined=joined)
         savepoint.rollback()  # nothing was written
         row = (status, stored_fp, result_json, error, age)
@@ -160,6 +166,7 @@ class JoinedUnits:
             if joined.session is not None:
                 joined.session.flush()
             result_json, params, _size, locks = completion(uow, self.config.schema)
+            params["unit"] = joined.unit
             statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
             joined.connection.execute(statement, params)
             joined.savepoint.commit()
@@ -167,6 +174,8 @@ class JoinedUnits:
             end_joined(uow, joined, rollback=True)
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc
+            if split_refused(exc):
+                raise split_error() from exc
             raise
         end_joined(uow, joined, rollback=False)
         outcome = StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +24,10 @@ from outbox._core import claim
 from outbox._core.claim import StoredOutcome
 from outbox._core.failures import is_permanent
 from outbox._pg.after_commit import defer, spawn
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.errors import split_error, split_refused, unique_violation_of
 from outbox._pg.identity import identity_of
 from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
+from outbox._pg.transaction_async import check_caller
 from outbox._redis.cache_async import AsyncOutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
@@ -43,6 +45,7 @@ class AsyncJoinedUnits:
     _identity: tuple[str, Any]
     _joined_sql: JoinedStatements
     _notify: Callable[[], None]
+    _pooled: bool
 
     async def _cached(self, cache: AsyncOutcomeCache, scope: str, key: str) -> StoredOutcome | None:
         """The outcome Redis holds for the key, if the cache can vouch for it."""
@@ -108,6 +111,9 @@ class AsyncJoinedUnits:
         # The claim runs in the savepoint: its advisory lock is released if the savepoint is
         # rolled back (the body failed) and passes to the caller's transaction when it is
         # released (the body succeeded), to be held until the caller commits or rolls back.
+        if self._pooled:
+            await check_caller(session, connection)
+        unit = secrets.token_hex(8)
         if session is not None:
             savepoint: Any = await session.begin_nested()
             conn = await session.connection()
@@ -118,14 +124,14 @@ class AsyncJoinedUnits:
         try:
             result = await conn.execute(
                 self._joined_sql.idempotency_key_claim,
-                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key, "unit": unit},
             )
             acquired, status, stored_fp, result_json, error, age = result.one()
         except BaseException:
             await savepoint.rollback()
             raise
         if status is None and acquired:
-            joined = Joined(conn, savepoint, session)
+            joined = Joined(conn, savepoint, session, unit)
             return AsyncUnitOfWork(
                 self, scope, key, fingerprint, None, replayed=False, joined=joined
             )
@@ -160,6 +166,7 @@ class AsyncJoinedUnits:
             if joined.session is not None:
                 await joined.session.flush()
             result_json, params, _size, locks = await completion(uow, self.config.schema)
+            params["unit"] = joined.unit
             statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
             await joined.connection.execute(statement, params)
             await joined.savepoint.commit()
@@ -167,6 +174,8 @@ class AsyncJoinedUnits:
             await end_joined(uow, joined, rollback=True)
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc
+            if split_refused(exc):
+                raise split_error() from exc
             raise
         await end_joined(uow, joined, rollback=False)
         outcome = StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None)

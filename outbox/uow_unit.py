@@ -41,6 +41,7 @@ class Joined:
     connection: Connection
     savepoint: Any
     session: Session | None
+    unit: str = ""  # the claim's token (outbox._pg.statements.UNIT_SETTING)
 
 
 class UnitOfWork:

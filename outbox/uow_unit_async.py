@@ -39,6 +39,7 @@ class Joined:
     connection: AsyncConnection
     savepoint: Any
     session: AsyncSession | None
+    unit: str = ""  # the claim's token (outbox._pg.statements.UNIT_SETTING)
 
 
 class AsyncUnitOfWork:
