@@ -12,6 +12,7 @@ attributes it declares. Written for asyncio; ``outbox/uow_joined.py`` is generat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -171,11 +172,14 @@ class AsyncJoinedUnits:
             await joined.connection.execute(statement, params)
             await joined.savepoint.commit()
         except BaseException as exc:
+            if split_refused(exc):
+                # The savepoint went with the lost transaction: rolling back to it fails too.
+                with contextlib.suppress(Exception):
+                    await end_joined(uow, joined, rollback=True)
+                raise split_error() from exc
             await end_joined(uow, joined, rollback=True)
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc
-            if split_refused(exc):
-                raise split_error() from exc
             raise
         await end_joined(uow, joined, rollback=False)
         outcome = StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None)

@@ -1,0 +1,66 @@
+"""Is there a real session behind a database URL? Detecting a transaction pooler.
+
+A pooler in transaction mode (PgBouncer, pgcat, Supavisor...) hands a client's next transaction
+to whichever server connection is free: what a session holds -- session advisory locks, LISTEN,
+session settings, prepared statements -- stays behind on a server connection that other clients
+get, and is missing from the next one. The relay keeps its lanes in session advisory locks and
+waits for wake-ups with LISTEN, so it must not run there (it would report lanes it does not
+hold).
+
+The test is made for real, with two client connections: ``a`` leaves a session setting with a
+random value; ``b`` then opens a transaction and reads that setting. Behind a transaction pooler
+``b`` is usually handed the server connection ``a`` just left (PgBouncer reuses the most recently
+used one) and sees the value; otherwise, while ``b`` holds a server connection, ``a`` reads its
+own setting back and the backend pid it runs on: a session that changed server or lost the
+setting is not a session. A direct connection or a pooler in session mode keeps both. Several
+rounds make a busy pooler that hands out other connections in between unlikely to go unnoticed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+_SETTING = "outbox.session_probe"
+_ROUNDS = 3
+
+
+def sessions_are_pooled(connect: Callable[[], Any]) -> bool:
+    """True when two transactions of one client connection made with ``connect`` (a callable
+    returning a new psycopg connection) do not share one server session."""
+    a = connect()
+    try:
+        b = connect()
+        try:
+            a.autocommit = True
+            b.autocommit = True
+            return any(_round(a, b) for _ in range(_ROUNDS))
+        finally:
+            with contextlib.suppress(Exception):
+                b.close()
+    finally:
+        with contextlib.suppress(Exception):
+            a.close()
+
+
+def _round(a: Any, b: Any) -> bool:
+    token = secrets.token_hex(8)
+    row = a.execute(
+        "SELECT pg_backend_pid(), set_config(%s, %s, false)", (_SETTING, token), prepare=False
+    ).fetchone()
+    pid = row[0]
+    b.execute("BEGIN", prepare=False)
+    try:
+        seen = b.execute("SELECT current_setting(%s, true)", (_SETTING,), prepare=False).fetchone()[
+            0
+        ]
+        if seen == token:
+            return True  # another client connection sees a's session
+        again = a.execute(
+            "SELECT pg_backend_pid(), current_setting(%s, true)", (_SETTING,), prepare=False
+        ).fetchone()
+        return bool(again[0] != pid or again[1] != token)
+    finally:
+        b.execute("ROLLBACK", prepare=False)
