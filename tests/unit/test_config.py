@@ -69,11 +69,11 @@ def test_statements_quote_the_schema_and_carry_no_input() -> None:
     sql = statements("tenant_1")
     assert '"tenant_1"' in sql.idempotency_key_fail or "tenant_1." in sql.idempotency_key_fail
     final = idempotency_key_complete("tenant_1", 2)
-    assert final.prepare.count("$") == 4 + 12
+    assert final.prepare.count("$") == 5 + 12  # key, result, the claim's token; 2 events
     assert "%(e1)s" in final.execute and "%(e1)s" in final.direct and "$" not in final.direct
     assert final.name != idempotency_key_complete(None, 2).name
     ordered = idempotency_key_complete("tenant_1", 2, 1)
-    assert ordered.prepare.count("$") == 4 + 12 + 1 and "pg_advisory_xact_lock" in ordered.prepare
+    assert ordered.prepare.count("$") == 5 + 12 + 1 and "pg_advisory_xact_lock" in ordered.prepare
     assert "%(l0)s" in ordered.execute and ordered.name != final.name
 
 
