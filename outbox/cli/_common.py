@@ -40,6 +40,7 @@ from outbox.config import (
     ENV_KAFKA_CONFIG,
     ENV_LOG_LEVEL,
     ENV_MIN_REDELIVERY_WINDOW,
+    ENV_POOLER,
     ENV_REDIS_URL,
     ENV_RELAY_BATCH_SIZE,
     ENV_RELAY_LANES,
@@ -50,6 +51,7 @@ from outbox.config import (
     ENV_RETENTION,
     ENV_SCHEMA,
     MAX_LANES,
+    POOLERS,
     TRACE_CONTEXTS,
     env,
 )
@@ -161,6 +163,14 @@ FLAGS: Mapping[str, Flag] = {
             "PostgreSQL schema of the outbox tables",
             default_text="public",
             check=_schema,
+        ),
+        Flag(
+            "--pooler",
+            ENV_POOLER,
+            "what stands between the units of work and PostgreSQL: transaction (a pooler such "
+            "as PgBouncer in transaction mode: nothing relies on the session) or session",
+            default_text="none (a direct connection)",
+            choices=POOLERS,
         ),
         Flag(
             "--redis-url",
