@@ -13,6 +13,7 @@ import collections
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -129,6 +130,56 @@ def test_joined_final_statement_outside_the_claiming_transaction_is_refused(
 
 
 # -- through PgBouncer ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_server_pooler(pg_admin_url: str) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction mode with ONE server connection: every client's transactions
+    run on it, one after another, so what one client leaves in the session meets the next."""
+    bouncer = PgBouncer(pg_admin_url, "transaction", pool_size=1).start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.close()
+
+
+def test_another_clients_statement_cannot_run_in_place_of_the_body_s(
+    biz: sa.Engine, database_url: str, one_server_pooler: PgBouncer
+) -> None:
+    """How a unit of work split through a transaction pooler: psycopg names the statements it
+    prepares by itself per client connection (``_pg3_0``, ...); on a shared server connection
+    the name may stand for another client's statement, which then runs in place of the body's
+    INSERT (same number of parameters, no error), and the final statement commits the key and
+    the event without the business row. Declared behind a transaction pooler, the outbox's
+    connections never prepare, whatever the engine options ask."""
+    url = one_server_pooler.url_for(database_url)
+    # psycopg's default: a statement executed five times is prepared at its sixth execution.
+    options = {"pool_size": 1, "max_overflow": 0, "connect_args": {"prepare_threshold": 5}}
+    config = OutboxConfig(pooler="transaction", wake_relays=False)
+    with outbox.Outbox(url, config=config, engine_options=options) as ob:
+        for i in range(6):
+            with ob.unit_of_work(f"k{i}") as uow:
+                uow.connection.execute(INSERT_BIZ, {"k": f"k{i}"})
+        # Another client, on the same server connection, takes the names psycopg gives the
+        # statements it prepares, for a statement of its own with one text parameter.
+        conninfo = sa.make_url(url).set(drivername="postgresql")
+        with psycopg.connect(
+            conninfo.render_as_string(hide_password=False), autocommit=True
+        ) as other:
+            for n in range(10):
+                names = other.execute(
+                    "SELECT name FROM pg_prepared_statements WHERE name = %s",
+                    (f"_pg3_{n}",),
+                    prepare=False,
+                )
+                if names.fetchone() is not None:
+                    other.execute(f"DEALLOCATE _pg3_{n}", prepare=False)
+                other.execute(f"PREPARE _pg3_{n} (text) AS SELECT length($1)", prepare=False)
+        with ob.unit_of_work("k6") as uow:
+            uow.connection.execute(INSERT_BIZ, {"k": "k6"})
+            uow.publish("t", {"k": "k6"})
+    assert _split_keys(biz) == []
+    assert _counts(biz) == {"biz": 7, "idempotency_keys": 7, "outbox": 1}
 
 
 def _engine_through(pgbouncers: dict[str, PgBouncer], mode: str, database_url: str) -> sa.Engine:
