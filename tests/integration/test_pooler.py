@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ import outbox
 from outbox import OutboxConfig
 from outbox._pg.pooler import sessions_are_pooled
 from outbox.errors import ConfigurationError, PermanentError, TransactionEndedError
+from outbox.uow_batch import Batch
 from tests.fixtures.pgbouncer import PgBouncer, through
 
 BIZ_DDL = "CREATE TABLE biz (k text PRIMARY KEY)"
@@ -282,10 +284,67 @@ def test_permanent_failure_is_recorded_through_a_transaction_pooler(
             pass
     with biz.connect() as conn:
         held = conn.execute(
-            sa.text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
-        ).scalar_one()
-    assert held == 0
+            sa.text(
+                "SELECT l.pid, l.objid FROM pg_locks l WHERE l.locktype = 'advisory' AND "
+                "l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            )
+        ).all()
+    assert held == []  # no session lock left behind on a pooled server connection
     assert _counts(biz) == {"biz": 0, "idempotency_keys": 1, "outbox": 0}
+
+
+# What a statement relying on the session looks like: SQL-level prepared statements, session
+# advisory locks (the transaction-scoped ones end in _xact_lock), LISTEN, a session SET.
+_SESSION_STATE = re.compile(
+    r"\b(PREPARE|EXECUTE|DEALLOCATE|LISTEN)\b|pg_(try_)?advisory_(un)?lock(_shared)?\(|"
+    r"^\s*SET\s+(?!LOCAL\b)|;\s*SET\s+(?!LOCAL\b)|set_config\([^)]*false\)",
+    re.IGNORECASE,
+)
+
+
+def test_nothing_relies_on_the_session_behind_a_transaction_pooler(
+    biz: sa.Engine,
+    database_url: str,
+    pgbouncers: dict[str, PgBouncer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every statement the toolkit's connections send, for a unit of work that commits, one
+    that fails permanently, a joined one, a keyless publish and a micro-batch: none holds state
+    in the session (and psycopg prepares none: protocol-level prepares are refused with the
+    engine, see the next test)."""
+    sent: list[str] = []
+    execute = psycopg.Cursor.execute
+
+    def recording(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(query.decode() if isinstance(query, bytes) else str(query))
+        return execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", recording)
+    url = through(pgbouncers, "transaction", database_url)
+    with outbox.Outbox(url, config=POOLED) as ob:
+        with ob.unit_of_work("ok") as uow:
+            uow.connection.execute(INSERT_BIZ, {"k": "ok"})
+            uow.publish("t", {"k": "ok"}, key="ok")
+        with pytest.raises(PermanentError), ob.unit_of_work("refused") as uow:
+            uow.connection.execute(INSERT_BIZ, {"k": "refused"})
+            raise PermanentError("no")
+        with ob.engine.connect() as conn:
+            with ob.unit_of_work("joined", connection=conn) as uow:
+                uow.connection.execute(INSERT_BIZ, {"k": "joined"})
+            ob.publish(conn, "t", {"keyless": True})
+            conn.commit()
+        batch = Batch.open(ob, "default", ["b1", "b2"])
+        try:
+            for key in ("b1", "b2"):
+                with batch.unit_of_work(key, "default") as uow:
+                    uow.connection.execute(INSERT_BIZ, {"k": key})
+                    uow.publish("t", {"k": key})
+            batch.commit()
+        finally:
+            batch.close()
+    assert len(sent) > 10
+    assert [q for q in sent if _SESSION_STATE.search(q)] == []
+    assert _counts(biz) == {"biz": 4, "idempotency_keys": 5, "outbox": 4}
 
 
 def test_engine_that_prepares_is_refused_behind_a_transaction_pooler(
@@ -346,6 +405,43 @@ def test_joined_units_of_work_through_a_pooler(
     asyncio.run(main())
     assert _split_keys(biz) == []
     assert _counts(biz) == {"biz": 60, "idempotency_keys": 60, "outbox": 80}
+
+
+def test_idempotent_default_outbox_from_the_environment_through_a_transaction_pooler(
+    biz: sa.Engine,
+    database_url: str,
+    pgbouncers: dict[str, PgBouncer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``OUTBOX_POOLER=transaction`` configures the default outbox of ``@outbox.idempotent``."""
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", through(pgbouncers, "transaction", database_url))
+    monkeypatch.setenv("OUTBOX_POOLER", "transaction")
+    monkeypatch.delenv("OUTBOX_REDIS_URL", raising=False)
+    ob = outbox.configure()
+    try:
+        assert ob.config.pooler == "transaction"
+
+        @outbox.idempotent(key="order_id")
+        def place(uow: outbox.UnitOfWork, order_id: str) -> str:
+            uow.connection.execute(INSERT_BIZ, {"k": order_id})
+            uow.publish("t", {"k": order_id})
+            return order_id
+
+        def work(t: int) -> None:
+            for i in range(40):
+                assert place(f"o{t}-{i}") == f"o{t}-{i}"
+                assert place(f"o{t}-{i}") == f"o{t}-{i}"
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        ob.close()
+        outbox.default._default = None
+    assert _split_keys(biz) == []
+    assert _counts(biz) == {"biz": 160, "idempotency_keys": 160, "outbox": 160}
 
 
 # -- processes that need a session ---------------------------------------------------------------
