@@ -534,7 +534,9 @@ class Transaction:
                 cursor.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; {sql}; COMMIT", params)
                 cursor.nextset()  # the record's result
                 recorded = cursor.rowcount == 1
-                self._rollback()  # SQLAlchemy's view; the server is idle
+                if self.connection.in_transaction():
+                    # SQLAlchemy's view; the server is idle, nothing is sent.
+                    self.connection.rollback()
                 return True, recorded
             self._rollback()
             cursor.execute("BEGIN; SELECT pg_try_advisory_xact_lock(%(lock_id)s)",

@@ -535,7 +535,9 @@ class AsyncTransaction:
                 await cursor.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; {sql}; COMMIT", params)
                 cursor.nextset()  # the record's result
                 recorded = cursor.rowcount == 1
-                await self._rollback()  # SQLAlchemy's view; the server is idle
+                if self.connection.in_transaction():
+                    # SQLAlchemy's view; the server is idle, nothing is sent.
+                    await self.connection.rollback()
                 return True, recorded
             await self._rollback()
             await cursor.execute("BEGIN; SELECT pg_try_advisory_xact_lock(%(lock_id)s)",
