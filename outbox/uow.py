@@ -44,6 +44,7 @@ from outbox._pg.after_commit import defer
 from outbox._pg.engines import engine_for, notifier_engine
 from outbox._pg.errors import split_error, split_refused, unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
+from outbox._pg.pooler import refuse_undeclared
 from outbox._pg.statements import (
     Statements,
     idempotency_key_complete,
@@ -96,6 +97,7 @@ class _Attempt:
 
     def __enter__(self) -> UnitOfWork:
         if self._session is not None or self._connection is not None:
+            self._outbox._check_sessions()
             self._uow = self._outbox._begin_joined(
                 self._key, self._scope, self._fingerprint, self._session, self._connection
             )
@@ -164,6 +166,10 @@ class Outbox(JoinedUnits):
         engine, self._owns_engine = engine_for(
             database, _ASYNC, engine_options, pooled=self._pooled
         )
+        # Undeclared, a transaction pooler is refused: checked once, at the first unit of
+        # work that reaches the database (outbox._pg.pooler). Declared either way, not at all.
+        self._sessions_checked = self.config.pooler is not None
+        self._sessions_refused: ConfigurationError | None = None
         self.engine: Engine = engine
         self._owns_redis = redis_url is not None
         client = make_client(redis_url, self.config) if redis_url is not None else redis
@@ -241,6 +247,7 @@ class Outbox(JoinedUnits):
         insert = outbox_insert(self.config.schema, locks)
         if self._pooled:
             check_caller(session, connection)
+        self._check_sessions()
         if session is not None:
             session.execute(insert, params)
             target: Any = session
@@ -280,6 +287,22 @@ class Outbox(JoinedUnits):
 
     # -- internals --------------------------------------------------------------------------
 
+    def _check_sessions(self) -> None:
+        """Refuse a transaction pooler the configuration does not declare (once per outbox;
+        best effort: a database that cannot be reached now is not checked again)."""
+        if self._sessions_refused is not None:
+            raise self._sessions_refused
+        if self._sessions_checked:
+            return
+        self._sessions_checked = True
+        try:
+            refuse_undeclared(self.engine)
+        except ConfigurationError as exc:
+            self._sessions_refused = exc
+            raise
+        except Exception as exc:
+            log.debug("event=pooler_check_skipped error=%r", type(exc).__name__)
+
     def _on_connect(self, dbapi_connection: Any, _record: Any) -> None:
         """The pool opened a connection: read the database's identity on it (the database
         may have been recreated or restored since the cache's key was read)."""
@@ -297,6 +320,7 @@ class Outbox(JoinedUnits):
             cached = self._cached(cache, scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
+        self._check_sessions()
         tx = Transaction.open(self.engine, pooled=self._pooled)
         try:
             acquired, status, stored_fp, result_json, error, age = tx.begin_with(

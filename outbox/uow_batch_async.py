@@ -131,6 +131,7 @@ class AsyncBatch:
         if len(set(keys)) != len(keys):
             raise ConfigurationError("a batch claims each key once")
         sql = many_statements(outbox.config.schema)
+        await outbox._check_sessions()
         tx = await AsyncTransaction.open(outbox.engine, pooled=outbox._pooled)
         try:
             locks, rows = await tx.begin_with_many(

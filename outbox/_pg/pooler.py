@@ -14,14 +14,23 @@ used one) and sees the value; otherwise, while ``b`` holds a server connection, 
 own setting back and the backend pid it runs on: a session that changed server or lost the
 setting is not a session. A direct connection or a pooler in session mode keeps both. Several
 rounds make a busy pooler that hands out other connections in between unlikely to go unnoticed.
+Neither a direct connection nor session pooling can ever look pooled.
+
+Units of work use it once per outbox to refuse a transaction pooler their configuration does not
+declare (:func:`refuse_undeclared`); the relay, to refuse any transaction pooler.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 from collections.abc import Callable
 from typing import Any
+
+import psycopg
+
+from outbox.errors import ConfigurationError
 
 _SETTING = "outbox.session_probe"
 _ROUNDS = 3
@@ -64,3 +73,34 @@ def _round(a: Any, b: Any) -> bool:
         return bool(again[0] != pid or again[1] != token)
     finally:
         b.execute("ROLLBACK", prepare=False)
+
+
+def connector(engine: Any) -> Callable[[], Any]:
+    """Opens plain psycopg connections to the database of ``engine`` (sync or async), as its
+    URL says, for :func:`sessions_are_pooled`: never prepared, a bounded connect."""
+    sync_engine = getattr(engine, "sync_engine", engine)
+
+    def connect() -> Any:
+        cargs, cparams = sync_engine.dialect.create_connect_args(sync_engine.url)
+        params = {"connect_timeout": 5, **cparams, "prepare_threshold": None}
+        return psycopg.connect(*cargs, **params)
+
+    return connect
+
+
+def refuse_undeclared(engine: Any) -> None:
+    """Raise :class:`~outbox.errors.ConfigurationError` when ``engine`` reaches PostgreSQL
+    through a transaction pooler that the outbox's configuration does not declare. Any other
+    failure (the database is down...) is the caller's to ignore: the check is best effort."""
+    if sessions_are_pooled(connector(engine)):
+        raise ConfigurationError(
+            "the database goes through a connection pooler in transaction mode, where a unit "
+            "of work must not rely on its session: declare it with "
+            "OutboxConfig(pooler='transaction') (outbox consume --pooler transaction, "
+            "OUTBOX_POOLER=transaction), or connect directly or through session pooling"
+        )
+
+
+async def refuse_undeclared_async(engine: Any) -> None:
+    """:func:`refuse_undeclared` in a worker thread (its connections are blocking ones)."""
+    await asyncio.to_thread(refuse_undeclared, engine)

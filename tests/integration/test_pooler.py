@@ -347,6 +347,29 @@ def test_nothing_relies_on_the_session_behind_a_transaction_pooler(
     assert _counts(biz) == {"biz": 4, "idempotency_keys": 5, "outbox": 4}
 
 
+def test_an_undeclared_transaction_pooler_is_refused(
+    biz: sa.Engine, database_url: str, pgbouncers: dict[str, PgBouncer]
+) -> None:
+    """Without OutboxConfig(pooler=...), the first unit of work that reaches the database
+    finds out that the sessions are pooled, and refuses (every later one too): it never runs
+    on the path that relies on the session."""
+    url = through(pgbouncers, "transaction", database_url)
+    with outbox.Outbox(url) as ob:
+        for key in ("a", "b"):
+            refused = pytest.raises(ConfigurationError, match="pooler='transaction'")
+            with refused, ob.unit_of_work(key) as uow:
+                uow.connection.execute(INSERT_BIZ, {"k": key})
+
+    async def main() -> None:
+        async with outbox.AsyncOutbox(url) as aob:
+            with pytest.raises(ConfigurationError, match="pooler='transaction'"):
+                async with aob.unit_of_work("c"):
+                    pass
+
+    asyncio.run(main())
+    assert _counts(biz) == {"biz": 0, "idempotency_keys": 0, "outbox": 0}
+
+
 def test_engine_that_prepares_is_refused_behind_a_transaction_pooler(
     database_url: str, pgbouncers: dict[str, PgBouncer]
 ) -> None:
