@@ -26,8 +26,12 @@ import outbox
 from outbox import OutboxConfig
 from outbox._pg.pooler import sessions_are_pooled
 from outbox.errors import ConfigurationError, PermanentError, TransactionEndedError
+from outbox.http import current_unit_of_work
+from outbox.http.asgi import IdempotencyMiddleware as AsgiMiddleware
+from outbox.http.wsgi import IdempotencyMiddleware as WsgiMiddleware
 from outbox.uow_batch import Batch
 from tests.fixtures.pgbouncer import PgBouncer, through
+from tests.integration.test_http_middleware import call, respond, wsgi_call
 
 BIZ_DDL = "CREATE TABLE biz (k text PRIMARY KEY)"
 INSERT_BIZ = sa.text("INSERT INTO biz (k) VALUES (:k)")
@@ -465,6 +469,36 @@ def test_idempotent_default_outbox_from_the_environment_through_a_transaction_po
         outbox.default._default = None
     assert _split_keys(biz) == []
     assert _counts(biz) == {"biz": 160, "idempotency_keys": 160, "outbox": 160}
+
+
+def test_http_middlewares_through_a_transaction_pooler(
+    biz: sa.Engine, database_url: str, pgbouncers: dict[str, PgBouncer]
+) -> None:
+    """The ASGI middleware on an AsyncOutbox and the WSGI one on an Outbox, declared behind
+    PgBouncer in transaction mode: stored once, replayed after."""
+    url = through(pgbouncers, "transaction", database_url)
+
+    async def asgi() -> None:
+        async with outbox.AsyncOutbox(url, config=POOLED) as aob:
+            middleware = AsgiMiddleware(respond(), aob)
+            first = await call(middleware, key="asgi")
+            again = await call(middleware, key="asgi")
+            assert first[0] == 201 and again[1]["idempotent-replayed"] == "true"
+
+    asyncio.run(asgi())
+
+    def app(environ: Any, start_response: Any) -> list[bytes]:
+        current_unit_of_work().publish("things.created", {"n": 1})
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [b"made"]
+
+    with outbox.Outbox(url, config=POOLED) as ob:
+        middleware = WsgiMiddleware(app, ob)
+        first = wsgi_call(middleware, key="wsgi")
+        again = wsgi_call(middleware, key="wsgi")
+        assert first[0].startswith("201") and again[1]["idempotent-replayed"] == "true"
+        assert again[2] == b"made"
+    assert _counts(biz) == {"biz": 0, "idempotency_keys": 2, "outbox": 2}
 
 
 # -- processes that need a session ---------------------------------------------------------------
