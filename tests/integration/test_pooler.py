@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import re
 import subprocess
 import sys
@@ -286,6 +287,18 @@ def test_permanent_failure_is_recorded_through_a_transaction_pooler(
             raise PermanentError("no such customer")
         with pytest.raises(outbox.PreviouslyFailed), ob.unit_of_work("refused"):
             pass
+        # A statement of the body failed first (the transaction is aborted, not ended).
+        with pytest.raises(PermanentError), ob.unit_of_work("aborted") as uow:
+            with contextlib.suppress(sa.exc.IntegrityError):
+                uow.connection.execute(INSERT_BIZ, {"k": None})
+            raise PermanentError("bad row")
+        # The body's ORM session rolled the whole transaction back first.
+        with pytest.raises(PermanentError), ob.unit_of_work("ended") as uow:
+            uow.session.rollback()
+            raise PermanentError("given up")
+        for key in ("aborted", "ended"):
+            with pytest.raises(outbox.PreviouslyFailed), ob.unit_of_work(key):
+                pass
     with biz.connect() as conn:
         held = conn.execute(
             sa.text(
@@ -294,7 +307,7 @@ def test_permanent_failure_is_recorded_through_a_transaction_pooler(
             )
         ).all()
     assert held == []  # no session lock left behind on a pooled server connection
-    assert _counts(biz) == {"biz": 0, "idempotency_keys": 1, "outbox": 0}
+    assert _counts(biz) == {"biz": 0, "idempotency_keys": 3, "outbox": 0}
 
 
 # What a statement relying on the session looks like: SQL-level prepared statements, session
