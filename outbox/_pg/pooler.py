@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -88,11 +89,33 @@ def connector(engine: Any) -> Callable[[], Any]:
     return connect
 
 
-def refuse_undeclared(engine: Any) -> None:
+# How long a unit of work waits for the check at most. Its two connections may have to wait
+# for server connections (a pooler in session mode whose pool the process's own connections
+# hold, up to PgBouncer's query_wait_timeout of two minutes): then the check is given up.
+CHECK_TIMEOUT = 5.0
+
+
+def refuse_undeclared(engine: Any, timeout: float = CHECK_TIMEOUT) -> None:
     """Raise :class:`~outbox.errors.ConfigurationError` when ``engine`` reaches PostgreSQL
     through a transaction pooler that the outbox's configuration does not declare. Any other
-    failure (the database is down...) is the caller's to ignore: the check is best effort."""
-    if sessions_are_pooled(connector(engine)):
+    failure (the database is down, the check took longer than ``timeout`` seconds: its thread
+    finishes on its own) is the caller's to ignore: the check is best effort."""
+    answer: list[bool | BaseException] = []
+
+    def check() -> None:
+        try:
+            answer.append(sessions_are_pooled(connector(engine)))
+        except BaseException as exc:  # handed to the caller below
+            answer.append(exc)
+
+    thread = threading.Thread(target=check, name="outbox-pooler-check", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not answer:
+        raise TimeoutError(f"the pooler check did not finish within {timeout:g}s")
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    if answer[0]:
         raise ConfigurationError(
             "the database goes through a connection pooler in transaction mode, where a unit "
             "of work must not rely on its session: declare it with "

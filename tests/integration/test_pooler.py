@@ -411,7 +411,9 @@ def test_joined_units_of_work_through_a_pooler(
     """Joined to the caller's session and connection, and the keyless publish, sync and
     asyncio, through the pooler."""
     engine = _engine_through(pgbouncers, mode, database_url)
-    config = POOLED if mode == "transaction" else OutboxConfig()
+    # Session mode declared: the process's connections and its wake-up notifier hold all
+    # three server connections, none is left for the undeclared pooler check.
+    config = OutboxConfig(pooler=mode)
     try:
         with outbox.Outbox(engine, config=config) as ob:
             for i in range(20):
