@@ -33,6 +33,7 @@ from outbox._core.environment import (  # the table of OUTBOX_* variables
     ENV_LOG_LEVEL as ENV_LOG_LEVEL,
     ENV_METRICS_HOST as ENV_METRICS_HOST,
     ENV_MIN_REDELIVERY_WINDOW as ENV_MIN_REDELIVERY_WINDOW,
+    ENV_POOLER as ENV_POOLER,
     ENV_REDIS_URL as ENV_REDIS_URL,
     ENV_RELAY_BATCH_SIZE as ENV_RELAY_BATCH_SIZE,
     ENV_RELAY_LANES as ENV_RELAY_LANES,
@@ -106,6 +107,10 @@ class OutboxConfig:
     # A serializer given to publish() wins.
     serializers: Mapping[str, Callable[[Any, Any], bytes | None]] = field(default_factory=dict)
     key_serializers: Mapping[str, Callable[[Any, Any], bytes | None]] = field(default_factory=dict)
+    # What stands between the application and PostgreSQL: None (a direct connection, or a
+    # pooler in session mode) or "transaction" (PgBouncer and the like in transaction pooling
+    # mode: nothing may rely on the session; docs/operations.md, "Connection poolers").
+    pooler: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.permanent_errors, list):
@@ -132,6 +137,7 @@ class OutboxConfig:
         check_bool("wake_relays", self.wake_relays)
         for name in ("serializers", "key_serializers"):
             _check_serializers(name, getattr(self, name))
+        check_pooler("pooler", self.pooler)
         if self.max_payload_bytes is None:
             return replace(self, max_payload_bytes=producer_limit(env(ENV_KAFKA_CONFIG)))
         return self
@@ -159,6 +165,17 @@ def _check_serializers(name: str, serializers: object) -> None:
                 f"{name}[{topic!r}] must be callable as serializer(obj, ctx), got "
                 f"{type(serializer).__name__}"
             )
+
+
+POOLERS = ("transaction", "session")
+
+
+def check_pooler(name: str, value: object) -> None:
+    if value is not None and value not in POOLERS:
+        raise ConfigurationError(
+            f"{name} must be None (a direct connection), 'session' or 'transaction' (a "
+            f"connection pooler in that mode), got {shown(value)}"
+        )
 
 
 @dataclass(frozen=True, repr=False)

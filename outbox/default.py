@@ -15,7 +15,15 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox._core.typed_results import ResultCodec
-from outbox.config import DEFAULT_SCOPE, ENV_DATABASE_URL, ENV_REDIS_URL, env
+from outbox.config import (
+    DEFAULT_SCOPE,
+    ENV_DATABASE_URL,
+    ENV_POOLER,
+    ENV_REDIS_URL,
+    OutboxConfig,
+    check_pooler,
+    env,
+)
 from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError
 from outbox.uow import Outbox, _Attempt
@@ -29,7 +37,8 @@ def configure(database: str | sa.Engine | None = None, **options: Any) -> Outbox
     """Set the default :class:`Outbox` used by :func:`unit_of_work` and :func:`idempotent`.
 
     Without ``database`` it reads ``OUTBOX_DATABASE_URL`` (and ``OUTBOX_REDIS_URL`` unless
-    ``redis_url``/``redis`` is passed). Replaces and closes a previous default.
+    ``redis_url``/``redis`` is passed, ``OUTBOX_POOLER`` unless ``config`` is). Replaces and
+    closes a previous default.
     """
     global _default
     if database is None:
@@ -40,6 +49,8 @@ def configure(database: str | sa.Engine | None = None, **options: Any) -> Outbox
             )
         if "redis_url" not in options and "redis" not in options:
             options["redis_url"] = env(ENV_REDIS_URL)
+        if "config" not in options:
+            options["config"] = _config_from_env(options.pop("schema", None))
     new = Outbox(database, **options)
     with _default_lock:
         old, _default = _default, new
@@ -60,8 +71,15 @@ def default_outbox() -> Outbox:
                         "no default Outbox: call outbox.configure(url) or set "
                         f"{ENV_DATABASE_URL} (and optionally {ENV_REDIS_URL})"
                     )
-                _default = Outbox(url, redis_url=env(ENV_REDIS_URL))
+                _default = Outbox(url, redis_url=env(ENV_REDIS_URL), config=_config_from_env())
     return _default
+
+
+def _config_from_env(schema: str | None = None) -> OutboxConfig:
+    """``OUTBOX_POOLER`` (a connection pooler in transaction mode in between, or not)."""
+    pooler = env(ENV_POOLER)
+    check_pooler(ENV_POOLER, pooler)
+    return OutboxConfig(schema=schema, pooler=pooler)
 
 
 def unit_of_work(

@@ -41,8 +41,9 @@ from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
 from outbox._pg.after_commit import defer, take
 from outbox._pg.engines import engine_for, notifier_engine, reader_engine
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.errors import split_error, split_refused, unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
+from outbox._pg.pooler import refuse_undeclared_async
 from outbox._pg.statements import (
     Statements,
     idempotency_key_complete,
@@ -50,7 +51,7 @@ from outbox._pg.statements import (
     outbox_insert,
     statements,
 )
-from outbox._pg.transaction_async import AsyncTransaction, install_guard
+from outbox._pg.transaction_async import AsyncTransaction, check_caller, install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache_async import AsyncOutcomeCache, make_async_client
 from outbox._redis.clients import check_flavour
@@ -100,6 +101,7 @@ class _AsyncAttempt:
 
     async def __aenter__(self) -> AsyncUnitOfWork:
         if self._session is not None or self._connection is not None:
+            await self._outbox._check_sessions()
             self._uow = await self._outbox._begin_joined(
                 self._key, self._scope, self._fingerprint, self._session, self._connection
             )
@@ -164,7 +166,15 @@ class AsyncOutbox(AsyncJoinedUnits):
             check_redis_url(redis_url)
         if redis is not None:
             check_flavour(redis, want_async=_ASYNC)
-        engine, self._owns_engine = engine_for(database, _ASYNC, engine_options)
+        # Behind a transaction pooler nothing may rely on the session (see AsyncTransaction).
+        self._pooled = self.config.pooler == "transaction"
+        engine, self._owns_engine = engine_for(
+            database, _ASYNC, engine_options, pooled=self._pooled
+        )
+        # Undeclared, a transaction pooler is refused: checked once, at the first unit of
+        # work that reaches the database (outbox._pg.pooler). Declared either way, not at all.
+        self._sessions_checked = self.config.pooler is not None
+        self._sessions_refused: ConfigurationError | None = None
         self.engine: AsyncEngine = engine
         self._owns_redis = redis_url is not None
         client = make_async_client(redis_url, self.config) if redis_url is not None else redis
@@ -259,6 +269,9 @@ class AsyncOutbox(AsyncJoinedUnits):
         params: dict[str, Any] = {}
         _size, locks = event_params([event], params, self.config.schema)
         insert = outbox_insert(self.config.schema, locks)
+        if self._pooled:
+            await check_caller(session, connection)
+        await self._check_sessions()
         if session is not None:
             await session.execute(insert, params)
             target: Any = session.sync_session
@@ -305,6 +318,22 @@ class AsyncOutbox(AsyncJoinedUnits):
 
     # -- internals --------------------------------------------------------------------------
 
+    async def _check_sessions(self) -> None:
+        """Refuse a transaction pooler the configuration does not declare (once per outbox;
+        best effort: a database that cannot be reached now is not checked again)."""
+        if self._sessions_refused is not None:
+            raise self._sessions_refused
+        if self._sessions_checked:
+            return
+        self._sessions_checked = True
+        try:
+            await refuse_undeclared_async(self.engine)
+        except ConfigurationError as exc:
+            self._sessions_refused = exc
+            raise
+        except Exception as exc:
+            log.debug("event=pooler_check_skipped error=%r", type(exc).__name__)
+
     def _on_connect(self, dbapi_connection: Any, _record: Any) -> None:
         """The pool opened a connection: read the database's identity on it (the database
         may have been recreated or restored since the cache's key was read)."""
@@ -322,7 +351,8 @@ class AsyncOutbox(AsyncJoinedUnits):
             cached = await self._cached(cache, scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
-        tx = await AsyncTransaction.open(self.engine)
+        await self._check_sessions()
+        tx = await AsyncTransaction.open(self.engine, pooled=self._pooled)
         lock_id = claim.lock_id(scope, key)
         try:
             acquired, status, stored_fp, result_json, error, age = await tx.begin_with(
@@ -361,6 +391,8 @@ class AsyncOutbox(AsyncJoinedUnits):
                 # Another attempt committed the key between our read and our lock: a race
                 # of microseconds. Its effects stand; ours were rolled back.
                 raise KeyInProgress(uow.scope, uow.key) from exc
+            if split_refused(exc):
+                raise split_error() from exc
             raise
         await close_unit(uow)
         if self.cache is not None:

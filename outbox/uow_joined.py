@@ -21,8 +21,10 @@ attributes it declares. Written for asyncio; ``outbox/uow_joined.py`` is generat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -33,10 +35,10 @@ from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.failures import is_permanent
 from outbox._pg.after_commit import defer, holds, release, take
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.errors import split_error, split_refused, unique_violation_of
 from outbox._pg.identity import identity_of
 from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
-from outbox._pg.transaction import cancel_key, stop_abandoned
+from outbox._pg.transaction import cancel_key, check_caller, stop_abandoned
 from outbox._redis.cache import OutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
@@ -55,6 +57,7 @@ class JoinedUnits:
     _identity: tuple[str, Any]
     _joined_sql: JoinedStatements
     _notify: Callable[[], None]
+    _pooled: bool
 
     def _cached(self, cache: OutcomeCache, scope: str, key: str) -> StoredOutcome | None:
         """The outcome Redis holds for the key, if the cache can vouch for it."""
@@ -122,6 +125,9 @@ class JoinedUnits:
         # rolled back (the body failed) and passes to the caller's transaction when it is
         # released (the body succeeded), to be held until the caller commits or rolls back.
         lock_id = claim.lock_id(scope, key)
+        if self._pooled:
+            check_caller(session, connection)
+        unit = secrets.token_hex(8)
         if session is not None:
             savepoint: Any = session.begin_nested()
             conn = session.connection()
@@ -138,7 +144,7 @@ class JoinedUnits:
                     raise KeyInProgress(scope, key)
             result = conn.execute(
                 self._joined_sql.idempotency_key_claim,
-                {"lock_id": lock_id, "scope": scope, "key": key},
+                {"lock_id": lock_id, "scope": scope, "key": key, "unit": unit},
             )
             acquired, status, stored_fp, result_json, error, age = result.one()
         except BaseException:
@@ -146,7 +152,7 @@ class JoinedUnits:
             raise
         if status is None and acquired:
             take(_sync(conn), lock_id)
-            joined = Joined(conn, savepoint, session, cancel_key(_sync(conn)))
+            joined = Joined(conn, savepoint, session, server=cancel_key(_sync(conn)), unit=unit)
             return UnitOfWork(self, scope, key, fingerprint, None, replayed=False, joined=joined)
         savepoint.rollback()  # nothing was written
         row = (status, stored_fp, result_json, error, age)
@@ -202,6 +208,7 @@ class JoinedUnits:
             if joined.session is not None:
                 joined.session.flush()
             _result_json, params, _size, locks = completion(uow, self.config.schema)
+            params["unit"] = joined.unit
             statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
             joined.connection.execute(statement, params)
             joined.savepoint.commit()
@@ -210,6 +217,11 @@ class JoinedUnits:
                 # Interrupted, maybe while the final statement waited on an order lock: the
                 # server must not go on holding the key for a client that gave up.
                 stop_abandoned(*joined.server, again=True)
+            if split_refused(exc):
+                # The savepoint went with the lost transaction: rolling back to it fails too.
+                with contextlib.suppress(Exception):
+                    end_joined(uow, joined, rollback=True)
+                raise split_error() from exc
             end_joined(uow, joined, rollback=True)
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc

@@ -20,8 +20,10 @@ attributes it declares. Written for asyncio; ``outbox/uow_joined.py`` is generat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -31,10 +33,10 @@ from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.failures import is_permanent
 from outbox._pg.after_commit import defer, holds, release, spawn, take
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.errors import split_error, split_refused, unique_violation_of
 from outbox._pg.identity import identity_of
 from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
-from outbox._pg.transaction_async import cancel_key, stop_abandoned
+from outbox._pg.transaction_async import cancel_key, check_caller, stop_abandoned
 from outbox._redis.cache_async import AsyncOutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
@@ -53,6 +55,7 @@ class AsyncJoinedUnits:
     _identity: tuple[str, Any]
     _joined_sql: JoinedStatements
     _notify: Callable[[], None]
+    _pooled: bool
 
     async def _cached(self, cache: AsyncOutcomeCache, scope: str, key: str) -> StoredOutcome | None:
         """The outcome Redis holds for the key, if the cache can vouch for it."""
@@ -120,6 +123,9 @@ class AsyncJoinedUnits:
         # rolled back (the body failed) and passes to the caller's transaction when it is
         # released (the body succeeded), to be held until the caller commits or rolls back.
         lock_id = claim.lock_id(scope, key)
+        if self._pooled:
+            await check_caller(session, connection)
+        unit = secrets.token_hex(8)
         if session is not None:
             savepoint: Any = await session.begin_nested()
             conn = await session.connection()
@@ -138,7 +144,7 @@ class AsyncJoinedUnits:
                     raise KeyInProgress(scope, key)
             result = await conn.execute(
                 self._joined_sql.idempotency_key_claim,
-                {"lock_id": lock_id, "scope": scope, "key": key},
+                {"lock_id": lock_id, "scope": scope, "key": key, "unit": unit},
             )
             acquired, status, stored_fp, result_json, error, age = result.one()
         except BaseException:
@@ -146,7 +152,7 @@ class AsyncJoinedUnits:
             raise
         if status is None and acquired:
             take(_sync(conn), lock_id)
-            joined = Joined(conn, savepoint, session, cancel_key(_sync(conn)))
+            joined = Joined(conn, savepoint, session, server=cancel_key(_sync(conn)), unit=unit)
             return AsyncUnitOfWork(
                 self, scope, key, fingerprint, None, replayed=False, joined=joined
             )
@@ -204,6 +210,7 @@ class AsyncJoinedUnits:
             if joined.session is not None:
                 await joined.session.flush()
             _result_json, params, _size, locks = await completion(uow, self.config.schema)
+            params["unit"] = joined.unit
             statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
             await joined.connection.execute(statement, params)
             await joined.savepoint.commit()
@@ -212,6 +219,11 @@ class AsyncJoinedUnits:
                 # Interrupted, maybe while the final statement waited on an order lock: the
                 # server must not go on holding the key for a client that gave up.
                 stop_abandoned(*joined.server, again=True)
+            if split_refused(exc):
+                # The savepoint went with the lost transaction: rolling back to it fails too.
+                with contextlib.suppress(Exception):
+                    await end_joined(uow, joined, rollback=True)
+                raise split_error() from exc
             await end_joined(uow, joined, rollback=True)
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc

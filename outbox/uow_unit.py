@@ -43,6 +43,7 @@ class Joined:
     savepoint: Any
     session: Session | None
     server: tuple[Any, Any] | None = None  # psycopg's connection and its cancel key
+    unit: str = ""  # the claim's token (outbox._pg.statements.UNIT_SETTING)
 
 
 class UnitOfWork:

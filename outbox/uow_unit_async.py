@@ -41,6 +41,7 @@ class Joined:
     savepoint: Any
     session: AsyncSession | None
     server: tuple[Any, Any] | None = None  # psycopg's connection and its cancel key
+    unit: str = ""  # the claim's token (outbox._pg.statements.UNIT_SETTING)
 
 
 class AsyncUnitOfWork:

@@ -21,9 +21,12 @@ from outbox.errors import ConfigurationError
 DEFAULT_POOL = {"pool_size": 20, "max_overflow": 20}
 
 
-def engine_for(database: object, want_async: bool, options: dict[str, Any] | None) -> Any:
+def engine_for(
+    database: object, want_async: bool, options: dict[str, Any] | None, *, pooled: bool = False
+) -> Any:
     """``(engine, owned)`` for ``database``: a URL (an engine is built) or an engine of the
-    wanted flavour; anything else raises :class:`ConfigurationError`."""
+    wanted flavour; anything else raises :class:`ConfigurationError`. With ``pooled`` (a
+    transaction pooler in between) a built engine's connections never prepare statements."""
     owner = "AsyncOutbox" if want_async else "Outbox"
     wanted = AsyncEngine if want_async else sa.Engine
     other = sa.Engine if want_async else AsyncEngine
@@ -48,6 +51,11 @@ def engine_for(database: object, want_async: bool, options: dict[str, Any] | Non
             if name in (options or {}):
                 check_seconds(f"engine_options[{name!r}]", (options or {})[name], zero=True)
         merged = {**DEFAULT_POOL, **(options or {})}
+        if pooled:
+            connect_args = merged.get("connect_args") or {}
+            if not isinstance(connect_args, dict):
+                raise ConfigurationError("engine_options['connect_args'] must be a dict")
+            merged["connect_args"] = {**connect_args, "prepare_threshold": None}
         url = normalize_database_url(database)
         try:
             engine = (
@@ -80,11 +88,15 @@ def engine_for(database: object, want_async: bool, options: dict[str, Any] | Non
 
 def notifier_engine(engine: sa.Engine | AsyncEngine) -> sa.Engine:
     """A sync engine for the relays' wake-up thread: the engine itself, or for an
-    ``AsyncEngine`` a one-connection sync engine on the same database."""
+    ``AsyncEngine`` a one-connection sync engine on the same database (its connection never
+    prepares statements: see outbox._pg.wakeup)."""
     if isinstance(engine, sa.Engine):
         return engine
     return sa.create_engine(
-        engine.url.render_as_string(hide_password=False), pool_size=1, max_overflow=0
+        engine.url.render_as_string(hide_password=False),
+        pool_size=1,
+        max_overflow=0,
+        connect_args={"prepare_threshold": None},
     )
 
 

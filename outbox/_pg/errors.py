@@ -9,12 +9,17 @@ import the driver themselves:
 * :func:`unique_violation_of` -- a unique constraint refused a row (the unit of work's key race).
 * :func:`transaction_conflict` -- the transaction lost to a concurrent one (a serialization
   failure under REPEATABLE READ or SERIALIZABLE, a deadlock): the same work may succeed again.
+* :func:`split_refused` -- a final statement found itself outside the transaction that claimed
+  its keys, and refused to run (invariant I13); :func:`split_error` says so to the caller.
 """
 
 from __future__ import annotations
 
 import psycopg
 import sqlalchemy as sa
+
+from outbox._pg.statements import UNIT_MISMATCH
+from outbox.errors import TransactionEndedError
 
 # SQLSTATEs of a server going away or refusing connections for now (class 08, connection
 # exception; admin or crash shutdown; "the database system is starting up").
@@ -67,6 +72,24 @@ def transaction_conflict(exc: BaseException) -> bool:
     and running the same work again may succeed."""
     origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
     return isinstance(origin, psycopg.Error) and origin.sqlstate in _CONFLICT_SQLSTATES
+
+
+def split_refused(exc: BaseException) -> bool:
+    """True when ``exc`` is the refusal of a final statement that did not run in the
+    transaction whose claim set its token (see outbox._pg.statements.UNIT_SETTING)."""
+    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    return isinstance(origin, psycopg.errors.InvalidTextRepresentation) and (
+        UNIT_MISMATCH in str(origin)
+    )
+
+
+def split_error() -> TransactionEndedError:
+    return TransactionEndedError(
+        "the unit of work's final statement did not run in the transaction that claimed its "
+        "key, and refused to: the key was not completed and no event was written. Something "
+        "between the application and PostgreSQL lost the transaction (a connection pooler in "
+        "transaction mode needs OutboxConfig(pooler='transaction')); retry the unit of work"
+    )
 
 
 def is_database_error(exc: BaseException) -> bool:

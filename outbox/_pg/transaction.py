@@ -32,8 +32,10 @@ connection that goes back to the pool not idle, or still switched to autocommit,
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
+import secrets
 import sys
 import uuid
 import weakref
@@ -45,7 +47,7 @@ from psycopg import ClientCursor, IsolationLevel, pq
 from sqlalchemy import Connection, Engine
 
 from outbox._pg.statements import Prepared
-from outbox.errors import TransactionEndedError
+from outbox.errors import ConfigurationError, TransactionEndedError
 
 # Names of the statements this module PREPAREd on each driver connection, and statements to
 # PREPARE at the connection's next begin_with().
@@ -178,18 +180,28 @@ def _interrupted() -> bool:
     return exc is not None and not isinstance(exc, Exception)
 
 
-def _execute_text(driver: psycopg.Connection[Any], p: Prepared, params: dict[str, Any]) -> bytes:
-    """``EXECUTE name (...)`` with the parameters as literals escaped by libpq.
+def _execute_text(
+    driver: psycopg.Connection[Any],
+    p: Prepared,
+    params: dict[str, Any],
+    *,
+    inline: bool = False,
+) -> bytes:
+    """``EXECUTE name (...)`` with the parameters as literals escaped by libpq; with ``inline``,
+    the statement's own text with the literals in place of its parameters (no server-side
+    prepared statement: behind a transaction pooler a name PREPAREd in one transaction may be
+    missing, or mean another statement, in the next).
 
     Sent with the simple query protocol, several statements travel in one message; libpq's
     escaping (PQescapeLiteral / PQescapeByteaConn, which know the connection's settings) makes
     each value a literal, exactly as a client-side-binding cursor would, with less overhead.
     """
+    if driver.info.encoding != "utf-8":
+        text = p.direct if inline else p.execute
+        return ClientCursor(driver).mogrify(text, params).encode(driver.info.encoding)
     escaping = _escaping.get(driver)
     if escaping is None:
         escaping = _escaping[driver] = pq.Escaping(driver.pgconn)
-    if driver.info.encoding != "utf-8":
-        return ClientCursor(driver).mogrify(p.execute, params).encode(driver.info.encoding)
     literals = []
     for name in p.args:
         value = params[name]
@@ -209,7 +221,24 @@ def _execute_text(driver: psycopg.Connection[Any], p: Prepared, params: dict[str
             literals.append(escaping.escape_literal(_array_text(value)))
         else:
             raise TypeError(f"cannot bind {type(value).__name__} as a literal")
+    if inline:
+        texts, names = _inline_parts(p)
+        by_name = dict(zip(p.args, literals, strict=True))
+        out = [texts[0]]
+        for name, piece in zip(names, texts[1:], strict=True):
+            out += (by_name[name], piece)
+        return b"".join(out)
     return b"EXECUTE " + p.name.encode() + b" (" + b", ".join(literals) + b")"
+
+
+@functools.lru_cache(maxsize=1024)
+def _inline_parts(p: Prepared) -> tuple[list[bytes], list[str]]:
+    """The statement's text split around its ``%(name)s`` parameters: texts and names."""
+    pieces = _PARAMETER.split(p.direct)
+    return [t.encode() for t in pieces[0::2]], pieces[1::2]
+
+
+_PARAMETER = re.compile(r"%\((\w+)\)s")
 
 
 def _array_text(values: list[Any]) -> bytes:
@@ -259,22 +288,59 @@ def _begin_command(driver: psycopg.Connection[Any]) -> str:
     return " ".join(parts)
 
 
+def check_unprepared(driver: object) -> None:
+    """Refuse a driver connection that would PREPARE statements on its own behind a
+    transaction pooler (psycopg's automatic prepares are named per client connection: on a
+    shared server connection the same name may mean another client's statement, which then runs
+    in place of this one)."""
+    if getattr(driver, "prepare_threshold", None) is not None:
+        raise ConfigurationError(
+            "behind a transaction pooler (pooler='transaction') the engine's connections must "
+            "not prepare statements: create it with "
+            "connect_args={'prepare_threshold': None}, or pass a URL and let the outbox build it"
+        )
+
+
+def check_caller(session: Any, connection: Connection | None) -> None:
+    """:func:`check_unprepared` for the connection of a caller's session (``session``, an ORM
+    session of this flavour) or connection."""
+    conn = session.connection() if session is not None else connection
+    assert conn is not None
+    raw = conn.connection
+    check_unprepared(raw.driver_connection)
+
+
 class Transaction:
-    """A transaction on a connection checked out of ``engine``."""
+    """A transaction on a connection checked out of ``engine``.
 
-    __slots__ = ("_cancel", "_driver", "_saved_autocommit", "connection")
+    ``pooled`` says that a transaction pooler (PgBouncer in transaction mode) stands between
+    the toolkit and PostgreSQL: nothing may then rely on the session -- statements are sent
+    with their parameters inline rather than PREPAREd, and a permanent failure is recorded in
+    the same transaction, after a rollback to a savepoint set with the claim, rather than under
+    a session-level lock.
+    """
 
-    def __init__(self, connection: Connection, driver: psycopg.Connection[Any]) -> None:
+    __slots__ = ("_cancel", "_driver", "_pooled", "_saved_autocommit", "_unit", "connection")
+
+    def __init__(
+        self,
+        connection: Connection,
+        driver: psycopg.Connection[Any],
+        pooled: bool = False,
+    ) -> None:
         self.connection = connection
         self._driver = driver
+        self._pooled = pooled
         self._saved_autocommit: bool | None = None
         info = connection.info
         self._cancel: pq.abc.PGcancel = info.get(_CANCEL) or info.setdefault(
             _CANCEL, driver.pgconn.get_cancel()
         )
+        # The claim's token (see outbox._pg.statements.UNIT_SETTING), new at every begin.
+        self._unit = ""
 
     @classmethod
-    def open(cls, engine: Engine) -> Transaction:
+    def open(cls, engine: Engine, *, pooled: bool = False) -> Transaction:
         """Check a connection out of ``engine`` (the psycopg 3 driver is required)."""
         connection = engine.connect()
         raw = connection.connection
@@ -282,7 +348,13 @@ class Transaction:
         if not isinstance(driver, psycopg.Connection):
             connection.close()
             raise TypeError("outbox-kit needs the psycopg 3 driver (postgresql+psycopg://)")
-        return cls(connection, driver)
+        if pooled:
+            try:
+                check_unprepared(driver)
+            except ConfigurationError:
+                connection.close()
+                raise
+        return cls(connection, driver, pooled)
 
     def begin(self) -> None:
         """Start an ordinary transaction (psycopg sends BEGIN with the first statement)."""
@@ -295,7 +367,7 @@ class Transaction:
         :meth:`commit_with` could not send prepared) are PREPAREd in the same message, before
         ``BEGIN``, where a failure cannot harm a transaction.
         """
-        rows = self.begin_with_many([claim], params)
+        rows = self.begin_with_many([claim], params, savepoint=self._pooled)
         return rows[0][0]
 
     def begin_with_many(
@@ -303,19 +375,36 @@ class Transaction:
     ) -> list[list[tuple[Any, ...]]]:
         """:meth:`begin_with` for several statements, run in order in the same round trip;
         returns the rows of each. With ``savepoint``, a savepoint for the first unit of work of
-        a batch is set in that round trip too (see :meth:`renew`)."""
+        a batch is set in that round trip too (see :meth:`renew`).
+
+        The claim's token is bound as the parameter ``unit`` (a new one for every transaction).
+        A stale record of prepared statements is corrected before ``BEGIN`` is sent again:
+        nothing of this transaction has run then."""
         driver = self._driver
         known = _prepared.setdefault(driver, set())
         self._saved_autocommit = driver.autocommit
         self.connection.info[_SWITCHED] = True
+        self._unit = params["unit"] = secrets.token_hex(8)
+        pooled = self._pooled
         try:
             driver.set_autocommit(True)
             begin = _begin_command(driver)
             wanted = _wanted.setdefault(driver, set())
-            body = b"; ".join(_execute_text(driver, p, params) for p in statements)
+            body = b"; ".join(_execute_text(driver, p, params, inline=pooled) for p in statements)
             if savepoint:
                 body += f"; SAVEPOINT {_SAVEPOINT}".encode()
             for _attempt in range(2):
+                if pooled:
+                    # No PREPARE, nothing to learn about the session: one attempt.
+                    cursor = driver.cursor()
+                    cursor.execute(f"{begin}; ".encode() + body)
+                    cursor.nextset()
+                    rows = []
+                    for i in range(len(statements)):
+                        if i:
+                            cursor.nextset()
+                        rows.append([tuple(row) for row in cursor.fetchall()])
+                    break
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
                 if driver.isolation_level is not None:
@@ -391,6 +480,9 @@ class Transaction:
         )
 
     def execute(self, sql: str, params: dict[str, Any]) -> Any:
+        """Run ``sql`` in the transaction (bound by the driver); ``unit``, the claim's token,
+        is bound with ``params``."""
+        params = {**params, "unit": self._unit}
         try:
             return self._driver.execute(sql, params)
         except psycopg.Error as exc:
@@ -421,6 +513,12 @@ class Transaction:
                 "body); nothing was committed by the unit of work"
             )
         self.connection.info[_GUARDED] = False
+        params = {**params, "unit": self._unit}
+        if self._pooled:
+            message = _execute_text(driver, final, params, inline=True) + b"; COMMIT"
+            if after is not None:
+                message += b"; " + _execute_text(driver, after, {}, inline=True)
+            return self._commit_message(message, final, params, after is not None)
         known = _prepared.get(driver, ())
         if after is not None and after.name not in known:
             _wanted.setdefault(driver, set()).add(after)
@@ -433,6 +531,12 @@ class Transaction:
         message = _execute_text(driver, final, params) + b"; COMMIT"
         if after is not None:
             message += b"; " + after.execute.encode()
+        return self._commit_message(message, final, params, after is not None)
+
+    def _commit_message(
+        self, message: bytes, final: Prepared, params: dict[str, Any], after: bool
+    ) -> Any:
+        driver = self._driver
         cursor = driver.cursor()
         try:
             cursor.execute(message)
@@ -442,7 +546,7 @@ class Transaction:
             raise self._translate(final.execute, params, exc) from exc
         # The server transaction is over; close SQLAlchemy's view of it (psycopg sends nothing).
         self.connection.commit()
-        if after is None:
+        if not after:
             return None
         cursor.nextset()
         cursor.nextset()
@@ -457,6 +561,10 @@ class Transaction:
         does next, so no other attempt can claim the key in between.
         """
         driver = self._driver
+        if self._pooled:
+            # No session lock behind a pooler: the savepoint set with the claim serves instead
+            # (roll_back_and_record rolls back to it, keeping the transaction's key lock).
+            return self.usable() and not self.connection.info.get(_ENDED, False)
         if driver.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
             return False
         try:
@@ -477,6 +585,8 @@ class Transaction:
         """
         driver = self._driver
         self.connection.info[_GUARDED] = False
+        if self._pooled:
+            return self._roll_back_and_record_pooled(held, lock_id, sql, params)
         try:
             self._rollback()
             if not held:
@@ -496,6 +606,37 @@ class Transaction:
                 except psycopg.Error as exc:
                     # A broken connection released the lock with its session.
                     self.connection.invalidate(exc)
+
+    def _roll_back_and_record_pooled(
+        self, held: bool, lock_id: int, sql: str, params: dict[str, Any]
+    ) -> tuple[bool, bool]:
+        """:meth:`roll_back_and_record` without session state: back to the savepoint set with
+        the claim (the transaction keeps the key's lock), the record, COMMIT -- one message.
+        If the body ended the transaction, the record gets a transaction of its own that takes
+        the key's lock first (another attempt holding it decides instead)."""
+        driver = self._driver
+        cursor = ClientCursor(driver)
+        try:
+            if held:
+                cursor.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; {sql}; COMMIT", params)
+                cursor.nextset()  # the record's result
+                recorded = cursor.rowcount == 1
+                if self.connection.in_transaction():
+                    # SQLAlchemy's view; the server is idle, nothing is sent.
+                    self.connection.rollback()
+                return True, recorded
+            self._rollback()
+            cursor.execute("BEGIN; SELECT pg_try_advisory_xact_lock(%(lock_id)s)",
+                                 {"lock_id": lock_id})  # fmt: skip
+            cursor.nextset()
+            row = cursor.fetchone()
+            if not (row and row[0]):
+                driver.execute("ROLLBACK")
+                return False, False
+            cursor.execute(f"{sql}; COMMIT", params)
+            return True, cursor.rowcount == 1
+        except psycopg.Error as exc:
+            raise self._translate(sql, params, exc) from exc
 
     def finish(self) -> None:
         """End a transaction that wrote nothing and return the connection to the pool."""
