@@ -15,7 +15,7 @@ from alembic.config import Config
 from outbox import migrate
 
 # The application: env.py reads its metadata from app_models.py; `hook` picks the filter.
-ENV_PY = '''
+ENV_PY = """
 from alembic import context
 import app_models
 from outbox import migrate
@@ -32,14 +32,14 @@ context.configure(
 )
 with context.begin_transaction():
     context.run_migrations()
-'''
-MODELS_PY = '''
+"""
+MODELS_PY = """
 import sqlalchemy as sa
 
 metadata = sa.MetaData()
 customers = sa.Table("customers", metadata, sa.Column("id", sa.Integer, primary_key=True))
 invoices = sa.Table("invoices", metadata, sa.Column("id", sa.Integer, primary_key=True))
-'''
+"""
 FIRST_REVISION = '''
 """customers"""
 from alembic import op
