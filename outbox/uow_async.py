@@ -41,7 +41,7 @@ from outbox._core.urls import check_redis_url
 from outbox._otel import encode_event
 from outbox._pg.after_commit import defer
 from outbox._pg.engines import engine_for, notifier_engine
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.errors import undefined_table, unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
 from outbox._pg.statements import (
     Statements,
@@ -69,6 +69,16 @@ _ASYNC = True
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
+
+
+def unmigrated(schema: str | None) -> ConfigurationError:
+    """The error for a database without the toolkit's tables where they are looked for."""
+    where = f"schema {schema!r}" if schema else "the search path (schema=None)"
+    return ConfigurationError(
+        f"the outbox tables are not in {where}: run `outbox migrate` on this database"
+        + (f" with --schema {schema}" if schema else "")
+        + ", or pass the schema= they were migrated into (Outbox(..., schema=...))"
+    )
 
 
 class _AsyncAttempt:
@@ -298,8 +308,10 @@ class AsyncOutbox(AsyncJoinedUnits):
             )
             if status is None and acquired:
                 return AsyncUnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
-        except BaseException:
+        except BaseException as exc:
             await tx.close()
+            if undefined_table(exc):
+                raise unmigrated(self.config.schema) from exc
             raise
         await tx.finish()  # nothing was written
         row = (status, stored_fp, result_json, error, age)

@@ -7,6 +7,8 @@ import the driver themselves:
   outage, a restart, a failover, a full pool): retry later without counting an attempt. The relay
   and the consumer runner both use it.
 * :func:`unique_violation_of` -- a unique constraint refused a row (the unit of work's key race).
+* :func:`undefined_table` -- a table is missing: the database was never migrated, or the
+  toolkit looks in another schema than the one its tables are in.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def unique_violation_of(exc: BaseException, constraint: str) -> bool:
     if not isinstance(origin, psycopg.errors.UniqueViolation):
         return False
     return origin.diag.constraint_name == constraint
+
+
+def undefined_table(exc: BaseException) -> bool:
+    """True when ``exc`` says a table does not exist (SQLSTATE 42P01)."""
+    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    return isinstance(origin, psycopg.errors.UndefinedTable)
 
 
 def is_database_error(exc: BaseException) -> bool:
