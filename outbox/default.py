@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
@@ -70,7 +70,7 @@ def idempotent(
     key: str | Callable[..., str],
     *,
     scope: str = DEFAULT_SCOPE,
-    fingerprint: Callable[..., str | None] | None = None,
+    fingerprint: Callable[..., str | None] | Literal[False] | None = None,
     outbox: Outbox | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function at most once per idempotency key.
@@ -88,11 +88,13 @@ def idempotent(
         charge("req-1", 500)   # returns {"charged": 500} without calling the function
 
     ``key`` names the parameter that holds the idempotency key, or is a callable that receives
-    the caller's arguments and returns the key. ``fingerprint`` is an optional callable of the
-    same arguments returning a request fingerprint (reusing a key with another one raises
-    :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
-    stored and a duplicate gets its JSON form back (tuples come back as lists). ``outbox``
-    defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
+    the caller's arguments and returns the key. The call's arguments are the request's
+    fingerprint: the same key with other arguments raises :class:`~outbox.errors.KeyReuseError`
+    rather than replaying another call's result. ``fingerprint`` replaces that with a callable
+    of the same arguments returning a fingerprint of your own, or ``False`` compares keys only.
+    The return value must be JSON-serializable: it is stored and a duplicate gets its JSON form
+    back (tuples come back as lists). ``outbox`` defaults to the module-level default
+    (:func:`outbox.configure`), looked up at call time.
     """
 
     def resolve() -> Outbox:

@@ -262,7 +262,7 @@ class Outbox(JoinedUnits):
         key: str | Callable[..., str],
         *,
         scope: str = DEFAULT_SCOPE,
-        fingerprint: Callable[..., str | None] | None = None,
+        fingerprint: Callable[..., str | None] | Literal[False] | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator form of :meth:`unit_of_work`; see :func:`outbox.idempotent`."""
         return make_idempotent(lambda: self, key, scope, fingerprint, is_async=_ASYNC)

@@ -20,10 +20,10 @@ def test_session_commit_in_the_body_is_refused_and_nothing_commits(
 ) -> None:
     create_orders(engine)
     with Outbox(database_url) as ob:
-        with pytest.raises(TransactionEndedError, match=r"uow\.session\.commit\(\)"):
-            with ob.unit_of_work("k-commit") as uow:
-                uow.session.execute(INSERT_ORDER, {"k": "k-commit", "a": 1})
-                uow.session.commit()
+        refused = pytest.raises(TransactionEndedError, match=r"uow\.session\.commit\(\)")
+        with refused, ob.unit_of_work("k-commit") as uow:
+            uow.session.execute(INSERT_ORDER, {"k": "k-commit", "a": 1})
+            uow.session.commit()
         assert count(engine, "orders") == 0
         assert count(engine, "idempotency_keys") == 0
         with ob.unit_of_work("k-commit") as uow:  # the key stayed free
@@ -35,7 +35,8 @@ def test_async_session_commit_in_the_body_is_refused(engine: sa.Engine, database
 
     async def main() -> None:
         async with AsyncOutbox(database_url) as aob:
-            with pytest.raises(TransactionEndedError, match=r"uow\.session\.commit\(\)"):
+            refused = pytest.raises(TransactionEndedError, match=r"uow\.session\.commit\(\)")
+            with refused:
                 async with aob.unit_of_work("k-async") as uow:
                     await uow.session.execute(INSERT_ORDER, {"k": "k-async", "a": 1})
                     await uow.session.commit()
@@ -65,9 +66,9 @@ def test_a_database_without_the_tables_says_run_outbox_migrate(
         schema = "elsewhere"
     for _ in range(2):  # the hint also on a connection that already failed once
         with Outbox(database_url, schema=schema) as ob:
-            with pytest.raises(ConfigurationError, match="run `outbox migrate`") as caught:
-                with ob.unit_of_work("k-1"):
-                    pass
+            hint = pytest.raises(ConfigurationError, match="run `outbox migrate`")
+            with hint as caught, ob.unit_of_work("k-1"):
+                pass
     assert (schema or "search path") in str(caught.value)
 
 
