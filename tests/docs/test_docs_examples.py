@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import gc
 import inspect
 import os
 import subprocess
@@ -75,6 +76,7 @@ def test_page_blocks_run(
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     namespace = prelude.namespace(database_url, redis_url, bootstrap)
     loop = asyncio.new_event_loop()
+    opened: dict[int, Any] = {}  # a later block may rebind a name: keep every outbox seen
     try:
         for block in runnable:
             if block.language == "bash":
@@ -84,17 +86,33 @@ def test_page_blocks_run(
                 _run_python(block, namespace, loop)
             except Exception as exc:
                 raise AssertionError(f"{block.where}: the python block raised {exc!r}") from exc
+            finally:
+                opened.update(_outboxes(namespace))
     finally:
-        loop.run_until_complete(_close_outboxes(namespace))
+        loop.run_until_complete(_close(opened.values()))
         loop.close()
+        namespace.clear()
+        gc.collect()  # anything left unclosed warns here, in this page's test
 
 
-async def _close_outboxes(namespace: dict[str, Any]) -> None:
-    """Close what the blocks opened, so the page's database can be dropped quietly."""
+def _outboxes(namespace: dict[str, Any]) -> dict[int, Any]:
+    import outbox
     from outbox import AsyncOutbox, Outbox
 
-    for value in list(namespace.values()):
+    found = {id(v): v for v in namespace.values() if isinstance(v, AsyncOutbox | Outbox)}
+    if outbox.default._default is not None:  # outbox.configure() in a block
+        found[id(outbox.default._default)] = outbox.default._default
+    return found
+
+
+async def _close(outboxes: Any) -> None:
+    """Close what the blocks opened, so the page's database can be dropped quietly."""
+    import outbox
+    from outbox import AsyncOutbox
+
+    for value in outboxes:
         if isinstance(value, AsyncOutbox):
             await value.close()
-        elif isinstance(value, Outbox):
+        else:
             value.close()
+    outbox.default._default = None

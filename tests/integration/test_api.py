@@ -95,7 +95,7 @@ def test_idempotent_decorator_refuses_an_argument_without_a_stable_fingerprint(
             uow.connection.execute(INSERT_ORDER, {"k": request_id, "a": 1})
             return 1
 
-        with pytest.raises(ConfigurationError, match="'client' is a object.*fingerprint="):
+        with pytest.raises(ConfigurationError, match=r"'client' is a object.*fingerprint="):
             charge("req-1", object())
     assert count(engine, "orders") == 0
     assert count(engine, "idempotency_keys") == 0
