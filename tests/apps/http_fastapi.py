@@ -8,6 +8,7 @@ request's own session, committed before the response (no middleware).
   writing.
 * ``POST /open`` -- ``Idempotency-Key`` optional; without one, ``current_unit_of_work()`` is
   called anyway (a 400 problem, not a 500).
+* ``POST /middleware/open`` -- the same behind ``IdempotencyMiddleware(require_key=False)``.
 * ``GET /probe`` -- readiness.
 """
 
@@ -23,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from outbox import AsyncOutbox, AsyncUnitOfWork, OutboxConfig
 from outbox.http import current_unit_of_work
+from outbox.http.asgi import IdempotencyMiddleware
 from outbox.http.fastapi import add_exception_handlers, unit_of_work
 from tests.apps import INSERT_ORDER, cache_prefix, database_url, redis_url, tenant
 
@@ -76,6 +78,20 @@ async def open_endpoint(
 ) -> Any:
     current_unit_of_work()  # outside the middleware there is none: NoUnitOfWork, a 400
     return {"ok": True}
+
+
+# The same kind of endpoint behind the ASGI middleware, where a key is optional.
+behind_middleware = FastAPI()
+behind_middleware.add_middleware(IdempotencyMiddleware, outbox=aob, require_key=False)
+
+
+@behind_middleware.post("/open")
+async def open_behind_middleware() -> Any:
+    current_unit_of_work()  # no key was sent: NoUnitOfWork, which the middleware answers 400
+    return {"ok": True}
+
+
+app.mount("/middleware", behind_middleware)
 
 
 @app.get("/probe")

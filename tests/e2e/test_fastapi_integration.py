@@ -159,9 +159,10 @@ def test_a_missing_or_bad_key_gets_400(
     assert effects(engine) == (0, 0, 0)
 
 
-def test_current_unit_of_work_without_a_key_is_a_400_not_a_500(app_url: str) -> None:
+@pytest.mark.parametrize("path", ["/open", "/middleware/open"])
+def test_current_unit_of_work_without_a_key_is_a_400_not_a_500(app_url: str, path: str) -> None:
     with httpx.Client(base_url=app_url, timeout=30) as client:
-        response = client.post("/open", json={})
+        response = client.post(path, json={})
     problem(response, 400, "idempotency-key-missing")
 
 
