@@ -22,16 +22,11 @@ from alembic.script import ScriptDirectory
 from outbox._core.validate import shown
 from outbox.config import normalize_database_url
 from outbox.errors import ConfigurationError
-from outbox.schema import (
-    CACHE_SECRET,
-    IDEMPOTENCY_KEYS,
-    OUTBOX,
-    VERSION_TABLE,
-    validate_schema_name,
-)
+from outbox.schema import VERSION_TABLE, tables, validate_schema_name
 
-# Every table the toolkit's migrations own, its version table included.
-OUTBOX_TABLES = frozenset({IDEMPOTENCY_KEYS, OUTBOX, CACHE_SECRET, VERSION_TABLE})
+# Every table the toolkit's migrations own (the Core tables mirror them), its version table
+# included.
+OUTBOX_TABLES = frozenset({*(t.name for t in tables().metadata.sorted_tables), VERSION_TABLE})
 
 
 def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
@@ -43,8 +38,8 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
         context.configure(connection=connection, target_metadata=metadata,
                           include_name=include_name)
 
-    Tables are told apart by name (``idempotency_keys``, ``outbox``, ``outbox_cache_secret``,
-    ``outbox_alembic_version``), in any schema. Combine it with a filter of your own as
+    Tables are told apart by name (:data:`OUTBOX_TABLES`: ``idempotency_keys``, ``outbox``,
+    ``outbox_cache_secret``, ``outbox_alembic_version``, ...), in any schema. Combine it with a filter of your own as
     ``lambda *a: include_name(*a) and mine(*a)``.
     """
     return not (type_ == "table" and name in OUTBOX_TABLES)
