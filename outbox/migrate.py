@@ -39,8 +39,8 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
                           include_name=include_name)
 
     Tables are told apart by name (:data:`OUTBOX_TABLES`: ``idempotency_keys``, ``outbox``,
-    ``outbox_cache_secret``, ``outbox_alembic_version``, ...), in any schema. Combine it with a filter of your own as
-    ``lambda *a: include_name(*a) and mine(*a)``.
+    ``outbox_cache_secret``, ``outbox_alembic_version``, ...), in any schema. Combine it with a
+    filter of your own as ``lambda *a: include_name(*a) and mine(*a)``.
     """
     return not (type_ == "table" and name in OUTBOX_TABLES)
 
