@@ -12,6 +12,7 @@ import asyncio
 import gc
 import inspect
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,7 @@ def test_page_blocks_run(
         "OUTBOX_DATABASE_URL": database_url,
         "OUTBOX_REDIS_URL": redis_url,
         "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap or "",
+        "OUTBOX_GUARD_SECRET": secrets.token_hex(16),  # what docs/guard.md reads
     }
     for name, value in values.items():
         monkeypatch.setenv(name, value)

@@ -88,8 +88,8 @@ def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
 def test_sigkill_storm_loses_nothing_and_keeps_key_order(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, tmp_path: Path
 ) -> None:
-    """3 relays, 30k events over 200 keys written while relays are SIGKILLed (mid-batch, as
-    their sessions show) and restarted."""
+    """3 relays, 20k events or more over 200 keys written while relays are SIGKILLed (mid-batch,
+    as their sessions show) and restarted, ten times at least."""
     topic = f"relay-storm-{uuid.uuid4().hex[:8]}"
     batch = 200
     args = ("--batch-size", str(batch), "--lanes", "16", "--rebalance-interval", "0.2")
@@ -99,10 +99,16 @@ def test_sigkill_storm_loses_nothing_and_keeps_key_order(
     all_ids: list[uuid.UUID] = []
     all_keys: list[str] = []
     done_writing = threading.Event()
+    enough_kills = threading.Event()
+    kills_wanted = 10
 
     def writer() -> None:
+        # Waves of 500 events every 0.25 s, for 10 s at least and until the storm has killed
+        # enough relays (a loaded machine kills more slowly), at most 60 s.
         counter = 0
-        for _wave in range(60):  # 60 waves of 500 events: about 15 s of writes
+        for wave in range(240):
+            if wave >= 40 and enough_kills.is_set():
+                break
             keys = [f"key-{rng.randrange(200):03d}" for _ in range(500)]
             items = [(k, f"{k}:{counter + i}".encode()) for i, k in enumerate(keys)]
             counter += len(items)
@@ -125,6 +131,8 @@ def test_sigkill_storm_loses_nothing_and_keeps_key_order(
                 victim.kill()
                 victim.wait()
                 kills += 1
+                if kills >= kills_wanted:
+                    enough_kills.set()
             relays[index] = start_relay(database_url, kafka_bootstrap, *args, log_path=log)
         thread.join(30)
         wait_for(lambda: outbox_count(engine) == 0, 90, "relays did not drain the outbox")
@@ -138,7 +146,7 @@ def test_sigkill_storm_loses_nothing_and_keeps_key_order(
     finally:
         _stop_all(relays)
     print(f"{kills} kills, {in_flight} claimed batches held by the killed relays")
-    assert len(all_ids) == 30_000 and kills >= 8
+    assert len(all_ids) >= 20_000 and len(all_ids) % 500 == 0 and kills >= kills_wanted
     # Most kills must land on a relay with a batch in hand, or the storm proves little.
     assert in_flight >= kills // 2, f"only {in_flight} batches in flight over {kills} kills"
     assert [p.returncode for p in relays] == [0, 0, 0]  # SIGTERM: clean exit
