@@ -133,7 +133,14 @@ def unit_of_work(
         db: AsyncSession = Depends(session_dependency),  # noqa: B008 (FastAPI's idiom)
     ) -> AsyncIterator[AsyncUnitOfWork | None]:
         headers = Headers(request.headers.items())
-        target = Request(request.method, request.url.path, headers, request.url.query)
+        raw_path = request.scope.get("raw_path")
+        target = Request(  # as the ASGI middleware sees a request: the same fingerprint
+            request.method.upper(),
+            request.scope["path"],
+            headers,
+            request.scope.get("query_string", b"").decode("latin-1"),
+            raw_path.partition(b"?")[0].decode("latin-1") if isinstance(raw_path, bytes) else None,
+        )
         covered = admission.admit(target)  # Refused: a 400 problem (add_exception_handlers)
         if covered is None:
             yield None
