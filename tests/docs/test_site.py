@@ -64,3 +64,6 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "outbox.http.fastapi.unit_of_work" in api  # the docstrings were rendered
+    home = (tmp_path / "site" / "index.html").read_text()
+    headings = re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), flags=re.MULTILINE)
+    assert all(h.replace("`", "") in home for h in headings[:3])  # the home page is README.md
