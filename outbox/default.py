@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
@@ -101,7 +101,7 @@ def idempotent(
     key: str | Callable[..., str],
     *,
     scope: str = DEFAULT_SCOPE,
-    fingerprint: Callable[..., str | None] | None = None,
+    fingerprint: Callable[..., str | None] | Literal[False] | None = None,
     outbox: Outbox | AsyncOutbox | None = None,
     result_type: Any = None,
     result_codec: ResultCodec | None = None,
@@ -121,16 +121,17 @@ def idempotent(
         charge("req-1", 500)   # returns {"charged": 500} without calling the function
 
     ``key`` names the parameter that holds the idempotency key, or is a callable that receives
-    the caller's arguments and returns the key. ``fingerprint`` is an optional callable of the
-    same arguments returning a request fingerprint (reusing a key with another one raises
-    :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
-    stored and a duplicate gets its JSON form back (tuples come back as lists) -- unless
-    ``result_type`` declares its type (a pydantic model, a dataclass, ``Decimal``, ``UUID``,
-    ``datetime``...; or ``result_codec`` encodes it): a duplicate then gets an equal value of
-    that type. ``outbox``
-    defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
-    With ``outbox=`` an :class:`~outbox.AsyncOutbox`, decorate an ``async def``: the decorator
-    takes the flavour of the outbox it is given (``AsyncOutbox.idempotent`` does the same).
+    the caller's arguments and returns the key. The call's arguments are the request's
+    fingerprint: the same key with other arguments raises :class:`~outbox.errors.KeyReuseError`
+    rather than replaying another call's result. ``fingerprint`` replaces that with a callable
+    of the same arguments returning a fingerprint of your own, or ``False`` compares keys only.
+    The return value must be JSON-serializable: it is stored and a duplicate gets its JSON form
+    back (tuples come back as lists) -- unless ``result_type`` declares its type (a pydantic
+    model, a dataclass, ``Decimal``, ``UUID``, ``datetime``...; or ``result_codec`` encodes it):
+    a duplicate then gets an equal value of that type. ``outbox`` defaults to the module-level
+    default (:func:`outbox.configure`), looked up at call time. With ``outbox=`` an
+    :class:`~outbox.AsyncOutbox`, decorate an ``async def``: the decorator takes the flavour of
+    the outbox it is given (``AsyncOutbox.idempotent`` does the same).
     """
     if outbox is not None:
         if not isinstance(outbox, Outbox | AsyncOutbox):

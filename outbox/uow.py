@@ -42,7 +42,7 @@ from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
 from outbox._pg.after_commit import defer, take
 from outbox._pg.engines import engine_for, notifier_engine, reader_engine
-from outbox._pg.errors import split_error, split_refused, unique_violation_of
+from outbox._pg.errors import split_error, split_refused, undefined_table, unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
 from outbox._pg.pooler import refuse_undeclared
 from outbox._pg.statements import (
@@ -72,6 +72,16 @@ _ASYNC = False
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
+
+
+def unmigrated(schema: str | None) -> ConfigurationError:
+    """The error for a database without the toolkit's tables where they are looked for."""
+    where = f"schema {schema!r}" if schema else "the search path (schema=None)"
+    return ConfigurationError(
+        f"the outbox tables are not in {where}: run `outbox migrate` on this database"
+        + (f" with --schema {schema}" if schema else "")
+        + ", or pass the schema= they were migrated into (Outbox(..., schema=...))"
+    )
 
 
 class _Attempt:
@@ -288,7 +298,7 @@ class Outbox(JoinedUnits):
         key: str | Callable[..., str],
         *,
         scope: str = DEFAULT_SCOPE,
-        fingerprint: Callable[..., str | None] | None = None,
+        fingerprint: Callable[..., str | None] | Literal[False] | None = None,
         result_type: Any = None,
         result_codec: ResultCodec | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -362,8 +372,10 @@ class Outbox(JoinedUnits):
                 # A unit of work joined to this one's connection for the same key is refused.
                 take(tx.connection, lock_id)
                 return UnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
-        except BaseException:
+        except BaseException as exc:
             tx.close()
+            if undefined_table(exc):
+                raise unmigrated(self.config.schema) from exc
             raise
         tx.finish()  # nothing was written
         row = (status, stored_fp, result_json, error, age)

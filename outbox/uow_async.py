@@ -41,7 +41,7 @@ from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
 from outbox._pg.after_commit import defer, take
 from outbox._pg.engines import engine_for, notifier_engine, reader_engine
-from outbox._pg.errors import split_error, split_refused, unique_violation_of
+from outbox._pg.errors import split_error, split_refused, undefined_table, unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
 from outbox._pg.pooler import refuse_undeclared_async
 from outbox._pg.statements import (
@@ -71,6 +71,16 @@ _ASYNC = True
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
+
+
+def unmigrated(schema: str | None) -> ConfigurationError:
+    """The error for a database without the toolkit's tables where they are looked for."""
+    where = f"schema {schema!r}" if schema else "the search path (schema=None)"
+    return ConfigurationError(
+        f"the outbox tables are not in {where}: run `outbox migrate` on this database"
+        + (f" with --schema {schema}" if schema else "")
+        + ", or pass the schema= they were migrated into (Outbox(..., schema=...))"
+    )
 
 
 class _AsyncAttempt:
@@ -289,7 +299,7 @@ class AsyncOutbox(AsyncJoinedUnits):
         key: str | Callable[..., str],
         *,
         scope: str = DEFAULT_SCOPE,
-        fingerprint: Callable[..., str | None] | None = None,
+        fingerprint: Callable[..., str | None] | Literal[False] | None = None,
         result_type: Any = None,
         result_codec: ResultCodec | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -363,8 +373,10 @@ class AsyncOutbox(AsyncJoinedUnits):
                 # A unit of work joined to this one's connection for the same key is refused.
                 take(tx.connection.sync_connection, lock_id)
                 return AsyncUnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
-        except BaseException:
+        except BaseException as exc:
             await tx.close()
+            if undefined_table(exc):
+                raise unmigrated(self.config.schema) from exc
             raise
         await tx.finish()  # nothing was written
         row = (status, stored_fp, result_json, error, age)

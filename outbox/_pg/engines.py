@@ -83,6 +83,15 @@ def engine_for(
         )
     if engine.dialect.name != "postgresql":
         raise ConfigurationError(f"outbox-kit needs PostgreSQL, got a {engine.dialect.name} engine")
+    if engine.dialect.driver != "psycopg":
+        # The unit of work talks to psycopg 3 below SQLAlchemy (prepared statements, escaping):
+        # another driver would fail at the first unit of work with a bare TypeError.
+        raise ConfigurationError(
+            f"{owner} runs on the psycopg 3 driver, got a postgresql+{engine.dialect.driver} "
+            f"engine: build it from a postgresql+psycopg:// URL "
+            f"({'create_async_engine' if want_async else 'create_engine'}"
+            '("postgresql+psycopg://...")) or pass the URL itself'
+        )
     return engine, owned
 
 

@@ -11,6 +11,8 @@ import the driver themselves:
   failure under REPEATABLE READ or SERIALIZABLE, a deadlock): the same work may succeed again.
 * :func:`split_refused` -- a final statement found itself outside the transaction that claimed
   its keys, and refused to run (invariant I13); :func:`split_error` says so to the caller.
+* :func:`undefined_table` -- a table is missing: the database was never migrated, or the
+  toolkit looks in another schema than the one its tables are in.
 """
 
 from __future__ import annotations
@@ -90,6 +92,12 @@ def split_error() -> TransactionEndedError:
         "between the application and PostgreSQL lost the transaction (a connection pooler in "
         "transaction mode needs OutboxConfig(pooler='transaction')); retry the unit of work"
     )
+
+
+def undefined_table(exc: BaseException) -> bool:
+    """True when ``exc`` says a table does not exist (SQLSTATE 42P01)."""
+    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    return isinstance(origin, psycopg.errors.UndefinedTable)
 
 
 def is_database_error(exc: BaseException) -> bool:

@@ -7,6 +7,7 @@ suite's server.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from outbox import Outbox, PermanentError, UnitOfWork
+from outbox import AsyncOutbox, Outbox, PermanentError, UnitOfWork
 from outbox.consumer import batch_handler
 from outbox.testing import Deliverer, Published, assert_one_effect_per_key
 from tests.fixtures.relay import read_topic
@@ -240,3 +241,27 @@ def test_a_template_setup_that_leaves_a_connection_open_still_gets_copies() -> N
         databases.close()
         for engine in engines:
             engine.dispose()
+
+
+def test_async_outbox_runs_on_any_event_loop_and_sees_the_test_s_database(
+    async_outbox: AsyncOutbox, published: Published, outbox_database_url: str
+) -> None:
+    async def place(key: str) -> bool:
+        async with async_outbox.unit_of_work(key) as uow:
+            if not uow.replayed:
+                uow.publish("order.accepted", {"key": key}, key=key)
+                uow.result = {"key": key}
+            return uow.replayed
+
+    assert asyncio.run(place("a-1")) is False  # one event loop ...
+    assert asyncio.run(place("a-1")) is True  # ... and another: nothing bound to the first
+    assert published.values("order.accepted") == [{"key": "a-1"}]
+    assert async_outbox.engine.url.database in outbox_database_url
+
+
+def test_sync_outbox_is_the_outbox_fixture_under_a_name_that_hides_no_module(
+    sync_outbox: Outbox, outbox: Outbox
+) -> None:
+    import outbox as outbox_module
+
+    assert sync_outbox is outbox and isinstance(sync_outbox, outbox_module.Outbox)

@@ -40,6 +40,27 @@ def test_invalid_configs(kwargs: dict[str, object], match: str) -> None:
         OutboxConfig(**kwargs).validate()  # type: ignore[arg-type]
 
 
+def test_retention_follows_the_rule_of_outbox_gc() -> None:
+    # What outbox gc --older-than refuses, OutboxConfig.retention refuses, with the same limits.
+    from outbox.admin import DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS, RetentionError, check_retention
+
+    with pytest.raises(RetentionError, match="at least min_redelivery_window"):
+        OutboxConfig(retention=2 * 86400.0).validate()
+    with pytest.raises(RetentionError, match="redelivery window"):
+        check_retention(2 * 86400.0, 86400.0, DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS)
+    assert OutboxConfig().min_redelivery_window == DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS
+    lowered = OutboxConfig(retention=2 * 86400.0, min_redelivery_window=86400.0 + 1).validate()
+    assert lowered.retention == 2 * 86400.0
+
+
+def test_durations_take_the_cli_forms() -> None:
+    config = OutboxConfig(cache_ttl="12h", retention="1w1d", min_redelivery_window="7d").validate()
+    assert (config.cache_ttl, config.retention) == (12 * 3600.0, 8 * 86400.0)
+    assert config.min_redelivery_window == 7 * 86400.0
+    with pytest.raises(ConfigurationError, match=r"invalid duration.*e\.g\. 7d"):
+        OutboxConfig(retention="a week").validate()
+
+
 def test_redact_url_hides_passwords() -> None:
     assert redact_url("postgresql://u:secret@h:5432/db") == "postgresql://u:***@h:5432/db"
     assert redact_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
