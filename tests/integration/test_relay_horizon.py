@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 import uuid
 
+import pytest
 import sqlalchemy as sa
 
 from outbox import admin
 from outbox.relay import RelayConfig
 from tests.fixtures.common import wait_for
-from tests.fixtures.relay import RelayThread
+from tests.fixtures.relay import RelayThread, insert_rows, wait_for_records
 
 # One burst is timed unpinned and once more after this many rows went through the relay under
 # the pin (each leaving a dead tuple behind). A small batch makes each claim's share of a row's
@@ -44,13 +45,18 @@ def _burst(engine: sa.Engine, relay: RelayThread, topic: str, rows: int) -> floa
     return rows / (time.perf_counter() - started)
 
 
-def _pin(engine: sa.Engine) -> sa.Connection:
-    """A REPEATABLE READ transaction holding a snapshot (the horizon) on its own session."""
+def _pin(engine: sa.Engine, holder: str) -> sa.Connection:
+    """A transaction holding the horizon on its own session: a REPEATABLE READ snapshot (a
+    report, ``pg_dump``), or a transaction with an id of its own that writes elsewhere."""
     conn = engine.connect()
     conn.exec_driver_sql("SET application_name = 'horizon-pin'")
     conn.commit()
-    conn.exec_driver_sql("BEGIN ISOLATION LEVEL REPEATABLE READ")
-    conn.exec_driver_sql("SELECT count(*) FROM outbox").scalar_one()
+    if holder == "snapshot":
+        conn.exec_driver_sql("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        conn.exec_driver_sql("SELECT count(*) FROM outbox").scalar_one()
+    else:
+        conn.exec_driver_sql("BEGIN")
+        conn.exec_driver_sql("SELECT pg_current_xact_id()").scalar_one()
     return conn
 
 
@@ -73,8 +79,9 @@ def _status(engine: sa.Engine) -> admin.Status:
     return status
 
 
+@pytest.mark.parametrize("holder", ["snapshot", "writer elsewhere"])
 def test_drain_holds_its_speed_while_the_horizon_is_pinned_and_status_names_the_holder(
-    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, holder: str
 ) -> None:
     topic = f"relay-horizon-{uuid.uuid4().hex[:8]}"
     relay = RelayThread(
@@ -84,7 +91,7 @@ def test_drain_holds_its_speed_while_the_horizon_is_pinned_and_status_names_the_
     try:
         _burst(engine, relay, topic, BURST // 4)  # warm-up: topic metadata, first claims
         unpinned = _burst(engine, relay, topic, BURST)
-        pin = _pin(engine)
+        pin = _pin(engine, holder)
         for _ in range(PINNED_ROWS // BURST):
             _burst(engine, relay, topic, BURST)
         pinned = _burst(engine, relay, topic, BURST)
@@ -121,3 +128,33 @@ def test_drain_holds_its_speed_while_the_horizon_is_pinned_and_status_names_the_
         f"drain under a pinned horizon {pinned:,.0f} rows/s, unpinned {unpinned:,.0f} rows/s "
         f"({pinned / unpinned:.2f}x) with {kept:,} dead tuples"
     )
+
+
+def test_a_row_whose_transaction_commits_after_later_ids_went_out_is_still_sent(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """Ids are drawn at INSERT and become visible at COMMIT: the claim's low-water mark must
+    stay below the id of a writer that is still open while later ids are sent (no loss)."""
+    topic = f"relay-late-{uuid.uuid4().hex[:8]}"
+    relay = RelayThread(RelayConfig(database_url, kafka_bootstrap, batch_size=10)).start()
+    late = engine.connect()
+    try:
+        late.begin()
+        late_event = late.execute(
+            sa.text(
+                "INSERT INTO outbox (event_id, topic, key, value, key_hash) "
+                "VALUES (gen_random_uuid(), :topic, 'late', 'v', 7) RETURNING event_id"
+            ),
+            {"topic": topic},
+        ).scalar_one()
+        later = insert_rows(engine, topic, [(f"k{i}", b"v") for i in range(50)])
+        relay.relay.kick.set()
+        wait_for_records(kafka_bootstrap, topic, later)
+        # Every later row went out (several claims, each moving the mark) before this commit.
+        wait_for(lambda: relay.relay.idle.is_set(), 30, "the relay to wait for work")
+        late.commit()
+        relay.relay.kick.set()
+        wait_for_records(kafka_bootstrap, topic, [late_event])
+    finally:
+        late.close()
+        relay.stop()
