@@ -235,6 +235,7 @@ class Relay:
 
     def _drop_connection(self) -> None:
         self._ahead = self._low_ahead = None
+        self._low = LowWater()  # from the low end again once the lanes are back
         self._announce = self._announced = False  # the lock went with the session
         conn, self._conn = self._conn, None
         self.lanes.lost()

@@ -180,7 +180,10 @@ WHERE o.id = f.id
 # The low-water mark's three readings (outbox._core.lowwater), sent in one message: the simple
 # query protocol runs them one after the other, each with its own snapshot (READ COMMITTED), in
 # the order the mark's argument needs. pg_locks shows every session's locks to every role; the
-# relay's own session (which deletes) is left out, a prepared transaction (no pid) is not.
+# relay's own session (which deletes) is left out, a prepared transaction (no pid) is not. An
+# INSERT takes ROW EXCLUSIVE (also when its transaction holds a stronger lock, which are listed
+# as well); VACUUM, ANALYZE and CREATE INDEX (SHARE UPDATE EXCLUSIVE, SHARE) draw no id and do
+# not count, so that an autovacuum of a large outbox does not hold the mark for its whole run.
 OUTBOX_LOW_WATER = """
 SELECT coalesce(pg_sequence_last_value(%(sequence)s::oid::regclass), 0);
 SELECT coalesce(array_agg(DISTINCT l.virtualtransaction), '{{}}')
@@ -188,7 +191,8 @@ FROM pg_locks l
 WHERE l.locktype = 'relation'
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND l.relation = %(table)s::oid
-  AND l.mode NOT IN ('AccessShareLock', 'RowShareLock')
+  AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock',
+                 'AccessExclusiveLock')
   AND l.pid IS DISTINCT FROM pg_backend_pid();
 SELECT min(o.id) FROM {outbox} o
 WHERE o.id >= %(low)s AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
