@@ -541,8 +541,12 @@ def delete_expired_keys(
     check_gc_batch_size(batch_size)
     schema = validate_schema_name(schema)
     deleted = batches = 0
+    after = None  # each batch starts where the previous one ended
     while max_batches is None or batches < max_batches:
-        n = ops.idempotency_keys_delete_expired_batch(engine, cutoff, schema, scope, batch_size)
+        n, last = ops.idempotency_keys_delete_expired_batch(
+            engine, cutoff, schema, scope, batch_size, after
+        )
+        after = last or after
         batches += 1
         deleted += n
         if progress is not None:
