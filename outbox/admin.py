@@ -522,6 +522,19 @@ def check_gc_batch_size(batch_size: int) -> int:
     return batch_size
 
 
+def check_duty_cycle(duty_cycle: float) -> float:
+    if not (
+        isinstance(duty_cycle, (int, float))
+        and not isinstance(duty_cycle, bool)
+        and 0.0 < duty_cycle <= 1.0
+    ):
+        raise ConfigurationError(
+            f"--duty-cycle must be a number above 0 and at most 1 (the share of the time gc "
+            f"works, e.g. 0.25), got {duty_cycle!r}"
+        )
+    return float(duty_cycle)
+
+
 def delete_expired_keys(
     engine: sa.Engine,
     cutoff: datetime,
@@ -531,18 +544,23 @@ def delete_expired_keys(
     batch_size: int = DEFAULT_GC_BATCH_SIZE,
     progress: Callable[[int, int], None] | None = None,
     max_batches: int | None = None,
+    duty_cycle: float = 1.0,
 ) -> tuple[int, int]:
     """Delete keys last updated before ``cutoff``, ``batch_size`` rows per transaction.
 
     Stops when a batch deletes fewer than ``batch_size`` rows (rows locked by live transactions
     are skipped, not waited for; a later run gets them). ``progress(deleted_so_far, batch)`` is
-    called after each committed batch. Returns ``(deleted, batches)``.
+    called after each committed batch. Below a ``duty_cycle`` of 1, it pauses after each batch
+    so that batches take that share of the time (on a busy database, gc's deletes otherwise
+    take their full share of its CPU from live units of work). Returns ``(deleted, batches)``.
     """
     check_gc_batch_size(batch_size)
+    pause = 1.0 / check_duty_cycle(duty_cycle) - 1.0
     schema = validate_schema_name(schema)
     deleted = batches = 0
     after = None  # each batch starts where the previous one ended
     while max_batches is None or batches < max_batches:
+        started = time.monotonic()
         n, last = ops.idempotency_keys_delete_expired_batch(
             engine, cutoff, schema, scope, batch_size, after
         )
@@ -553,6 +571,8 @@ def delete_expired_keys(
             progress(deleted, n)
         if n < batch_size:
             break
+        if pause:
+            time.sleep((time.monotonic() - started) * pause)
     return deleted, batches
 
 
@@ -567,12 +587,15 @@ def run_gc(
     batch_size: int = DEFAULT_GC_BATCH_SIZE,
     dry_run: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    duty_cycle: float = 1.0,
 ) -> GcResult:
     """Check the retention, count the expired keys, then (unless ``dry_run``) delete them.
 
-    ``progress(deleted_so_far, candidates)`` is called after each committed batch.
+    ``progress(deleted_so_far, candidates)`` is called after each committed batch;
+    ``duty_cycle`` as for :func:`delete_expired_keys`.
     """
     check_retention(older_than, cache_ttl, min_redelivery_window)
+    check_duty_cycle(duty_cycle)
     started = time.monotonic()
     with engine.connect() as conn:
         cutoff = gc_cutoff(conn, older_than)
@@ -587,6 +610,7 @@ def run_gc(
         scope=scope,
         batch_size=batch_size,
         progress=(lambda done, _batch: report(done, candidates)) if report is not None else None,
+        duty_cycle=duty_cycle,
     )
     return GcResult(cutoff, candidates, deleted, batches, time.monotonic() - started, dry_run)
 
