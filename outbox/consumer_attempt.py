@@ -240,8 +240,10 @@ class Verdicts(ABC):
             elif verdict.exhausted:
                 log.error(
                     "%s failed %d times, dead-lettering it: %s",
-                    _where(message), tries.attempts, one_line(error), exc_info=error,
+                    _where(message), tries.attempts, one_line(error),
                 )  # fmt: skip
+                # A traceback quotes the message whole, line breaks included: DEBUG only.
+                log.debug("%s: the last attempt's traceback", _where(message), exc_info=error)
             tries.dead_letter = DeadLetter.from_exception(
                 verdict.reason, error, max(1, tries.attempts)
             )
@@ -296,7 +298,7 @@ class Verdicts(ABC):
                 where, one_line(error), delay,
             )  # fmt: skip
         elif verdict.failure is Failure.DEAD_LETTER_UNAVAILABLE:
-            log.error("%s: %s; retrying in %.2fs", where, error, delay)
+            log.error("%s: %s; retrying in %.2fs", where, one_line(error), delay)
         else:
             log.warning(
                 "%s failed (attempt %d of %d), retrying in %.2fs: %s",

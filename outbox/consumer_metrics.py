@@ -24,7 +24,7 @@ from prometheus_client import (
 )
 
 from outbox._core.disposition import Outcome
-from outbox.metrics import MetricsServer
+from outbox.metrics import DEFAULT_HOST, MetricsServer
 
 
 class _Runner(Protocol):
@@ -170,9 +170,10 @@ class ConsumerMetrics:
 
 
 def serve_metrics(
-    runner: _Runner, port: int, *, host: str = "", max_silence: float | None = None
+    runner: _Runner, port: int, *, host: str = DEFAULT_HOST, max_silence: float | None = None
 ) -> MetricsServer:
-    """Serve ``/metrics`` and ``/healthz`` for ``runner`` on ``port`` (0: any free port).
+    """Serve ``/metrics`` and ``/healthz`` for ``runner`` on ``host:port`` (0: any free port;
+    the loopback interface unless ``host`` says otherwise, e.g. ``0.0.0.0`` in a container).
 
     ``/metrics`` is the runner's registry (the global one by default) in Prometheus text format;
     ``/healthz`` answers 200 while :meth:`ConsumerRunner.healthy` holds and 503 otherwise, so an

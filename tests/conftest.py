@@ -43,6 +43,7 @@ pytest_plugins = [
     "tests.fixtures.guard",
     "tests.fixtures.web",
     "tests.fixtures.tracing",
+    "tests.fixtures.pg_cluster",
 ]
 
 

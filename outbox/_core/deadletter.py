@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
+from outbox._core.redact import one_line, redact_text
 
 HEADER_PREFIX = "outbox.dlq."
 HEADER_REASON = "outbox.dlq.reason"
@@ -61,12 +62,17 @@ class DeadLetter:
 
     @classmethod
     def from_exception(cls, reason: Reason, exc: BaseException, attempts: int) -> DeadLetter:
-        """Describe ``exc`` (type name and message, truncated) as a dead letter."""
+        """Describe ``exc`` as a dead letter: its type name and the first line of its message,
+        secrets and control characters hidden (:func:`outbox._core.redact.one_line`), truncated.
+
+        The message may quote the consumed record (a value the handler could not parse): one
+        line, so that it cannot forge a log line or a header reader's record."""
         try:
-            message = str(exc)
+            str(exc)
         except Exception:  # a __str__ that fails must not stop the dead letter
-            message = "(the exception's message could not be read)"
-        error = f"{type(exc).__name__}: {message}"[:MAX_ERROR_TEXT]
+            error = f"{type(exc).__name__}: (the exception's message could not be read)"
+        else:
+            error = redact_text(one_line(exc))[:MAX_ERROR_TEXT]
         return cls(reason, error, type(exc).__name__, attempts)
 
 

@@ -9,12 +9,14 @@ the scripts' answers into verdicts and exceptions. Any answer it cannot read bec
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import re
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from outbox._core import decorating
@@ -43,6 +45,9 @@ MAX_ERROR_TEXT = 4000
 MAX_FENCE = 10**15
 
 _PREFIX = re.compile(r"^[A-Za-z0-9._:-]+$")
+MIN_SECRET_BYTES = 16
+_GUARD_PERSON = b"outbox-guard-v1"
+SIGNED = "s1:"  # how a signed outcome starts: s1:<expiry ms>:<MAC>:<value>
 
 
 def _seconds(name: str, value: object, low: float, high: float) -> float:
@@ -92,10 +97,14 @@ class GuardSettings:
     prefix: str = DEFAULT_PREFIX
     renew: bool = False
     permanent_errors: tuple[type[BaseException], ...] = ()
+    # Signs COMPLETED and FAILED records (see sign_outcome); never shown by repr.
+    secret: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.permanent_errors, list):
             object.__setattr__(self, "permanent_errors", tuple(self.permanent_errors))
+        if isinstance(self.secret, str):
+            object.__setattr__(self, "secret", self.secret.encode("utf-8", "surrogatepass"))
 
     def validate(self) -> GuardSettings:
         """Return ``self`` when every setting is usable; raise ``ConfigurationError`` otherwise."""
@@ -115,7 +124,21 @@ class GuardSettings:
         if not isinstance(self.renew, bool):
             raise ConfigurationError(f"renew must be True or False, got {self.renew!r}")
         check_exception_classes("permanent_errors", self.permanent_errors)
+        if self.secret is not None and (
+            not isinstance(self.secret, bytes) or len(self.secret) < MIN_SECRET_BYTES
+        ):
+            raise ConfigurationError(
+                f"secret must be at least {MIN_SECRET_BYTES} bytes (e.g. "
+                "secrets.token_hex(32)), the same for every process sharing the guard's Redis"
+            )
         return self
+
+    @property
+    def signing_key(self) -> bytes | None:
+        """The key of the records' MACs, derived from ``secret``; ``None``: unsigned."""
+        if not isinstance(self.secret, bytes):
+            return None
+        return hashlib.blake2b(self.secret, digest_size=32, person=_GUARD_PERSON).digest()
 
     @property
     def lease_ms(self) -> int:
@@ -159,6 +182,48 @@ def new_token() -> str:
 def error_text(exc: BaseException) -> str:
     """The text stored for a permanent failure (replayed by ``PreviouslyFailed``)."""
     return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
+
+
+def _outcome_mac(
+    key: bytes, redis_key: str, status: str, fingerprint: str, expires_ms: int, value: str
+) -> str:
+    digest = hashlib.blake2b(key=key, digest_size=16)
+    for part in (redis_key, status, fingerprint, str(expires_ms), value):
+        data = part.encode("utf-8", "surrogatepass")
+        digest.update(b"%d:" % len(data))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def sign_outcome(
+    key: bytes, redis_key: str, status: str, fingerprint: str, value: str, expires_ms: int
+) -> str:
+    """The stored form of a COMPLETED (``status`` ``"C"``, ``value`` the result JSON) or FAILED
+    (``"F"``, the error text) outcome of a guard with a secret: the value with a MAC over the
+    Redis key, the status, the claim's fingerprint (``""`` for none), the expiry (ms since the
+    epoch) and the value. A Redis writer without the secret cannot make one, move one to
+    another key or status, or keep one past its expiry."""
+    mac = _outcome_mac(key, redis_key, status, fingerprint, expires_ms, value)
+    return f"{SIGNED}{expires_ms}:{mac}:{value}"
+
+
+def verify_outcome(
+    key: bytes, redis_key: str, status: str, fingerprint: str, stored: str, now_ms: int
+) -> str:
+    """The value of an outcome stored by :func:`sign_outcome`; anything else -- unsigned,
+    forged, moved, expired -- is unreadable (``GuardUnavailable``), never replayed."""
+    if not stored.startswith(SIGNED):
+        raise _Unreadable("holds an outcome that is not signed (with the guard's secret)")
+    expires, _, rest = stored[len(SIGNED) :].partition(":")
+    mac, _, value = rest.partition(":")
+    if not expires.isdigit() or len(expires) > 20:
+        raise _Unreadable("holds a signed outcome without a valid expiry")
+    expected = _outcome_mac(key, redis_key, status, fingerprint, int(expires), value)
+    if not hmac.compare_digest(mac.encode("ascii", "replace"), expected.encode("ascii")):
+        raise _Unreadable("holds an outcome whose signature does not match (forged or moved)")
+    if int(expires) <= now_ms:
+        raise _Unreadable("holds a signed outcome kept past its expiry")
+    return value
 
 
 # ------------------------------------------------------------------------------- verdicts
@@ -271,13 +336,20 @@ def load_result(raw: object) -> Any:
 
 
 def decode_claim(
-    reply: object, scope: str, key: str, fingerprint: str | None, redis_key: str
+    reply: object,
+    scope: str,
+    key: str,
+    fingerprint: str | None,
+    redis_key: str,
+    signing_key: bytes | None = None,
+    now_ms: int = 0,
 ) -> Claimed | Replay:
     """The verdict of the claim script for ``(scope, key)``.
 
     Returns :class:`Claimed` or :class:`Replay`; raises ``KeyInProgress`` (a live owner),
     ``PreviouslyFailed``, ``KeyReuseError`` (another fingerprint) or ``GuardUnavailable`` (an
-    answer or record the guard cannot read).
+    answer or record the guard cannot read). With a ``signing_key``, a stored outcome is
+    trusted only when :func:`verify_outcome` accepts it at ``now_ms``.
     """
     try:
         kind, rest = _parts(reply, {"new": 3, "busy": 2, "done": 3, "failed": 3})
@@ -289,11 +361,15 @@ def decode_claim(
         if kind == "busy":
             raise KeyInProgress(scope, key)
         stored = _text(rest[1])
+        value = _text(rest[0])
+        if signing_key is not None:
+            status = "C" if kind == "done" else "F"
+            value = verify_outcome(signing_key, redis_key, status, stored, value, now_ms)
         if fingerprint is not None and stored not in ("", fingerprint):
             raise KeyReuseError(scope, key)
         if kind == "failed":
-            raise PreviouslyFailed(scope, key, _text(rest[0]))
-        return Replay(load_result(rest[0]))
+            raise PreviouslyFailed(scope, key, value)
+        return Replay(load_result(value))
     except _Unreadable as exc:
         raise unreadable(scope, key, redis_key, str(exc)) from None
 

@@ -22,6 +22,7 @@ import binascii
 import hashlib
 import http
 import json
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -105,18 +106,43 @@ class Headers(Mapping[str, str]):
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """What a ``scope`` callable sees of a request: ``method``, ``path`` (without the query
-    string), ``query`` (the raw query string) and ``headers`` (a case-insensitive mapping)."""
+    """What a ``scope`` callable sees of a request: ``method`` (upper case), ``path`` (decoded,
+    without the query string), ``query`` (the raw query string) and ``headers`` (a
+    case-insensitive mapping). ``raw_path`` is the path as the client sent it (percent-encoding
+    kept, ISO-8859-1 text), when the server kept it."""
 
     method: str
     path: str
     headers: Headers
     query: str = ""
+    raw_path: str | None = None
 
     @property
     def target(self) -> str:
-        """The path with its query string: what the fingerprint covers."""
-        return f"{self.path}?{self.query}" if self.query else self.path
+        """What the fingerprint covers of the request target: the raw path and the raw query
+        string, each length-prefixed (see :func:`request_target`)."""
+        raw = self.raw_path
+        if raw is None:
+            raw = quoted_path(self.path.encode("utf-8", "surrogateescape"))
+        return request_target(raw, self.query)
+
+
+def request_target(raw_path: str, query: str) -> str:
+    """The request target as the fingerprint covers it: the path as sent and the query string,
+    each length-prefixed.
+
+    The raw path keeps what decoding would merge: ``/transfer%3Famount=1`` (one path) and
+    ``/transfer?amount=1`` (a path and a query), ``/a%2Fb`` and ``/a/b``, ``%FF`` and ``%FE``
+    (both undecodable as UTF-8) are different requests, so a key reused across them is a
+    ``key-reuse`` refusal, never another request's stored response.
+    """
+    return f"{len(raw_path)}:{raw_path}{len(query)}:{query}"
+
+
+def quoted_path(path: bytes) -> str:
+    """A decoded path percent-encoded again, for servers that do not keep the raw one (every
+    byte but ``/`` and unreserved characters encoded). ``%2F`` and ``/`` are alike to it."""
+    return urllib.parse.quote(path, safe="/")
 
 
 # -- problems (RFC 9457) --------------------------------------------------------------------
@@ -383,7 +409,7 @@ class Admission:
     def admit(self, request: Request) -> Covered | None:
         """The ``(scope, key)`` a request runs under; ``None`` to pass it through untouched
         (a method not covered, or no key where none is required). Raises :class:`Refused`."""
-        if request.method not in self.methods:
+        if request.method.upper() not in self.methods:
             return None
         key = parse_key(request.headers.getall(IDEMPOTENCY_KEY_HEADER))
         if key is None:

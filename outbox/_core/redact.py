@@ -157,6 +157,15 @@ def redact_text(text: str) -> str:
     )
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _visible(line: str) -> str:
+    """``line`` with control characters (a terminal's escape sequences, a stray carriage
+    return) shown as ``\\xNN`` escapes: what reaches a log is one line of plain text."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
+
+
 def one_line(
     exc: BaseException,
     *,
@@ -165,14 +174,15 @@ def one_line(
     with_type: bool = True,
 ) -> str:
     """The first line of ``exc``'s message (of the driver's error under a SQLAlchemy wrapper),
-    secrets redacted, prefixed with the exception type unless ``with_type`` is false."""
+    secrets redacted and control characters escaped, prefixed with the exception type unless
+    ``with_type`` is false: never more than one line, whatever the message holds."""
     origin = getattr(exc, "orig", None)
     source = origin if isinstance(origin, BaseException) else exc
     try:
         lines = str(source).strip().splitlines()
     except Exception:  # a __str__ that fails must not hide the error being reported
         lines = []
-    text = redact(lines[0], urls=urls, kafka_config=kafka_config) if lines else ""
+    text = redact(_visible(lines[0]), urls=urls, kafka_config=kafka_config) if lines else ""
     if not with_type:
         return text or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

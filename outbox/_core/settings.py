@@ -9,6 +9,7 @@ opened. Messages quote a refused value only when it cannot be a secret.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ MAX_KAFKA_SETTINGS = 1000
 MAX_BOOTSTRAP_LENGTH = 4096
 
 _KAFKA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_HOST = re.compile(r"[A-Za-z0-9.:-]{1,253}")
 _CACHE_PREFIX = re.compile(r"[A-Za-z0-9._:-]{1,100}")
 _BOOTSTRAP_ITEM = re.compile(
     r"(?:[A-Za-z_]+://)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::\d{1,5})?"
@@ -65,6 +67,22 @@ def check_port(name: str, value: object, *, optional: bool = True) -> int | None
     if value is None and optional:
         return None
     return check_int(name, value, 0, MAX_PORT)
+
+
+def check_host(name: str, value: object) -> str:
+    """A host to listen on: an IPv4 or IPv6 address, or a host name."""
+    if isinstance(value, str) and _HOST.fullmatch(value):
+        if ":" not in value:
+            return value
+        try:
+            ipaddress.IPv6Address(value)
+        except ValueError:
+            pass
+        else:
+            return value
+    raise ConfigurationError(
+        f"{name} must be an IP address or a host name (127.0.0.1, 0.0.0.0, ::), got {shown(value)}"
+    )
 
 
 def check_bool(name: str, value: object) -> bool:

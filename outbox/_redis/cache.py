@@ -103,19 +103,32 @@ class OutcomeCache:
         return self._generation
 
     def trust(
-        self, generation: int, secret: bytes, database_oid: int, keys_oid: int | None
+        self,
+        generation: int,
+        secret: bytes,
+        database_oid: int,
+        keys_oid: int | None,
+        system_identifier: int,
+        timeline: int,
     ) -> None:
         """Sign and accept entries with the key of this identity (read by
         :mod:`outbox._pg.identity`) -- unless the identity changed since ``generation`` was
         read, in which case this one may be a previous database's."""
-        signer = Signer(derive_key(secret, database_oid, keys_oid))
+        signer = Signer(derive_key(secret, database_oid, keys_oid, system_identifier, timeline))
         with self._lock:
             if generation == self._generation:
                 self._signer = signer
 
-    def reidentify(self, secret: bytes, database_oid: int, keys_oid: int | None) -> None:
+    def reidentify(
+        self,
+        secret: bytes,
+        database_oid: int,
+        keys_oid: int | None,
+        system_identifier: int,
+        timeline: int,
+    ) -> None:
         """The identity read on a connection just opened: from now on, the only one trusted."""
-        signer = Signer(derive_key(secret, database_oid, keys_oid))
+        signer = Signer(derive_key(secret, database_oid, keys_oid, system_identifier, timeline))
         with self._lock:
             self._generation += 1
             self._signer = signer

@@ -6,9 +6,10 @@ An entry is one JSON object::
     {"s":"failed","f":<fingerprint>,"e":<error text>,"x":<expiry, ms>,"m":"<MAC>"}
 
 ``m`` is always last: a keyed BLAKE2b MAC (128 bits, hex) over the Redis key and every
-byte before ``,"m":"``. Its key (:func:`derive_key`) comes from a secret kept in PostgreSQL and
-the database's identity, so only a process that can read the database can write an entry the
-cache trusts, and an entry is bound to its Redis key (it cannot be copied to another key) and
+byte before ``,"m":"``. Its key (:func:`derive_key`) comes from a secret kept in PostgreSQL
+and the database's identity (its cluster's system identifier and timeline included), so only a
+process that can read the database can write an entry the cache trusts, and an entry is bound
+to its Redis key (it cannot be copied to another key) and
 to its expiry (it cannot be made to outlive the key's retention).
 
 Reading is bounded: anything that is not a byte string of at most :data:`MAX_ENTRY_BYTES`
@@ -34,9 +35,17 @@ _TAIL = len(_MAC_FIELD) + _MAC_CHARS + 2  # ,"m":"<32 hex digits>"}
 _PERSON = b"outbox-cache-v1"
 
 
-def derive_key(secret: bytes, database_oid: int, keys_oid: int | None) -> bytes:
-    """The MAC key of one database's cache entries (see :mod:`outbox._pg.identity`)."""
-    identity = f"{database_oid}:{keys_oid}".encode()
+def derive_key(
+    secret: bytes,
+    database_oid: int,
+    keys_oid: int | None,
+    system_identifier: int,
+    timeline: int,
+) -> bytes:
+    """The MAC key of one database's cache entries (see :mod:`outbox._pg.identity`): the
+    secret, the cluster's system identifier and timeline, and the OIDs of the database and of
+    its ``idempotency_keys`` table."""
+    identity = f"{system_identifier}:{timeline}:{database_oid}:{keys_oid}".encode()
     return hashlib.blake2b(
         identity, key=bytes(secret)[:64], digest_size=32, person=_PERSON
     ).digest()

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from outbox._core import guard as _guard, settings as _settings, validate as _validate
 from outbox._core.durations import parse_duration
-from outbox._core.redact import redact, redact_text
+from outbox._core.redact import HIDDEN, redact, redact_text
 from outbox._core.urls import check_database_url, check_redis_url
 from outbox.config import (
     ENV_CACHE_TTL,
@@ -37,9 +37,11 @@ from outbox.config import (
     ENV_GUARD_LEASE,
     ENV_GUARD_ON_REDIS_ERROR,
     ENV_GUARD_REDIS_URL,
+    ENV_GUARD_SECRET,
     ENV_KAFKA_BOOTSTRAP,
     ENV_KAFKA_CONFIG,
     ENV_LOG_LEVEL,
+    ENV_METRICS_HOST,
     ENV_MIN_REDELIVERY_WINDOW,
     ENV_REDIS_URL,
     ENV_RELAY_BATCH_SIZE,
@@ -80,6 +82,8 @@ class Flag:
     # Checks a converted value before any I/O: check(name, value) raises ConfigurationError
     # (``name`` is the flag, or the variable the value came from).
     check: Callable[[str, Any], object] | None = None
+    # The value may hold a password: --help points to the variable first (a flag shows in ps).
+    secret: bool = False
 
     @property
     def dest(self) -> str:
@@ -87,12 +91,22 @@ class Flag:
 
     def help_text(self) -> str:
         notes = []
-        if self.env:
+        if self.env and self.secret:
+            notes.append(f"env {self.env}, preferred: a flag's value shows in ps")
+        elif self.env:
             notes.append(f"env {self.env}")
         shown = self.default_text if self.default_text is not None else self.default
         if shown is not None:
             notes.append(f"default {shown}")
         return f"{self.help} ({'; '.join(notes)})" if notes else self.help
+
+
+SECRETS_EPILOG = (
+    "Secrets: set OUTBOX_DATABASE_URL, OUTBOX_REDIS_URL and OUTBOX_KAFKA_CONFIG (e.g. "
+    "sasl.password=...) in the environment rather than passing them as flags, whose values "
+    "every local user can read with ps. A process given secrets as flags rewrites its title "
+    "to hide them (with outbox-kit[proctitle] installed), but only once it has started."
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -155,6 +169,7 @@ FLAGS: Mapping[str, Flag] = {
             ENV_DATABASE_URL,
             "PostgreSQL URL, postgresql+psycopg://user:pass@host/db",
             check=lambda _name, value: check_database_url(value),
+            secret=True,
         ),
         Flag(
             "--schema",
@@ -168,6 +183,7 @@ FLAGS: Mapping[str, Flag] = {
             ENV_REDIS_URL,
             "Redis URL for the duplicate fast path (optional)",
             check=lambda _name, value: check_redis_url(value),
+            secret=True,
         ),
         Flag(
             "--guard-redis-url",
@@ -175,6 +191,7 @@ FLAGS: Mapping[str, Flag] = {
             "Redis URL of the idempotency guard: run HANDLER as handler(claim, message) under a "
             "Redis claim of each key instead of a unit of work (no PostgreSQL)",
             check=lambda _name, value: check_redis_url(value),
+            secret=True,
         ),
         Flag(
             "--guard-lease",
@@ -184,6 +201,13 @@ FLAGS: Mapping[str, Flag] = {
             kind="a number",
             default_text=f"{_guard.DEFAULT_LEASE:g}",
             check=_guard.check_lease,
+        ),
+        Flag(
+            "--guard-secret",
+            ENV_GUARD_SECRET,
+            "signs the guard's completed and failed records, so that a Redis writer cannot forge "
+            "an outcome (at least 16 bytes; the same in every process sharing the guard)",
+            secret=True,
         ),
         Flag(
             "--guard-on-redis-error",
@@ -262,6 +286,14 @@ FLAGS: Mapping[str, Flag] = {
             kind="an integer",
             default_text="off",
             check=_ranged(0, _settings.MAX_PORT),
+        ),
+        Flag(
+            "--metrics-host",
+            ENV_METRICS_HOST,
+            "the address /metrics and /healthz listen on; 0.0.0.0 (or ::) in a container "
+            "probed from outside",
+            default="127.0.0.1",
+            check=_settings.check_host,
         ),
         Flag(
             "--trace-context",
@@ -370,7 +402,8 @@ def add_kafka_config(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="any librdkafka property, e.g. security.protocol=SASL_SSL (repeatable; env "
-        f"{ENV_KAFKA_CONFIG} holds KEY=VALUE pairs separated by commas or newlines)",
+        f"{ENV_KAFKA_CONFIG} holds KEY=VALUE pairs separated by commas or newlines: put "
+        "secrets such as sasl.password there, a flag's value shows in ps)",
     )
     parser.set_defaults(**{_KAFKA: True})
 
@@ -472,6 +505,40 @@ def tune_collector() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
+# Flags whose whole value is a secret (not a URL or a KEY=VALUE pair that redact_text reads).
+_HIDDEN_WHOLE = frozenset({"--guard-secret"})
+
+
+def hide_secret_arguments(argv: Sequence[str] | None = None) -> bool | None:
+    """Rewrite the process title when the command line carries a secret (a password in a URL,
+    a secret ``--kafka-config`` value), so that ``ps`` and ``/proc/<pid>/cmdline`` show it
+    redacted to other local users.
+
+    ``argv`` defaults to the process's own ``sys.argv``. Returns ``False`` when there was
+    nothing to hide, ``True`` once hidden, ``None`` when a secret is there but the optional
+    ``setproctitle`` package (``pip install 'outbox-kit[proctitle]'``) is missing. The secret
+    stays readable until this runs, and in the shell's history: the ``OUTBOX_*`` variables
+    are the way to pass secrets.
+    """
+    given = list(sys.argv if argv is None else argv)
+    shown = [redact_text(argument) for argument in given]
+    for position, argument in enumerate(given):
+        option, equals, _ = argument.partition("=")
+        if option in _HIDDEN_WHOLE:
+            if equals:
+                shown[position] = f"{option}={HIDDEN}"
+            elif position + 1 < len(given):
+                shown[position + 1] = HIDDEN
+    if shown == given:
+        return False
+    try:
+        import setproctitle
+    except ImportError:
+        return None
+    setproctitle.setproctitle(" ".join(shown))
+    return True
+
+
 def run(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a command, turning errors into one clear, secret-free line on stderr and an exit
     code: :data:`EXIT_USAGE` for configuration errors and refused input, :data:`EXIT_FAILURE`
@@ -488,9 +555,16 @@ def run(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Nam
         lines = redact_text(text).splitlines()
         return lines[0] if lines else ""
 
+    hidden = hide_secret_arguments()
     try:
         resolve_flags(args)
         configure_logging(getattr(args, "log_level", None) or "INFO")
+        if hidden is None:
+            logging.getLogger("outbox").warning(
+                "the command line carries a secret that other local users can read (ps); pass "
+                "it in an OUTBOX_* variable instead, or install outbox-kit[proctitle] to hide "
+                "it from the process title"
+            )
         return func(args)
     except (ConfigurationError, ValidationError) as exc:
         print(f"{prog}: error: {clean(str(exc))}", file=sys.stderr)

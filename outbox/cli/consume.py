@@ -20,6 +20,7 @@ from outbox.cli._common import (
     CONSUMER_METRICS_PORT,
     EXIT_OK,
     FLAGS,
+    SECRETS_EPILOG,
     add_flags,
     add_kafka_config,
     integer,
@@ -39,7 +40,7 @@ from outbox.uow_async import AsyncOutbox
 # What configures the outbox (a unit of work per message) and what configures the Redis guard
 # (a claim per message): a command takes one or the other, never a mix.
 _OUTBOX_FLAGS = ("database_url", "schema", "redis_url")
-_GUARD_FLAGS = ("guard_lease", "guard_on_redis_error")
+_GUARD_FLAGS = ("guard_lease", "guard_on_redis_error", "guard_secret")
 
 log = logging.getLogger("outbox.consumer")
 
@@ -55,6 +56,7 @@ def register(subparsers: Any) -> None:
         "is called as handler(claim, message) under a Redis guard claim of the key (for "
         "effects outside PostgreSQL). An async def HANDLER runs on the asyncio runner. "
         "SIGTERM/SIGINT finish the message in hand, commit and exit 0.",
+        epilog=SECRETS_EPILOG,
     )
     p.add_argument("handler", metavar="HANDLER", help="module:function, e.g. app.consumers:handle")
     p.add_argument(
@@ -96,7 +98,7 @@ def register(subparsers: Any) -> None:
         help="seconds a batch that is not full waits for more messages "
         f"(default {ConsumerConfig.batch_wait:g})",
     )  # fmt: skip
-    add_flags(p, CONSUMER_METRICS_PORT, "trace_context", "log_level")
+    add_flags(p, CONSUMER_METRICS_PORT, "metrics_host", "trace_context", "log_level")
     p.set_defaults(func=command)
 
 
@@ -203,6 +205,8 @@ def _guarding(args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     if args.guard_lease is not None:
         settings["lease"] = args.guard_lease
+    if args.guard_secret is not None:
+        settings["secret"] = args.guard_secret
     if args.guard_on_redis_error is not None:
         settings["on_redis_error"] = args.guard_on_redis_error
     return settings
@@ -216,8 +220,8 @@ def _serving(
     tune_collector()
     server = None
     if args.metrics_port:
-        server = serve_metrics(runner, args.metrics_port)
-        log.info("metrics on :%d/metrics, health on :%d/healthz", server.port, server.port)
+        server = serve_metrics(runner, args.metrics_port, host=args.metrics_host)
+        log.info("metrics on %s:%d/metrics, health on /healthz", server.host, server.port)
     flavour = "asyncio" if isinstance(runner, AsyncConsumerRunner) else "sync"
     if runner.guard is not None:
         settings = runner.guard.settings

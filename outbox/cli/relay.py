@@ -16,6 +16,7 @@ from outbox._kafka.config import producer_config
 from outbox.cli._common import (
     EXIT_FAILURE,
     EXIT_OK,
+    SECRETS_EPILOG,
     Parser,
     add_flags,
     add_kafka_config,
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog=PROG,
         description="Relay committed outbox rows to Kafka: no loss, per-key order, many relays.",
+        epilog=SECRETS_EPILOG,
     )
     d = RelayConfig("", "")
     add_flags(parser, "database_url", "schema", "bootstrap_servers")
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "max_attempts",
         "rebalance_interval",
         "metrics_port",
+        "metrics_host",
         batch_size={"default": d.batch_size},
         poll_interval={"default": d.poll_interval, "default_text": f"{d.poll_interval:g}"},
         lanes={"default": d.lanes},
@@ -85,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         max_attempts=args.max_attempts,
         rebalance_interval=args.rebalance_interval,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     ).validate()
 
 
@@ -108,9 +112,12 @@ def command(args: argparse.Namespace) -> int:
         server = None
         if config.metrics_port is not None:
             server = MetricsServer(
-                relay.metrics, config.metrics_port, max_silence=max(30.0, 3 * config.poll_interval)
+                relay.metrics,
+                config.metrics_port,
+                host=config.metrics_host,
+                max_silence=max(30.0, 3 * config.poll_interval),
             ).start()
-            log.info("event=metrics_listening port=%d", server.port)
+            log.info("event=metrics_listening host=%s port=%d", server.host, server.port)
         try:
             return EXIT_CODES[relay.run(once=args.once)]
         finally:

@@ -31,6 +31,7 @@ from outbox._core.http import (
     is_stored,
     is_streaming,
     problem_for,
+    quoted_path,
     replay_headers,
     request_too_large,
     response_too_large,
@@ -144,17 +145,23 @@ class IdempotencyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = self.settings
-        if scope["type"] != "http" or scope["method"] not in settings.methods:
+        # Methods are matched whatever their case: routers match "post" as POST.
+        if scope["type"] != "http" or scope["method"].upper() not in settings.methods:
             await self.app(scope, receive, send)
             return
         headers = Headers(
             (name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]
         )
+        raw_path = scope.get("raw_path")
         request = Request(
-            scope["method"],
+            scope["method"].upper(),
             scope["path"],
             headers,
             scope.get("query_string", b"").decode("latin-1"),
+            # Some servers keep the query string in raw_path: the path ends at the first "?".
+            raw_path.partition(b"?")[0].decode("latin-1")
+            if isinstance(raw_path, bytes)
+            else quoted_path(scope["path"].encode("utf-8", "surrogateescape")),
         )
         if spans is not None and TRACEPARENT_HEADER in headers:
             # Continue the caller's trace: the events published below join it.

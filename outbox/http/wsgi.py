@@ -35,6 +35,7 @@ from outbox._core.http import (
     is_stored,
     is_streaming,
     problem_for,
+    quoted_path,
     replay_headers,
     request_too_large,
     response_too_large,
@@ -118,12 +119,14 @@ class IdempotencyMiddleware:
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         settings = self.settings
-        method = environ["REQUEST_METHOD"]
+        # Methods are matched whatever their case: Werkzeug routes "post" as POST.
+        method = environ["REQUEST_METHOD"].upper()
         if method not in settings.methods:
             return self.app(environ, start_response)
         headers = Headers(_header_pairs(environ))
         path = environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")
-        request = Request(method, path, headers, environ.get("QUERY_STRING", ""))
+        raw_path, query = _raw_target(environ, path)
+        request = Request(method, path, headers, query, raw_path)
         if spans is not None and TRACEPARENT_HEADER in headers:
             # Continue the caller's trace: the events published below join it. (A response
             # the middleware passes through untouched may be read after the span ended.)
@@ -271,3 +274,18 @@ def _respond(
 ) -> list[bytes]:
     start_response(line or status_line(response.status), response.headers)
     return [response.body]
+
+
+def _raw_target(environ: WSGIEnvironment, path: str) -> tuple[str, str]:
+    """The path as the client sent it and the query string: from ``REQUEST_URI`` or
+    ``RAW_URI`` (gunicorn, Werkzeug, uWSGI), else the decoded path encoded again (wsgiref,
+    where ``%2F`` and ``/`` cannot be told apart)."""
+    uri = environ.get("REQUEST_URI") or environ.get("RAW_URI")
+    if isinstance(uri, str) and uri:
+        raw_path, _, query = uri.partition("?")
+        return raw_path, query
+    try:
+        data = path.encode("latin-1")  # PEP 3333: the decoded bytes as ISO-8859-1 text
+    except UnicodeEncodeError:
+        data = path.encode("utf-8", "surrogateescape")
+    return quoted_path(data), environ.get("QUERY_STRING", "")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import sqlalchemy as sa
@@ -13,10 +16,15 @@ import sqlalchemy as sa
 from outbox import migrate
 from outbox._core.environment import ENV_DATABASE_URL
 from outbox.config import normalize_database_url
+from outbox.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from outbox.embedded import EmbeddedServer
 
 ENV_TESTING_DATABASE_URL = "OUTBOX_TESTING_DATABASE_URL"
 ENV_TESTING_REDIS_URL = "OUTBOX_TESTING_REDIS_URL"
 ENV_TESTING_BOOTSTRAP = "OUTBOX_TESTING_KAFKA_BOOTSTRAP_SERVERS"
+ENV_TESTING_EMBEDDED_DIR = "OUTBOX_TESTING_EMBEDDED_DIR"
 
 
 class TemplateDatabases:
@@ -98,12 +106,45 @@ class TemplateDatabases:
 
 
 def server_url() -> str:
-    """The PostgreSQL server of the tests (see the module docstring), or a usage error."""
+    """The PostgreSQL server of the tests: ``OUTBOX_TESTING_DATABASE_URL``, else
+    ``OUTBOX_DATABASE_URL``, else an embedded server (the ``embedded`` extra), else a usage
+    error that says what to set."""
     url = os.environ.get(ENV_TESTING_DATABASE_URL) or os.environ.get(ENV_DATABASE_URL)
-    if not url:
+    if url:
+        return url
+    try:
+        return embedded_server().url
+    except ConfigurationError as exc:
         raise pytest.UsageError(
             f"outbox.testing needs a PostgreSQL server: set {ENV_TESTING_DATABASE_URL} (or "
-            f"{ENV_DATABASE_URL}) to a URL such as postgresql://postgres@127.0.0.1:5432/postgres; "
-            "each test gets a database of its own there"
-        )
-    return url
+            f"{ENV_DATABASE_URL}) to a URL such as postgresql://postgres@127.0.0.1:5432/postgres "
+            f"(each test gets a database of its own there), or {exc}"
+        ) from None
+
+
+def embedded_directory() -> Path:
+    """Where the embedded test server keeps its data: one folder per user, shared by every
+    session and pytest-xdist worker of that user (``OUTBOX_TESTING_EMBEDDED_DIR`` to move it)."""
+    configured = os.environ.get(ENV_TESTING_EMBEDDED_DIR)
+    if configured:
+        return Path(configured)
+    user = os.getuid() if hasattr(os, "getuid") else os.getpid()
+    return Path(tempfile.gettempdir()) / f"outbox-testing-{user}" / "pg"
+
+
+def embedded_server() -> EmbeddedServer:
+    """The embedded PostgreSQL of this user's test runs, started (or joined) once per process.
+
+    pytest-xdist workers share one server: the first to arrive initializes and starts it under
+    an inter-process lock, the others join it, and it stops when the last of them exits. Test
+    databases carry the process id in their names, so workers never collide on it.
+    """
+    global _EMBEDDED
+    if _EMBEDDED is None:
+        from outbox.embedded import start_postgres
+
+        _EMBEDDED = start_postgres(embedded_directory())
+    return _EMBEDDED
+
+
+_EMBEDDED: EmbeddedServer | None = None

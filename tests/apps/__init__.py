@@ -7,7 +7,8 @@ environment (``OUTBOX_DATABASE_URL``, ``OUTBOX_REDIS_URL``, ``OUTBOX_TEST_CACHE_
   unit of work; answers 201 with a ``Location`` and a body carrying a fresh nonce, so a rerun of
   the handler could never produce the same bytes. Test-only headers (outside the fingerprint):
   ``X-Delay`` (seconds to hold the unit of work open), ``X-Fail: raise`` (raise after writing),
-  ``X-Fail: 500`` (answer 500 after writing), ``X-Status`` (answer this status after writing).
+  ``X-Fail: 500`` (answer 500 after writing), ``X-Status`` (answer this status after writing),
+  ``X-Pad`` (add a field of this many bytes to the body).
 * ``POST /stream`` -- a streaming response.
 * ``GET /probe`` -- whether the request has a unit of work (it must not).
 * ``GET /stats`` -- how many statements the middleware's engine has run.

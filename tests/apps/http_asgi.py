@@ -23,13 +23,19 @@ aob = AsyncOutbox(
     database_url(), redis_url=redis_url(), config=OutboxConfig(cache_prefix=cache_prefix())
 )
 statements = [0]
+checkouts = [0]  # PostgreSQL connections taken from the pool, whoever sends SQL on them
 
 
 def _count(*_: Any) -> None:
     statements[0] += 1
 
 
+def _checkout(*_: Any) -> None:
+    checkouts[0] += 1
+
+
 sa.event.listen(aob.engine.sync_engine, "before_cursor_execute", _count)
+sa.event.listen(aob.engine.sync_engine, "checkout", _checkout)
 
 
 @asynccontextmanager
@@ -61,6 +67,8 @@ async def create_order(request: Request) -> Response:
         return JSONResponse({"error": "try again"}, status_code=500)
     status = int(request.headers.get("x-status", "201"))
     body = {"order_id": order_id, "amount": payload["amount"], "nonce": uuid.uuid4().hex}
+    if pad := request.headers.get("x-pad"):
+        body["pad"] = "x" * int(pad)
     return JSONResponse(body, status_code=status, headers={"Location": f"/orders/{order_id}"})
 
 
@@ -84,7 +92,7 @@ async def probe() -> dict[str, bool]:
 
 @app.get("/stats")
 async def stats() -> dict[str, int]:
-    return {"statements": statements[0]}
+    return {"statements": statements[0], "checkouts": checkouts[0]}
 
 
 # The same routes with the middleware outside FastAPI (and its own request span): the

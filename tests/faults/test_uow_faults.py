@@ -1,5 +1,6 @@
 """The unit of work under faults: SIGKILLed mid-body, nothing remains and the key is free at once;
-its connection cut mid-body, the driver's own error surfaces and the key stays free."""
+its connection cut mid-body, the driver's own error surfaces and the key stays free; cut at
+COMMIT, the attempt fails without a cache entry and the next one finds the one outcome."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+import redis
 import sqlalchemy as sa
 
 import outbox
@@ -122,3 +124,61 @@ def test_connection_lost_in_the_body_surfaces_as_the_drivers_error(
             assert uow.replayed and uow.result == "done"
     finally:
         ob.close()
+
+
+@pytest.mark.parametrize("reached_server", [False, True], ids=["commit-lost", "answer-lost"])
+def test_a_connection_cut_at_commit_leaves_one_outcome_and_no_cache_entry(
+    engine: sa.Engine,
+    database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    tcp_proxy: Any,
+    reached_server: bool,
+) -> None:
+    """The in-doubt commit: the connection dies as the final statement and COMMIT go out --
+    before they reach the server, or after it committed and before its answer came back. The
+    attempt fails (it cannot know), Redis learns nothing, and the next attempt either runs the
+    body (nothing committed) or replays the committed outcome: one effect either way."""
+    create_orders(engine)
+    url = sa.make_url(database_url)
+    proxy = tcp_proxy(url.host or "127.0.0.1", url.port or 5432)
+    ob = outbox.Outbox(
+        url.set(port=proxy.port).render_as_string(hide_password=False),
+        redis_url=redis_url,
+        config=outbox.OutboxConfig(cache_prefix=redis_prefix),
+    )
+    cache = redis.Redis.from_url(redis_url)
+    try:
+        with pytest.raises(sa.exc.OperationalError), ob.unit_of_work("doubt") as uow:
+            uow.connection.execute(INSERT_ORDER, {"k": "doubt", "a": 1})
+            uow.publish("orders.created", {"order": "doubt"}, key="doubt")
+            uow.result = {"order": "doubt"}
+            proxy.cut_at(b"COMMIT", deliver=reached_server)
+        assert proxy.triggered.is_set(), "the cut did not land on the commit"
+        assert cache.keys(f"*{redis_prefix}*") == [], "the cache learned an unknown outcome"
+        committed = count(engine, "idempotency_keys")
+        assert committed == (1 if reached_server else 0)
+        assert count(engine, "orders") == count(engine, "outbox") == committed
+
+        ran: list[bool] = []
+
+        def next_attempt() -> bool:  # the cut backend frees the key when it sees the socket
+            try:
+                with ob.unit_of_work("doubt") as again:
+                    if not again.replayed:
+                        again.connection.execute(INSERT_ORDER, {"k": "doubt", "a": 1})
+                        again.publish("orders.created", {"order": "doubt"}, key="doubt")
+                        again.result = {"order": "doubt"}
+                    ran.append(not again.replayed)
+                    assert again.result == {"order": "doubt"}
+            except outbox.KeyInProgress:
+                return False
+            return True
+
+        wait_for(next_attempt, 10, "the key was not freed after the cut")
+        assert ran == [not reached_server]  # the body ran again only if nothing had committed
+        assert count(engine, "orders") == count(engine, "outbox") == 1
+        assert count(engine, "idempotency_keys") == 1
+    finally:
+        ob.close()
+        cache.close()

@@ -44,7 +44,7 @@ def _write(ob: outbox.Outbox, key: str, value: bytes) -> None:
 def test_a_forged_completed_entry_never_skips_the_body(ob: outbox.Outbox) -> None:
     place(ob, "warm")  # the cache knows its key now
     forged_result = json.dumps({"order": "forged"})
-    guessed_key = derive_key(b"\x00" * 32, 1, 1)
+    guessed_key = derive_key(b"\x00" * 32, 1, 1, 1, 1)
     assert ob.cache is not None
     forgeries = {
         # The entry format of earlier versions: well-formed, unsigned.

@@ -457,9 +457,10 @@ def test_joined_exception_keeps_the_callers_other_writes(
 ) -> None:
     with engine.begin() as conn:
         conn.execute(INSERT_ORDER, {"k": "caller", "a": 1})
-        with pytest.raises(ValueError), ob.unit_of_work("j-x", connection=conn) as uow:
+        with pytest.raises(ValueError) as raised, ob.unit_of_work("j-x", connection=conn) as uow:
             uow.connection.execute(INSERT_ORDER, {"k": "body", "a": 2})
             raise ValueError("body failed")
+        assert type(raised.value) is ValueError and str(raised.value) == "body failed"
         with pytest.raises(PermanentError), ob.unit_of_work("j-p", connection=conn) as uow:
             uow.connection.execute(INSERT_ORDER, {"k": "body", "a": 3})
             raise PermanentError("no")

@@ -8,6 +8,7 @@ with (the same code their commands run first), and run whole when those are refu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -20,11 +21,14 @@ from outbox import cli
 from outbox.cli import consume as consume_cli, relay as relay_cli
 from outbox.errors import ConfigurationError, ValidationError
 from tests.fixtures.hostile import (
+    CONSUMER_RULES,
     HOSTILE_TEXT,
+    RELAY_RULES,
     TALLY,
     attempt,
     environment,
     no_leak,
+    obeys,
     outbox_variables,
     scaled,
 )
@@ -127,6 +131,14 @@ OPERATOR_FLAGS: dict[str, tuple[list[str], str | None, set[int]]] = {
 }
 
 
+# The documented range of the operator commands' integer flags.
+INTEGER_FLAGS = {"--lanes": (1, 4096), "--batch-size": (1, 100_000), "--limit": (1, 100_000)}
+
+
+def fields_of(config: object) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+
+
 def counts(engine: sa.Engine) -> tuple[int, ...]:
     with engine.connect() as conn:
         return tuple(
@@ -177,6 +189,14 @@ def test_operator_commands(
     _check_output(code, out, err, {0, 2} | other_codes)
     if code == 2:
         TALLY.refused[FAMILY] += 1
+    # Accepted: then it was an integer within the rule (an empty variable counts as unset).
+    if code == 0 and flag in INTEGER_FLAGS and not (via == "variable" and value == ""):
+        low, high = INTEGER_FLAGS[flag]
+        try:
+            number = int(value.strip())
+        except ValueError:
+            pytest.fail(f"{flag}={value!r} is not an integer, yet the command exited 0")
+        assert low <= number <= high, f"{flag}={value!r} accepted outside {low}..{high}"
     assert counts(engine) == before
 
 
@@ -191,6 +211,7 @@ RELAY_FLAGS = {
     "--max-attempts": "OUTBOX_RELAY_MAX_ATTEMPTS",
     "--rebalance-interval": "OUTBOX_RELAY_REBALANCE_INTERVAL",
     "--metrics-port": "OUTBOX_RELAY_METRICS_PORT",
+    "--metrics-host": "OUTBOX_METRICS_HOST",
     "--schema": "OUTBOX_SCHEMA",
     "--log-level": "OUTBOX_LOG_LEVEL",
     "--kafka-config": "OUTBOX_KAFKA_CONFIG",
@@ -204,6 +225,7 @@ CONSUMER_FLAGS = {
     "--max-attempts": None,
     "--dlq-suffix": None,
     "--metrics-port": "OUTBOX_CONSUMER_METRICS_PORT",
+    "--metrics-host": "OUTBOX_METRICS_HOST",
     "--redis-url": "OUTBOX_REDIS_URL",
     "--bootstrap-servers": "OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
     "--kafka-config": "OUTBOX_KAFKA_CONFIG",
@@ -255,6 +277,7 @@ def test_relay_and_consumer_commands(
 
         def build(args: argparse.Namespace) -> object:
             config = relay_cli.config_from_args(args)
+            obeys(RELAY_RULES, fields_of(config))  # accepted must mean within the rule
             return relay_cli.producer_config(config.bootstrap_servers, config.kafka_config)
 
     else:
@@ -266,7 +289,10 @@ def test_relay_and_consumer_commands(
             return cli.build_parser(argv).parse_args(argv)
 
         def build(args: argparse.Namespace) -> object:
-            return consume_cli.config_from_args(args)
+            config = consume_cli.config_from_args(args)
+            obeys(CONSUMER_RULES, fields_of(config))
+            obeys(RELAY_RULES, {"metrics_port": args.metrics_port})
+            return config
 
     env: dict[str, str] = {}
     if flag != "HANDLER":

@@ -210,7 +210,7 @@ class OutboxMachine(RuleBasedStateMachine):
         if signed:
             value = encode_entry(
                 StoredOutcome(STATUS_COMPLETED, None, forged_result, None),
-                derive_key(b"guessed" * 5, 1, 1),
+                derive_key(b"guessed" * 5, 1, 1, 1, 1),
                 redis_key,
                 int(time.time() * 1000) + 60_000,
             )

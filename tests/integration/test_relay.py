@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from outbox import Outbox, lanes as lanes_mod
 from outbox._pg.relay import outbox_delete_confirmed
+from outbox.errors import ConfigurationError
 from outbox.parked import discard_parked, list_parked, retry_parked
 from outbox.relay import Relay, RelayConfig
 from tests.fixtures.common import wait_for
@@ -274,12 +275,9 @@ def test_relay_refuses_a_different_lane_count(database_url: str, kafka_bootstrap
     try:
         wait_for(lambda: running.relay.owned, 20, "first relay took no lanes")
         other = Relay(RelayConfig(database_url, kafka_bootstrap, lanes=16))
-        try:
+        with pytest.raises(ConfigurationError) as refused:
             other.run(once=True)
-        except Exception as exc:
-            assert "--lanes" in str(exc) and "[8]" in str(exc)
-        else:
-            raise AssertionError("a relay with another lane count started")
+        assert "--lanes" in str(refused.value) and "[8]" in str(refused.value)
     finally:
         running.stop()
 

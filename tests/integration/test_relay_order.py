@@ -185,6 +185,31 @@ def test_each_key_reaches_kafka_in_commit_order_under_slow_commits(
     assert len(seq) > 200  # enough commits raced each other to make the check meaningful
 
 
+def lock_waiters(engine: sa.Engine) -> list[tuple[str, str]]:
+    """The backends of this test's database that wait on a lock right now."""
+    with engine.connect() as conn:
+        return [
+            (row[0], row[1])
+            for row in conn.execute(
+                sa.text(
+                    "SELECT wait_event_type, wait_event FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND wait_event_type = 'Lock' "
+                    "AND pid <> pg_backend_pid()"
+                )
+            )
+        ]
+
+
+def wait_for_lock_waiter(engine: sa.Engine, timeout: float = 30.0) -> list[tuple[str, str]]:
+    """Wait until a backend of this database waits on a lock (polling pg_stat_activity)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if waiters := lock_waiters(engine):
+            return waiters
+        time.sleep(0.02)
+    return []
+
+
 def test_only_writers_of_the_same_message_key_wait_for_each_other(
     engine: sa.Engine, database_url: str
 ) -> None:
@@ -207,17 +232,17 @@ def test_only_writers_of_the_same_message_key_wait_for_each_other(
             # the caller commits.
             with ob.unit_of_work("first", scope="wait", connection=holder) as uow:
                 first = uow.publish(topic, b"1", key="k")
-            started = time.monotonic()
+            # The holder commits only at the end of this block: a call below that waited on
+            # its locks would never return (and pytest-timeout would fail the test).
             with ob.unit_of_work("other", scope="wait") as uow:
                 uow.publish(topic, b"x", key="another-key")
-            assert time.monotonic() - started < 2.0
             thread = threading.Thread(target=same_key_writer)
             thread.start()
-            assert not second_done.wait(0.5), "a writer of the same key did not wait"
-            started = time.monotonic()
+            waiting = wait_for_lock_waiter(engine)
+            assert not second_done.is_set(), "a writer of the same key did not wait"
+            assert waiting, "the writer of the same key waits on a lock"
             with pytest.raises(KeyInProgress), ob.unit_of_work("first", scope="wait"):
                 pass
-            assert time.monotonic() - started < 2.0
             holder.commit()
         assert second_done.wait(10)
         thread.join(10)

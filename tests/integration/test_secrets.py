@@ -9,17 +9,28 @@ import logging
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
 
 import outbox
 from outbox import OutboxConfig, PermanentError
 from outbox.config import RelayConfig
+from outbox.consumer import ConsumerRunner, serve_metrics
 from outbox.errors import ConfigurationError, PreviouslyFailed
 from outbox.metrics import MetricsServer
 from outbox.relay import Relay
-from tests.fixtures.common import free_port
+from tests.fixtures.common import free_port, wait_for
+from tests.fixtures.consumer import (
+    KAFKA,
+    Running,
+    keyed,
+    metric,
+    produce,
+    topic_with_dead_letters,
+)
 from tests.fixtures.uow import create_orders, place
 
 TOKEN = "Tk5e3c7r9e1t2x"
@@ -140,4 +151,57 @@ def test_relay_logs_metrics_and_health_hold_no_secret(
         server.close()
     assert "outbox_relay" in pages[0]
     for item in [*pages, _all_text(everything_logged), repr(relay.config)]:
+        assert TOKEN not in item
+
+
+def test_consumer_runner_logs_metrics_and_health_hold_no_secret(
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    everything_logged: pytest.LogCaptureFixture,
+) -> None:
+    """A runner on a password-bearing database URL, a Redis URL with a password (that does not
+    answer) and a secret Kafka setting, at DEBUG, with its metrics and health pages."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE effects (key text PRIMARY KEY, value text NOT NULL)"))
+    topic = topic_with_dead_letters(kafka_bootstrap, "secrets", partitions=1)
+    produce(kafka_bootstrap, topic, [keyed("c-1", "v")])
+
+    def handle(uow: Any, message: Any) -> None:
+        uow.connection.execute(
+            sa.text("INSERT INTO effects (key, value) VALUES (:k, :v)"),
+            {"k": uow.key, "v": message.value().decode()},
+        )
+
+    registry = CollectorRegistry()
+    ob = outbox.Outbox(
+        with_password(database_url),
+        redis_url=f"redis://:{TOKEN}@127.0.0.1:{free_port()}/0",
+        config=OutboxConfig(cache_prefix=f"secrets-{uuid.uuid4().hex[:8]}"),
+    )
+    runner = ConsumerRunner(
+        ob, handle, topics=[topic], group=f"g-{uuid.uuid4().hex[:8]}",
+        bootstrap_servers=kafka_bootstrap,
+        kafka_config={**KAFKA, "client.id": "secrets-test", "sasl.oauthbearer.config": TOKEN},
+        metrics_registry=registry,
+    )  # fmt: skip
+    server = serve_metrics(runner, 0)
+    running = Running(runner, registry)
+    pages: list[str] = []
+    try:
+        wait_for(lambda: metric(running, "outbox_consumer_processed_total", topic=topic) >= 1,
+                 60, "the message processed")  # fmt: skip
+        for path in ("/metrics", "/healthz"):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}") as reply:
+                    pages.append(reply.read().decode())
+            except urllib.error.HTTPError as exc:
+                pages.append(exc.read().decode())
+    finally:
+        running.stop()
+        server.close()
+        ob.close()
+    assert "outbox_consumer_processed_total" in pages[0]
+    assert "sqlalchemy.engine.Engine" in {r.name for r in everything_logged.records}  # DEBUG on
+    for item in [*pages, _all_text(everything_logged), repr(runner.config), repr(ob)]:
         assert TOKEN not in item

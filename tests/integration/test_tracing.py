@@ -11,6 +11,7 @@ import json
 import uuid
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -18,6 +19,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from sqlalchemy.orm import Session
 
 from outbox import Outbox
+from outbox.errors import SerializationError
 from outbox.relay import Relay, RelayConfig
 from tests.fixtures.relay import insert_rows, wait_for_records
 from tests.fixtures.tracing import finished, traceparent_of
@@ -106,10 +108,9 @@ def test_a_failed_publish_is_an_error_on_its_span(
     ob = Outbox(database_url)
     try:
         with tracer.start_as_current_span("request"), ob.unit_of_work("bad-1") as uow:
-            try:
+            with pytest.raises(SerializationError) as refused:
                 uow.publish("orders.created", {"n": float("nan")})
-            except Exception as exc:
-                error = exc
+            error = refused.value
     finally:
         ob.close()
     (create,) = finished(span_exporter, "create orders.created")

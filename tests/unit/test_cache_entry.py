@@ -11,7 +11,8 @@ from hypothesis import given, strategies as st
 from outbox._core.claim import STATUS_COMPLETED, STATUS_FAILED, StoredOutcome
 from outbox._redis.entry import MAX_ENTRY_BYTES, decode_entry, derive_key, encode_entry
 
-KEY = derive_key(b"s" * 32, 16384, 24576)
+SYSTEM = 7_312_345_678_901_234_567
+KEY = derive_key(b"s" * 32, 16384, 24576, SYSTEM, 1)
 NOW = 1_900_000_000_000
 REDIS_KEY = "outbox:4:shop:o-1"
 DONE = StoredOutcome(STATUS_COMPLETED, "fp", '{"order":"o-1"}', None)
@@ -37,9 +38,14 @@ def test_an_entry_reads_back_as_written(outcome: StoredOutcome) -> None:
 
 def test_another_databases_key_another_redis_key_or_an_expired_entry_is_a_miss() -> None:
     raw = entry()
-    assert decode_entry(raw, derive_key(b"t" * 32, 16384, 24576), REDIS_KEY, NOW) is None
-    assert decode_entry(raw, derive_key(b"s" * 32, 16385, 24576), REDIS_KEY, NOW) is None
-    assert decode_entry(raw, derive_key(b"s" * 32, 16384, 24577), REDIS_KEY, NOW) is None
+    assert decode_entry(raw, derive_key(b"t" * 32, 16384, 24576, SYSTEM, 1), REDIS_KEY, NOW) is None
+    assert decode_entry(raw, derive_key(b"s" * 32, 16385, 24576, SYSTEM, 1), REDIS_KEY, NOW) is None
+    assert decode_entry(raw, derive_key(b"s" * 32, 16384, 24577, SYSTEM, 1), REDIS_KEY, NOW) is None
+    # Another cluster (a dump restored elsewhere), another timeline (a promoted standby).
+    other_cluster = derive_key(b"s" * 32, 16384, 24576, SYSTEM + 1, 1)
+    assert decode_entry(raw, other_cluster, REDIS_KEY, NOW) is None
+    promoted = derive_key(b"s" * 32, 16384, 24576, SYSTEM, 2)
+    assert decode_entry(raw, promoted, REDIS_KEY, NOW) is None
     assert decode_entry(raw, KEY, "outbox:4:shop:o-2", NOW) is None
     assert decode_entry(raw, KEY, REDIS_KEY, NOW + 60_000) is None
 
@@ -87,6 +93,7 @@ def test_oversized_entries_are_neither_written_nor_read() -> None:
 
 
 def test_entries_are_signed_per_key_and_identity() -> None:
-    assert derive_key(b"s" * 32, 1, 2) != derive_key(b"s" * 32, 1, None)
-    assert entry(key=derive_key(b"s" * 32, 1, 2)) != entry()
+    assert derive_key(b"s" * 32, 1, 2, 3, 4) != derive_key(b"s" * 32, 1, None, 3, 4)
+    assert derive_key(b"s" * 32, 1, 2, 3, 4) != derive_key(b"s" * 32, 1, 2, 34, 1)
+    assert entry(key=derive_key(b"s" * 32, 1, 2, 3, 4)) != entry()
     assert len(KEY) == 32

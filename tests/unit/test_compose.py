@@ -25,6 +25,7 @@ from outbox.config import (
     ENV_KAFKA_BOOTSTRAP,
     ENV_KAFKA_CONFIG,
     ENV_LOG_LEVEL,
+    ENV_METRICS_HOST,
     ENV_REDIS_URL,
     ENV_RELAY_BATCH_SIZE,
     ENV_RELAY_LANES,
@@ -168,6 +169,7 @@ def test_relay_environment_is_what_outbox_relay_reads(
         ENV_DATABASE_URL, ENV_KAFKA_BOOTSTRAP, ENV_SCHEMA, ENV_RELAY_BATCH_SIZE,
         ENV_RELAY_POLL_INTERVAL, ENV_RELAY_LANES, ENV_RELAY_MAX_ATTEMPTS,
         ENV_RELAY_REBALANCE_INTERVAL, ENV_RELAY_METRICS_PORT, ENV_KAFKA_CONFIG, ENV_LOG_LEVEL,
+        ENV_METRICS_HOST,
     }  # fmt: skip
     assert set(env) <= known, f"unknown variables: {set(env) - known}"
     assert relay_service["command"] == ["outbox-relay"]
@@ -179,6 +181,8 @@ def test_relay_environment_is_what_outbox_relay_reads(
     assert config.bootstrap_servers == env[ENV_KAFKA_BOOTSTRAP]
     assert config.lanes == int(env[ENV_RELAY_LANES])
     assert config.metrics_port == int(env[ENV_RELAY_METRICS_PORT])
+    # Published from the container: the relay must listen beyond its own loopback interface.
+    assert config.metrics_host == "0.0.0.0"
 
     # The URL names the postgres service with its credentials and database.
     pg = _env(services["postgres"])

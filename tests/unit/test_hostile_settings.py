@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import pytest
 import sqlalchemy as sa
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 from prometheus_client import CollectorRegistry
 
 import outbox
@@ -37,11 +37,14 @@ from outbox.config import ConsumerConfig, RelayConfig
 from outbox.consumer import ConsumerRunner
 from outbox.errors import ConfigurationError, ValidationError
 from tests.fixtures.hostile import (
+    CONSUMER_RULES,
     HOSTILE_STR_OR_NOT,
     HOSTILE_TEXT,
     NOT_TEXT,
+    RELAY_RULES,
     attempt,
     no_leak,
+    obeys,
     scaled,
 )
 
@@ -50,7 +53,7 @@ INPUT = (ValidationError, ConfigurationError)
 NUMBERS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.integers(min_value=-(2**70), max_value=2**70),
-    st.sampled_from([0, -1, 1, 5, 0.5, 1e300, True, None, "5"]),
+    st.sampled_from([0, -1, 1, 5, 0.5, 1e300, True, None, "5", 70000, 65536, -0.5, 3601]),
 )
 
 
@@ -96,11 +99,16 @@ RELAY_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 
 @scaled(150)
 @given(fields=one_hostile(RELAY_FIELDS))
+@example(fields={"metrics_port": 70000})
+@example(fields={"poll_interval": float("nan")})
+@example(fields={"backoff_initial": -1.0})
+@example(fields={"lanes": 0})
 def test_relay_settings(fields: dict[str, Any]) -> None:
     base = {"database_url": "postgresql+psycopg://app@db/app", "bootstrap_servers": "k:9092"}
 
     def build() -> dict[str, Any]:
         config = RelayConfig(**{**base, **fields}).validate()
+        obeys(RELAY_RULES, fields)
         return producer_config(config.bootstrap_servers, config.kafka_config)
 
     attempt("relay settings", build, INPUT)
@@ -149,6 +157,9 @@ def idle_outbox() -> Iterator[outbox.Outbox]:
 
 @scaled(150)
 @given(fields=one_hostile(CONSUMER_FIELDS), through_runner=st.booleans())
+@example(fields={"poll_timeout": float("nan")}, through_runner=True)
+@example(fields={"retry_backoff": -0.5}, through_runner=False)
+@example(fields={"batch_size": 0}, through_runner=False)
 def test_consumer_runner_settings(
     idle_outbox: outbox.Outbox, fields: dict[str, Any], through_runner: bool
 ) -> None:
@@ -156,14 +167,18 @@ def test_consumer_runner_settings(
     settings = {**base, **fields}
 
     def build() -> object:
+        built: object
         if through_runner:
-            return ConsumerRunner(
+            built = ConsumerRunner(
                 idle_outbox,
                 lambda uow, message: None,
                 metrics_registry=CollectorRegistry(),
                 **settings,
             )
-        return ConsumerConfig(**settings).validate()
+        else:
+            built = ConsumerConfig(**settings).validate()
+        obeys(CONSUMER_RULES, fields)
+        return built
 
     attempt("consumer runner settings", build, INPUT)
 

@@ -228,6 +228,43 @@ def test_fingerprint_covers_method_target_and_body() -> None:
     assert base not in others and len(others) == 5
 
 
+def _target(raw_path: str, query: str = "") -> str:
+    return Request("POST", "(decoded)", Headers([]), query, raw_path).target
+
+
+def test_the_target_keeps_apart_what_decoding_merges() -> None:
+    targets = [
+        _target("/transfer%3Famount=1"),
+        _target("/transfer", "amount=1"),
+        _target("/a%2Fb"),
+        _target("/a/b"),
+        _target("/x%FF"),
+        _target("/x%FE"),
+        _target("/x", "5:y"),  # a query that looks like a length prefix
+        _target("/x5:y"),
+    ]
+    assert len(set(targets)) == len(targets)
+
+
+@given(st.text(max_size=20), st.text(max_size=20), st.text(max_size=20), st.text(max_size=20))
+def test_path_and_query_are_length_prefixed_apart(p1: str, q1: str, p2: str, q2: str) -> None:
+    assert (_target(p1, q1) == _target(p2, q2)) == ((p1, q1) == (p2, q2))
+
+
+def test_without_a_raw_path_the_decoded_one_is_encoded_again() -> None:
+    request = Request("POST", "/transfer?amount=1", Headers([]))
+    assert request.target == http.request_target("/transfer%3Famount%3D1", "")
+
+
+def test_methods_are_admitted_whatever_their_case() -> None:
+    admission = HttpSettings(require_key=True).validate()
+    for method in ("post", "Post", "pAtCh"):
+        with pytest.raises(Refused):
+            admission.admit(Request(method, "/pay", Headers([])))
+    covered = admission.admit(Request("pAtCh", "/pay", Headers([("Idempotency-Key", "k")])))
+    assert covered is not None and covered.key == "k"
+
+
 # -- responses ------------------------------------------------------------------------------
 
 
