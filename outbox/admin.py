@@ -564,6 +564,7 @@ def delete_expired_keys(
         n, last = ops.idempotency_keys_delete_expired_batch(
             engine, cutoff, schema, scope, batch_size, after
         )
+        took = time.monotonic() - started
         after = last or after
         batches += 1
         deleted += n
@@ -572,7 +573,7 @@ def delete_expired_keys(
         if n < batch_size:
             break
         if pause:
-            time.sleep((time.monotonic() - started) * pause)
+            time.sleep(took * pause)
     return deleted, batches
 
 
