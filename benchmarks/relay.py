@@ -42,6 +42,7 @@ import gc
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -322,8 +323,14 @@ RELAY_ARGS: list[str] = []
 KAFKA_OVERRIDES: dict[str, str] = {}
 
 
-def relay_procs(url: str, bootstrap: str, count: int) -> list[subprocess.Popen[bytes]]:
+def relay_procs(
+    url: str, bootstrap: str, count: int, checkout: Path = REPO
+) -> list[subprocess.Popen[bytes]]:
+    """``count`` relay processes running the ``outbox`` package of ``checkout``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    if checkout != REPO:
+        env["PYTHONPATH"] = str(checkout)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     return [
         subprocess.Popen(
             [
@@ -341,7 +348,7 @@ def relay_procs(url: str, bootstrap: str, count: int) -> list[subprocess.Popen[b
                 *RELAY_ARGS,
                 *(f"--kafka-config={k}={v}" for k, v in KAFKA_OVERRIDES.items()),
             ],
-            cwd=REPO,
+            cwd=checkout,
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -426,12 +433,15 @@ def drain_topic(name: str, relays: int) -> str:
     return f"bench-drain-{relays}-{name.split()[0].replace(',', '')}"
 
 
-def latency(url: str, bootstrap: str, rate: int, seconds: float) -> tuple[float, float, int]:
-    """Commit -> consumer arrival, in ms, for units of work committing at ``rate`` per second."""
+def latency(
+    url: str, bootstrap: str, rate: int, seconds: float, running: bool = False
+) -> tuple[float, float, int]:
+    """Commit -> consumer arrival, in ms, for units of work committing at ``rate`` per second
+    (with a relay of its own, unless ``running``: one relay is running already)."""
     engine = sa.create_engine(url)
     topic = f"bench-latency-{rate}-{uuid.uuid4().hex[:6]}"
     Producer({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10)  # create it
-    procs = relay_procs(url, bootstrap, 1)
+    procs = [] if running else relay_procs(url, bootstrap, 1)
     commits: dict[bytes, float] = {}
     arrivals: dict[bytes, float] = {}
     stop_consumer = threading.Event()
@@ -470,7 +480,7 @@ def latency(url: str, bootstrap: str, rate: int, seconds: float) -> tuple[float,
                 due = start + n / per_writer
                 if now < due:
                     time.sleep(due - now)
-                with ob.unit_of_work(f"lat-{rate}-{wid}-{n}") as uow:
+                with ob.unit_of_work(f"lat-{topic}-{wid}-{n}") as uow:
                     event = uow.publish(topic, VALUE, key=f"customer-{n % KEYS}")
                 commits[str(event).encode()] = time.perf_counter()
                 n += 1
@@ -490,6 +500,106 @@ def latency(url: str, bootstrap: str, rate: int, seconds: float) -> tuple[float,
         engine.dispose()
     samples = [(arrivals[e] - c) * 1000 for e, c in commits.items() if e in arrivals]
     return percentile(samples, 0.5), percentile(samples, 0.99), len(samples)
+
+
+# The pinned phase inserts with one statement per burst: ~2M rows would take minutes through
+# the Core insert, and what is measured is the relay.
+PINNED_INSERT = sa.text(
+    """
+INSERT INTO outbox (event_id, topic, key, value, headers, key_hash)
+SELECT gen_random_uuid(), :topic, convert_to('customer-' || (g % 1000), 'UTF8'), :value,
+       '{"source": "bench"}', g % 1000
+FROM generate_series(1, :rows) g
+"""
+)
+
+
+def pinned_burst(engine: sa.Engine, topic: str, rows: int, timeout: float = 1800) -> float:
+    """Commit ``rows`` rows at once (and wake the relay); rows per second until the newest is
+    gone (one relay owning every lane claims in id order), then wait for the rest untimed."""
+    with engine.begin() as conn:
+        conn.execute(PINNED_INSERT, {"topic": topic, "rows": rows, "value": VALUE})
+        newest = conn.execute(sa.text("SELECT max(id) FROM outbox")).scalar_one()
+        conn.execute(sa.text("SELECT pg_notify('outbox_wakeup', '')"))
+    committed = time.perf_counter()
+    probe = sa.text("SELECT EXISTS (SELECT 1 FROM outbox WHERE id = :id)")
+
+    def newest_gone() -> bool:
+        with engine.connect() as conn:
+            return not conn.execute(probe, {"id": newest}).scalar_one()
+
+    wait_until(newest_gone, timeout, "the relay to drain the burst")
+    rate = rows / (time.perf_counter() - committed)
+    wait_until(lambda: pending(engine) == 0, timeout, "the relay to drain the burst")
+    return rate
+
+
+def pin_horizon(url: str) -> sa.Connection:
+    """A REPEATABLE READ transaction holding its snapshot (and so the xmin horizon)."""
+    conn = sa.create_engine(url, poolclass=sa.pool.NullPool).connect()
+    conn.exec_driver_sql("SET application_name = 'bench-horizon-pin'")
+    conn.commit()
+    conn.exec_driver_sql("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    conn.exec_driver_sql("SELECT count(*) FROM outbox").scalar_one()
+    return conn
+
+
+def dead_tuples(engine: sa.Engine) -> tuple[int, int]:
+    """Dead outbox tuples VACUUM finds (and may not remove) and the table's size in bytes."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("VACUUM outbox")
+        conn.exec_driver_sql("SELECT pg_stat_force_next_flush()")
+        dead, size = conn.exec_driver_sql(
+            "SELECT n_dead_tup, pg_total_relation_size(relid) FROM pg_stat_user_tables "
+            "WHERE relname = 'outbox'"
+        ).one()
+    return int(dead), int(size)
+
+
+def pinned(
+    engine: sa.Engine, url: str, bootstrap: str, checkout: Path, args: argparse.Namespace
+) -> dict[str, float]:
+    """One relay of ``checkout``: a burst drain and commit -> Kafka latency at 200 events/s,
+    first unpinned, then after ``--pinned-rows`` rows went through it under a pinned horizon."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox"))
+    vacuum(engine)
+    topic = f"bench-pinned-{uuid.uuid4().hex[:6]}"
+    Producer({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10)
+    procs = relay_procs(url, bootstrap, 1, checkout)
+    out: dict[str, float] = {}
+    pin = None
+    try:
+        wait_until(lambda: relays_idle(engine, 1), 60, "the relay to go idle")
+        pinned_burst(engine, topic, args.pinned_burst // 5)  # warm-up
+        # The median of five each: the machine's other work slows single bursts down.
+        out["drain"] = statistics.median(
+            pinned_burst(engine, topic, args.pinned_burst) for _ in range(5)
+        )
+        out["p50"], out["p99"], _n = latency(url, bootstrap, 200, args.latency_seconds, True)
+        pin = pin_horizon(url)
+        started = time.perf_counter()
+        sent = 0
+        while sent < args.pinned_rows:
+            burst = min(args.pinned_burst * 2, args.pinned_rows - sent)
+            pinned_burst(engine, topic, burst)
+            sent += burst
+        out["fill_seconds"] = time.perf_counter() - started
+        out["pinned_drain"] = statistics.median(
+            pinned_burst(engine, topic, args.pinned_burst) for _ in range(5)
+        )
+        out["pinned_p50"], out["pinned_p99"], _n = latency(
+            url, bootstrap, 200, args.latency_seconds, True
+        )
+        out["dead"], out["size"] = dead_tuples(engine)
+    finally:
+        if pin is not None:
+            pin.close()
+        stop(procs)
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox, idempotency_keys"))
+    vacuum(engine)
+    return out
 
 
 def _uow_worker(
@@ -632,7 +742,22 @@ def main() -> int:
     parser.add_argument(
         "--only",
         default="raw,naive,database,drain,latency,order,wakeup",
-        help="comma-separated phases to run (raw is needed by naive and drain)",
+        help="comma-separated phases to run (raw is needed by naive and drain; pinned runs "
+        "only when named)",
+    )
+    parser.add_argument(
+        "--pinned-rows",
+        type=int,
+        default=2_000_000,
+        help="rows sent under a pinned horizon before the pinned figures (phase pinned)",
+    )
+    parser.add_argument("--pinned-burst", type=int, default=50_000)
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="phase pinned: also run the relay of this checkout (a directory holding the "
+        "outbox package, e.g. `git archive main | tar -x -C /tmp/before`)",
     )
     parser.add_argument(
         "--relay-arg",
@@ -731,6 +856,24 @@ def main() -> int:
                  f"{cost['shared']:,.0f} / {cost['shared-off']:,.0f} "
                  f"({cost['shared'] / cost['shared-off'] - 1:+.1%})")
             )  # fmt: skip
+        if "pinned" in only:
+            builds = [("this checkout", REPO)]
+            if args.before is not None:
+                builds.insert(0, ("before", args.before.resolve()))
+            for name, checkout in builds:
+                f = pinned(engine, url, bootstrap, checkout, args)
+                results += [
+                    (f"pinned horizon, {name}: burst of {args.pinned_burst:,} unpinned / after "
+                     f"{args.pinned_rows:,} rows pinned",
+                     f"{f['drain']:,.0f} / {f['pinned_drain']:,.0f} rows/s "
+                     f"({f['pinned_drain'] / f['drain']:.2f}x)"),
+                    (f"pinned horizon, {name}: commit -> Kafka at 200 events/s, p50 / p99",
+                     f"unpinned {f['p50']:.1f} / {f['p99']:.1f} ms, pinned {f['pinned_p50']:.1f}"
+                     f" / {f['pinned_p99']:.1f} ms (p99 {f['pinned_p99'] / f['p99']:.2f}x)"),
+                    (f"pinned horizon, {name}: {args.pinned_rows:,} rows under the pin took",
+                     f"{f['fill_seconds']:.0f} s; then {f['dead']:,.0f} dead tuples, "
+                     f"outbox {f['size'] / 2**20:,.0f} MB"),
+                ]  # fmt: skip
         if "wakeup" in only:
             with_notify, without = wakeup_cost(url, args.wakeup_seconds, args.wakeup_rounds)
             results.append(

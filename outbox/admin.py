@@ -35,7 +35,13 @@ from outbox._core.durations import (
     parse_duration,
 )
 from outbox._core.environment import ENV_RELAY_LANES
-from outbox._pg import lanes as lanes_pg, operations as ops
+from outbox._core.health import (
+    DEFAULT_HORIZON_WARNING_SECONDS,
+    HorizonHolder,
+    TableHealth,
+    health_warnings,
+)
+from outbox._pg import health as health_pg, lanes as lanes_pg, operations as ops
 from outbox.config import DEFAULT_CACHE_TTL_SECONDS, redact_url
 from outbox.errors import ConfigurationError, OutboxError, RetentionError
 from outbox.schema import (
@@ -111,6 +117,10 @@ class Status:
     relays: tuple[lanes_core.RelayInfo, ...]
     taken_at: datetime
     warnings: tuple[str, ...] = field(default=())
+    # Table health (outbox._core.health): the toolkit's tables and the horizon's holder.
+    tables: tuple[TableHealth, ...] = field(default=())
+    horizon: HorizonHolder | None = None
+    horizon_warning_seconds: float = DEFAULT_HORIZON_WARNING_SECONDS
 
     @property
     def pending(self) -> int:
@@ -194,6 +204,9 @@ def status_warnings(status: Status) -> list[str]:
             f"{status.parked} parked rows hold back later rows of their keys: see "
             "`outbox parked list`"
         )
+    out += health_warnings(
+        status.tables, status.horizon, max_seconds=status.horizon_warning_seconds
+    )
     return out
 
 
@@ -203,8 +216,12 @@ def read_status(
     *,
     lanes_flag: int | None = None,
     lanes_env: str | None = None,
+    horizon_warning_seconds: float = DEFAULT_HORIZON_WARNING_SECONDS,
 ) -> Status:
-    """Collect the status of the outbox in ``schema`` (read-only; one snapshot)."""
+    """Collect the status of the outbox in ``schema`` (read-only; one snapshot).
+
+    A horizon held for ``horizon_warning_seconds`` or longer gets a warning.
+    """
     schema = validate_schema_name(schema)
     revision = migrate.current_revision(connection, schema)
     if revision is None:
@@ -235,6 +252,9 @@ def read_status(
         oldest_key_age=ops.idempotency_keys_oldest_update_age(connection, schema),
         relays=relays,
         taken_at=taken_at,
+        tables=tuple(health_pg.table_health(connection, schema)),
+        horizon=health_pg.horizon_holder(connection),
+        horizon_warning_seconds=horizon_warning_seconds,
     )
     return _with_warnings(status)
 
@@ -315,7 +335,37 @@ def status_to_json(status: Status, database_url: str | None = None) -> dict[str,
             }
             for r in status.relays
         ],
+        "tables": [
+            {
+                "table": t.table,
+                "live_tuples": t.live_tuples,
+                "dead_tuples": t.dead_tuples,
+                "size_bytes": t.size_bytes,
+                "last_vacuum": _iso(t.last_vacuum),
+                "last_autovacuum": _iso(t.last_autovacuum),
+            }
+            for t in status.tables
+        ],
+        "horizon": None if status.horizon is None else _horizon_json(status.horizon),
         "warnings": list(status.warnings),
+    }
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _horizon_json(h: HorizonHolder) -> dict[str, Any]:
+    """The horizon's holder: who, never what it runs."""
+    return {
+        "kind": h.kind,
+        "xid_age": h.xid_age,
+        "age_seconds": None if h.age_seconds is None else round(h.age_seconds, 3),
+        "pid": h.pid,
+        "application_name": h.application_name,
+        "state": h.state,
+        "started": _iso(h.started),
+        "name": h.name,
     }
 
 
@@ -391,6 +441,8 @@ def render_status(status: Status, database_url: str | None = None, max_lanes: in
               f"{counts.get((s, STATUS_FAILED), 0):,}") for s in scopes],
         )  # fmt: skip
     out.append("")
+    out += _render_health(status)
+    out.append("")
     out.append(f"RELAYS  alive {len(status.relays)}")
     if status.relays:
         out += _table(
@@ -402,6 +454,35 @@ def render_status(status: Status, database_url: str | None = None, max_lanes: in
         out.append("")
         out += [f"warning: {w}" for w in status.warnings]
     return "\n".join(out)
+
+
+def _render_health(status: Status) -> list[str]:
+    """TABLES (tuples, size, last vacuum) and the horizon's oldest holder."""
+    out = [f"TABLES  {len(status.tables)}"]
+    if status.tables:
+        out += _table(
+            ("TABLE", "LIVE", "DEAD", "SIZE", "LAST VACUUM"),
+            [(t.table, f"{t.live_tuples:,}", f"{t.dead_tuples:,}", _size(t.size_bytes),
+              _age((status.taken_at - t.last_vacuum).total_seconds()) + " ago"
+              if t.last_vacuum else "never")
+             for t in status.tables],
+        )  # fmt: skip
+    holder = status.horizon
+    out.append(
+        "HORIZON  nothing holds it back"
+        if holder is None
+        else f"HORIZON  oldest holder: {holder.describe()}"
+    )
+    return out
+
+
+def _size(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------------------------
@@ -441,6 +522,19 @@ def check_gc_batch_size(batch_size: int) -> int:
     return batch_size
 
 
+def check_duty_cycle(duty_cycle: float) -> float:
+    if not (
+        isinstance(duty_cycle, (int, float))
+        and not isinstance(duty_cycle, bool)
+        and 0.0 < duty_cycle <= 1.0
+    ):
+        raise ConfigurationError(
+            f"--duty-cycle must be a number above 0 and at most 1 (the share of the time gc "
+            f"works, e.g. 0.25), got {duty_cycle!r}"
+        )
+    return float(duty_cycle)
+
+
 def delete_expired_keys(
     engine: sa.Engine,
     cutoff: datetime,
@@ -450,24 +544,36 @@ def delete_expired_keys(
     batch_size: int = DEFAULT_GC_BATCH_SIZE,
     progress: Callable[[int, int], None] | None = None,
     max_batches: int | None = None,
+    duty_cycle: float = 1.0,
 ) -> tuple[int, int]:
     """Delete keys last updated before ``cutoff``, ``batch_size`` rows per transaction.
 
     Stops when a batch deletes fewer than ``batch_size`` rows (rows locked by live transactions
     are skipped, not waited for; a later run gets them). ``progress(deleted_so_far, batch)`` is
-    called after each committed batch. Returns ``(deleted, batches)``.
+    called after each committed batch. Below a ``duty_cycle`` of 1, it pauses after each batch
+    so that batches take that share of the time (on a busy database, gc's deletes otherwise
+    take their full share of its CPU from live units of work). Returns ``(deleted, batches)``.
     """
     check_gc_batch_size(batch_size)
+    pause = 1.0 / check_duty_cycle(duty_cycle) - 1.0
     schema = validate_schema_name(schema)
     deleted = batches = 0
+    after = None  # each batch starts where the previous one ended
     while max_batches is None or batches < max_batches:
-        n = ops.idempotency_keys_delete_expired_batch(engine, cutoff, schema, scope, batch_size)
+        started = time.monotonic()
+        n, last = ops.idempotency_keys_delete_expired_batch(
+            engine, cutoff, schema, scope, batch_size, after
+        )
+        took = time.monotonic() - started
+        after = last or after
         batches += 1
         deleted += n
         if progress is not None:
             progress(deleted, n)
         if n < batch_size:
             break
+        if pause:
+            time.sleep(took * pause)
     return deleted, batches
 
 
@@ -482,12 +588,15 @@ def run_gc(
     batch_size: int = DEFAULT_GC_BATCH_SIZE,
     dry_run: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    duty_cycle: float = 1.0,
 ) -> GcResult:
     """Check the retention, count the expired keys, then (unless ``dry_run``) delete them.
 
-    ``progress(deleted_so_far, candidates)`` is called after each committed batch.
+    ``progress(deleted_so_far, candidates)`` is called after each committed batch;
+    ``duty_cycle`` as for :func:`delete_expired_keys`.
     """
     check_retention(older_than, cache_ttl, min_redelivery_window)
+    check_duty_cycle(duty_cycle)
     started = time.monotonic()
     with engine.connect() as conn:
         cutoff = gc_cutoff(conn, older_than)
@@ -502,6 +611,7 @@ def run_gc(
         scope=scope,
         batch_size=batch_size,
         progress=(lambda done, _batch: report(done, candidates)) if report is not None else None,
+        duty_cycle=duty_cycle,
     )
     return GcResult(cutoff, candidates, deleted, batches, time.monotonic() - started, dry_run)
 

@@ -15,6 +15,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from prometheus_client import (
@@ -25,6 +26,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from outbox._core.health import HorizonHolder, TableHealth
 
 
 class HealthSource(Protocol):
@@ -95,6 +98,44 @@ class RelayMetrics:
             topic, registry=r,
         )  # fmt: skip
         self._topics: set[str] = set()
+        # Table health (outbox._core.health), refreshed with the backlog.
+        self.table_live = Gauge(
+            "outbox_table_live_tuples", "Live tuples of a toolkit table (estimate)", ["table"],
+            registry=r,
+        )  # fmt: skip
+        self.table_dead = Gauge(
+            "outbox_table_dead_tuples",
+            "Dead tuples of a toolkit table: deleted rows VACUUM has not removed (yet)",
+            ["table"],
+            registry=r,
+        )
+        self.table_size = Gauge(
+            "outbox_table_size_bytes", "A toolkit table with its indexes and TOAST", ["table"],
+            registry=r,
+        )  # fmt: skip
+        self.table_vacuumed = Gauge(
+            "outbox_table_last_vacuum_timestamp_seconds",
+            "When a toolkit table was last vacuumed (by hand or autovacuum); 0 if never",
+            ["table"],
+            registry=r,
+        )
+        self.horizon_age = Gauge(
+            "outbox_horizon_age_seconds",
+            "How long the oldest transaction holding the xmin horizon back has been open "
+            "(0 when nothing holds it or the holder is a replication slot)",
+            registry=r,
+        )
+        self.horizon_xids = Gauge(
+            "outbox_horizon_xid_age",
+            "Transaction ids between the xmin horizon and now",
+            registry=r,
+        )
+        self.horizon_holder = Gauge(
+            "outbox_horizon_holder_info",
+            "The oldest holder of the xmin horizon (1; never its query)",
+            ["kind", "pid", "application_name", "state"],
+            registry=r,
+        )
         self.heartbeat = time.monotonic()
         self.database_up = False
         # Set by the relay: false after a delivery outage or a failed broker check; stopping once
@@ -108,6 +149,28 @@ class RelayMetrics:
             "is registered for lanes (owning some or waiting) and the broker answered",
             registry=r,
         ).set_function(lambda: float(self.ready(self.max_silence)))
+
+    def set_health(self, tables: Sequence[TableHealth], holder: HorizonHolder | None) -> None:
+        """Publish the tables' health and the horizon's holder."""
+        for t in tables:
+            self.table_live.labels(t.table).set(t.live_tuples)
+            self.table_dead.labels(t.table).set(t.dead_tuples)
+            self.table_size.labels(t.table).set(t.size_bytes)
+            vacuumed = t.last_vacuum.timestamp() if t.last_vacuum is not None else 0.0
+            self.table_vacuumed.labels(t.table).set(vacuumed)
+        self.horizon_holder.clear()
+        if holder is None:
+            self.horizon_age.set(0)
+            self.horizon_xids.set(0)
+            return
+        self.horizon_age.set(holder.age_seconds or 0.0)
+        self.horizon_xids.set(holder.xid_age)
+        self.horizon_holder.labels(
+            holder.kind,
+            "" if holder.pid is None else str(holder.pid),
+            holder.application_name or holder.name or "",
+            holder.state or "",
+        ).set(1)
 
     def beat(self) -> None:
         """Record that the loop is alive (called every iteration)."""

@@ -61,22 +61,26 @@ from outbox._core.delivery import (
     single_round,
     split_claim,
 )
+from outbox._core.lowwater import LowWater
 from outbox._core.redact import one_line, redact_url
 from outbox._core.retry import Backoff
 from outbox._kafka.producer import KafkaProducer, Outcome, RecordTuple
 from outbox._kafka.records import build_records, build_records_checked
 from outbox._otel import spans
-from outbox._pg import lanes as pg_lanes
+from outbox._pg import health as health_pg, lanes as pg_lanes
 from outbox._pg.errors import database_unavailable, is_database_error
 from outbox._pg.pooler import sessions_are_pooled
 from outbox._pg.relay import (
+    OutboxSequence,
     OutboxStatements,
     listen_connector,
     outbox_claim_batch,
     outbox_delete_between_savepoints,
     outbox_delete_confirmed,
+    outbox_low_water,
     outbox_record_failures,
     outbox_rollback_to,
+    outbox_sequence,
     outbox_stats,
     relay_engine,
 )
@@ -188,6 +192,12 @@ class Relay:
         self._announce = self._announced = self._draining = False
         self._db_backoff = Backoff(config.backoff_initial, config.backoff_max)
         self._confirmed_since_check = False
+        # Where claims start (outbox._core.lowwater); the mark a claim ahead computed inside
+        # the batch transaction counts only once that transaction committed as it is (it saw
+        # the batch's own uncommitted delete). None: no mark (the sequence caches values).
+        self._sequence: OutboxSequence | None = None
+        self._low = LowWater()
+        self._low_ahead: LowWater | None = None
 
     @property
     def owned(self) -> set[int]:
@@ -232,6 +242,7 @@ class Relay:
         conn = self.engine.connect()
         try:
             self.lanes.register(conn)
+            self._sequence = self._low_water_sequence(conn)
         except Exception:
             conn.close()
             raise
@@ -239,8 +250,23 @@ class Relay:
         self.metrics.up.set(1)
         return conn
 
+    def _low_water_sequence(self, conn: sa.Connection) -> OutboxSequence | None:
+        sequence = outbox_sequence(conn, self.sql)
+        conn.commit()
+        if sequence.sequence is None or sequence.cache != 1:
+            log.warning(
+                "event=low_water_off cache=%s: the outbox's id sequence caches values per "
+                "session, so claims walk the table from its low end (slow while a long "
+                "transaction holds VACUUM back); run `ALTER TABLE outbox ALTER COLUMN id SET "
+                "CACHE 1`",
+                sequence.cache,
+            )
+            return None
+        return sequence
+
     def _drop_connection(self) -> None:
-        self._ahead = None
+        self._ahead = self._low_ahead = None
+        self._low = LowWater()  # from the low end again once the lanes are back
         self._announce = self._announced = False  # the lock went with the session
         conn, self._conn = self._conn, None
         self.lanes.lost()
@@ -253,13 +279,21 @@ class Relay:
                 conn.close()
 
     def _refresh_stats(self, conn: sa.Connection) -> None:
-        stats = outbox_stats(conn, self.sql)
+        # Rows below the mark are gone when this relay owns every lane: count from the mark.
+        every_lane = self._low.lanes == frozenset(self.lanes.owned) and (
+            len(self._low.lanes) == self.config.lanes
+        )
+        stats = outbox_stats(conn, self.sql, self._low.low if every_lane else 0)
         conn.commit()
         values = stats.values()
         self.metrics.backlog.set(sum(s.backlog for s in values))
         self.metrics.parked_rows.set(sum(s.parked for s in values))
         self.metrics.oldest_age.set(max((s.oldest_age for s in values), default=0.0))
         self.metrics.topics({t: (s.backlog, s.parked, s.oldest_age) for t, s in stats.items()})
+        tables = health_pg.table_health(conn, self.config.schema)
+        holder = health_pg.horizon_holder(conn)
+        conn.commit()
+        self.metrics.set_health(tables, holder)
 
     def _check_broker(self) -> None:
         """Readiness: ask the brokers for metadata, unless Kafka confirmed a delivery since the
@@ -288,12 +322,26 @@ class Relay:
     def _claim(
         self, conn: sa.Connection, *, uncontended: bool, savepoint: str | None = None
     ) -> list[ClaimedRow] | None:
+        owned = sorted(self.lanes.owned)
+        low = 0
+        if self._sequence is not None:
+            mark = self._low.for_lanes(owned)
+            drawn, writers, first_live = outbox_low_water(
+                conn, self.sql, self._sequence, lanes=self.config.lanes, owned=owned, low=mark.low
+            )
+            mark = mark.advance(drawn, writers, first_live)
+            low = mark.low
+            if savepoint is None:
+                self._low = mark  # read before this transaction changed anything
+            else:
+                self._low_ahead = mark
         return outbox_claim_batch(
             conn,
             self.sql,
             lanes=self.config.lanes,
-            owned=sorted(self.lanes.owned),
+            owned=owned,
             batch_size=self.config.batch_size,
+            low=low,
             uncontended=uncontended,
             savepoint=savepoint,
         )
@@ -411,8 +459,11 @@ class Relay:
                 gaps,
             )
         verdict = settle(ids, [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts)
+        low_ahead, self._low_ahead = self._low_ahead, None
         if optimistic and len(verdict.delete) == len(ids):
             conn.commit()  # every row confirmed: the delete in the savepoint stands
+            if low_ahead is not None:
+                self._low = low_ahead
             if not self.stop_event.is_set():
                 self._ahead = ahead
         else:
@@ -621,7 +672,7 @@ class Relay:
 
     def _rollback(self) -> bool:
         """Roll back the transaction in hand; false when the session did not survive."""
-        self._ahead = None
+        self._ahead = self._low_ahead = None
         if self._conn is None:
             return False
         try:

@@ -113,16 +113,28 @@ def _float(value: Any) -> float | None:
 # -- outbox gc -------------------------------------------------------------------------------
 
 # Each batch locks at most `limit` old rows, skipping any row a live transaction holds, and
-# deletes exactly those by ctid (a TID scan), in its own short transaction.
+# deletes exactly those by ctid (a TID scan), in its own short transaction. It starts where the
+# previous batch ended (`after`, the last `updated_at` it deleted), not at the index's low end:
+# the keys deleted before stay in the index as dead entries until VACUUM removes them, which it
+# may not while a long transaction holds the xmin horizon, and a walk over them would make each
+# batch slower than the last. Keys skipped behind the cursor (locked, or committed late with an
+# old `updated_at`) are left to the next run.
 IDEMPOTENCY_KEYS_GC_BATCH = """
-DELETE FROM {keys}
-WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM {keys}
-    WHERE updated_at < :cutoff {scope_filter}
-    LIMIT :limit
-    FOR UPDATE SKIP LOCKED
-))
-AND updated_at < :cutoff
+WITH deleted AS (
+    DELETE FROM {keys}
+    WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM {keys}
+        WHERE updated_at < :cutoff
+          AND updated_at >= coalesce(CAST(:after AS timestamptz), '-infinity') {scope_filter}
+        ORDER BY updated_at
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    ))
+    AND updated_at < :cutoff
+    AND updated_at >= coalesce(CAST(:after AS timestamptz), '-infinity')
+    RETURNING updated_at
+)
+SELECT count(*) AS n, max(updated_at) AS last FROM deleted
 """
 
 IDEMPOTENCY_KEYS_GC_COUNT = "SELECT count(*) FROM {keys} WHERE updated_at < :cutoff {scope_filter}"
@@ -157,15 +169,29 @@ def idempotency_keys_count_expired(
 
 
 def idempotency_keys_delete_expired_batch(
-    engine: sa.Engine, cutoff: datetime, schema: str | None, scope: str | None, limit: int
-) -> int:
-    """Delete up to ``limit`` keys last updated before ``cutoff`` in one short transaction,
-    skipping rows a live transaction holds; returns how many were deleted."""
+    engine: sa.Engine,
+    cutoff: datetime,
+    schema: str | None,
+    scope: str | None,
+    limit: int,
+    after: datetime | None = None,
+) -> tuple[int, datetime | None]:
+    """Delete up to ``limit`` keys last updated before ``cutoff`` (and not before ``after``) in
+    one short transaction, skipping rows a live transaction holds; returns how many were
+    deleted and the last ``updated_at`` among them (where the next batch starts)."""
     sql = _gc_sql(IDEMPOTENCY_KEYS_GC_BATCH, schema, scope)
     with engine.begin() as conn:
         conn.execute(sa.text(f"SET LOCAL lock_timeout = '{_GC_LOCK_TIMEOUT}'"))
-        result = conn.execute(sql, {"cutoff": cutoff, "limit": limit, "scope": scope})
-        return int(result.rowcount)
+        # The batch is the first `limit` entries of the updated_at index from `after` on: an
+        # ordered index scan that stops there. Statistics that lag behind a table gc is
+        # emptying make the planner read every expired key into a bitmap and sort it instead,
+        # once per batch.
+        conn.execute(sa.text("SET LOCAL enable_bitmapscan = off"))
+        conn.execute(sa.text("SET LOCAL enable_seqscan = off"))
+        row = conn.execute(
+            sql, {"cutoff": cutoff, "limit": limit, "scope": scope, "after": after}
+        ).one()
+        return int(row.n), row.last
 
 
 # -- outbox parked ---------------------------------------------------------------------------

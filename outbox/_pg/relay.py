@@ -98,7 +98,8 @@ OUTBOX_CLAIM_BATCH = (
 WITH claim AS (
     SELECT o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.attempts
     FROM {outbox} o
-    WHERE o.parked_at IS NULL
+    WHERE o.id >= %(low)s
+      AND o.parked_at IS NULL
       AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
       AND """
     + _not_behind_parked("o")
@@ -114,6 +115,7 @@ UNION ALL
 SELECT s.id, 0, NULL, s.key, NULL, NULL, NULL, true
 FROM {outbox} s
 WHERE s.id < (SELECT max(id) FROM claim)
+  AND s.id >= %(low)s
   AND s.key IS NOT NULL
   AND s.parked_at IS NULL
   AND (s.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
@@ -135,7 +137,8 @@ OUTBOX_CLAIM_UNCONTENDED = (
 SELECT o.id, o.attempts, o.topic, o.key, o.value, o.headers::text,
        convert_to(o.event_id::text, 'UTF8'), false
 FROM {outbox} o
-WHERE o.parked_at IS NULL
+WHERE o.id >= %(low)s
+  AND o.parked_at IS NULL
   AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
   AND """
     + _not_behind_parked("o")
@@ -174,12 +177,42 @@ FROM unnest(CAST(:ids AS bigint[]), CAST(:errors AS text[]), CAST(:park AS boole
 WHERE o.id = f.id
 """
 
+# The low-water mark's three readings (outbox._core.lowwater), sent in one message: the simple
+# query protocol runs them one after the other, each with its own snapshot (READ COMMITTED), in
+# the order the mark's argument needs. pg_locks shows every session's locks to every role; the
+# relay's own session (which deletes) is left out, a prepared transaction (no pid) is not. An
+# INSERT takes ROW EXCLUSIVE (also when its transaction holds a stronger lock, which are listed
+# as well); VACUUM, ANALYZE and CREATE INDEX (SHARE UPDATE EXCLUSIVE, SHARE) draw no id and do
+# not count, so that an autovacuum of a large outbox does not hold the mark for its whole run.
+OUTBOX_LOW_WATER = """
+SELECT coalesce(pg_sequence_last_value(%(sequence)s::oid::regclass), 0);
+SELECT coalesce(array_agg(DISTINCT l.virtualtransaction), '{{}}')
+FROM pg_locks l
+WHERE l.locktype = 'relation'
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.relation = %(table)s::oid
+  AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock',
+                 'AccessExclusiveLock')
+  AND l.pid IS DISTINCT FROM pg_backend_pid();
+SELECT min(o.id) FROM {outbox} o
+WHERE o.id >= %(low)s AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
+"""
+
+# The outbox table's oid, its id sequence's oid and how many values that sequence caches per
+# session (a mark is only sound with 1: a cached value can be handed out after a larger one).
+OUTBOX_SEQUENCE = """
+SELECT t.oid::bigint, s.seqrelid::bigint, s.seqcache
+FROM (SELECT %(table)s::text::regclass::oid AS oid) t
+LEFT JOIN pg_sequence s ON s.seqrelid = pg_get_serial_sequence(%(table)s::text, 'id')::regclass
+"""
+
 OUTBOX_STATS = """
 SELECT topic,
        count(*) FILTER (WHERE parked_at IS NULL) AS backlog,
        count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,
        EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE parked_at IS NULL)) AS oldest
 FROM {outbox}
+WHERE id >= :low
 GROUP BY topic
 """
 
@@ -197,6 +230,8 @@ class OutboxStatements:
     delete_range: str
     fail: sa.TextClause
     stats: sa.TextClause
+    low_water: str
+    table: str
 
     @classmethod
     def for_schema(cls, schema: str | None) -> OutboxStatements:
@@ -208,6 +243,8 @@ class OutboxStatements:
             delete_range=OUTBOX_DELETE_CONFIRMED_RANGE.format(outbox=table),
             fail=sa.text(OUTBOX_RECORD_FAILURES.format(outbox=table)),
             stats=sa.text(OUTBOX_STATS.format(outbox=table)),
+            low_water=OUTBOX_LOW_WATER.format(outbox=table),
+            table=table,
         )
 
 
@@ -218,6 +255,7 @@ def outbox_claim_batch(
     lanes: int,
     owned: Sequence[int],
     batch_size: int,
+    low: int = 0,
     uncontended: bool = False,
     savepoint: str | None = None,
 ) -> list[ClaimedRow] | None:
@@ -233,7 +271,7 @@ def outbox_claim_batch(
     # charge of the work done on the driver's cursor.
     if not conn.in_transaction():
         conn.begin()
-    params = {"lanes": lanes, "owned": list(owned), "batch_size": batch_size}
+    params = {"lanes": lanes, "owned": list(owned), "batch_size": batch_size, "low": low}
     with _driver(conn).cursor(binary=True) as cur:
         if uncontended:
             try:
@@ -307,14 +345,69 @@ class OutboxStats:
     oldest_age: float
 
 
-def outbox_stats(conn: sa.Connection, sql: OutboxStatements) -> dict[str, OutboxStats]:
-    """Count the whole outbox, per topic (in a transaction the caller commits)."""
-    # A whole-table count: here a sequential scan is the right plan (see SESSION_SETTINGS).
-    conn.execute(OUTBOX_STATS_SEQSCAN)
+def outbox_stats(
+    conn: sa.Connection, sql: OutboxStatements, low: int = 0
+) -> dict[str, OutboxStats]:
+    """Count the outbox's rows from id ``low`` on, per topic (in a transaction the caller
+    commits)."""
+    if low == 0:
+        # A whole-table count: here a sequential scan is the right plan (see SESSION_SETTINGS).
+        conn.execute(OUTBOX_STATS_SEQSCAN)
     return {
         str(row.topic): OutboxStats(int(row.backlog), int(row.parked), float(row.oldest or 0.0))
-        for row in conn.execute(sql.stats)
+        for row in conn.execute(sql.stats, {"low": low})
     }
+
+
+@dataclass(frozen=True)
+class OutboxSequence:
+    """The outbox table's and its id sequence's oids, and the sequence's per-session cache
+    (``sequence`` is ``None`` when the id column has no sequence)."""
+
+    table: int
+    sequence: int | None
+    cache: int | None
+
+
+def outbox_sequence(conn: sa.Connection, sql: OutboxStatements) -> OutboxSequence:
+    """Look up what the low-water readings need (in a transaction the caller commits)."""
+    with _driver(conn).cursor() as cur:
+        cur.execute(OUTBOX_SEQUENCE, {"table": sql.table})
+        row = cur.fetchone()
+    assert row is not None
+    return OutboxSequence(int(row[0]), row[1], row[2])
+
+
+def outbox_low_water(
+    conn: sa.Connection,
+    sql: OutboxStatements,
+    sequence: OutboxSequence,
+    *,
+    lanes: int,
+    owned: Sequence[int],
+    low: int,
+) -> tuple[int, list[str], int | None]:
+    """The low-water mark's readings: the sequence's last id, the transactions holding a write
+    lock on the outbox, the lowest id from ``low`` on of a row of the ``owned`` lanes (in the
+    caller's transaction; see :mod:`outbox._core.lowwater`)."""
+    if not conn.in_transaction():
+        conn.begin()
+    params = {
+        "sequence": sequence.sequence,
+        "table": sequence.table,
+        "low": low,
+        "lanes": lanes,
+        "owned": "{" + ",".join(map(str, owned)) + "}",
+    }
+    with psycopg.ClientCursor(_driver(conn)) as cur:
+        cur.execute(sql.low_water, params)
+        drawn = cur.fetchone()
+        cur.nextset()
+        writers = cur.fetchone()
+        cur.nextset()
+        first = cur.fetchone()
+    assert drawn is not None and writers is not None and first is not None
+    return int(drawn[0]), list(writers[0]), first[0]
 
 
 def _driver(conn: sa.Connection) -> psycopg.Connection[Any]:

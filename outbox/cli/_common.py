@@ -33,6 +33,7 @@ from outbox.config import (
     ENV_CONSUMER_TRACE_CONTEXT,
     ENV_DATABASE_URL,
     ENV_GC_BATCH_SIZE,
+    ENV_GC_DUTY_CYCLE,
     ENV_GUARD_LEASE,
     ENV_GUARD_ON_REDIS_ERROR,
     ENV_GUARD_REDIS_URL,
@@ -354,6 +355,18 @@ GC_BATCH_SIZE = Flag(
     type=_int,
     kind="an integer",
     check=None,  # the range is the gc command's (admin.MAX_GC_BATCH_SIZE)
+)
+
+GC_DUTY_CYCLE = Flag(
+    "--duty-cycle",
+    ENV_GC_DUTY_CYCLE,
+    "share of the time gc works: after each batch it pauses so that its batches take at most "
+    "this share of the run (0 < F <= 1), leaving the rest of the database's CPU to live units "
+    "of work",
+    type=_float,
+    kind="a number",
+    metavar="F",
+    check=None,  # the range is the gc command's (admin.check_duty_cycle)
 )
 
 # For flags a command declares itself (add_argument): the same converters and checks.

@@ -16,6 +16,7 @@ from outbox.cli._common import (
     EXIT_RETENTION_REFUSED,
     FLAGS,
     GC_BATCH_SIZE,
+    GC_DUTY_CYCLE,
     add_flags,
     ranged,
 )
@@ -43,6 +44,7 @@ def register(subparsers: Any) -> None:
         "cache_ttl",
         "min_redelivery_window",
         GC_BATCH_SIZE,
+        GC_DUTY_CYCLE,
         cache_ttl={"default_text": format_duration(DEFAULT_CACHE_TTL_SECONDS)},
         min_redelivery_window={
             "default_text": format_duration(admin.DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS)
@@ -52,6 +54,7 @@ def register(subparsers: Any) -> None:
             "default_text": str(admin.DEFAULT_GC_BATCH_SIZE),
             "check": ranged(1, admin.MAX_GC_BATCH_SIZE),
         },
+        duty_cycle={"default_text": "1, no pauses", "check": _duty_cycle},
     )
     p.add_argument("--scope", default=None, help="only keys of this scope (default: all)")
     p.add_argument(
@@ -59,6 +62,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON (no progress)")
     p.set_defaults(func=command)
+
+
+def _duty_cycle(name: str, value: float) -> None:
+    try:
+        admin.check_duty_cycle(value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(str(exc).replace("--duty-cycle", name, 1)) from None
 
 
 def _duration(args: argparse.Namespace, dest: str, default: float | None) -> float:
@@ -85,6 +95,7 @@ def command(args: argparse.Namespace) -> int:
     batch_size = admin.check_gc_batch_size(
         args.batch_size if args.batch_size is not None else admin.DEFAULT_GC_BATCH_SIZE
     )
+    duty_cycle = admin.check_duty_cycle(args.duty_cycle if args.duty_cycle is not None else 1.0)
     try:
         admin.check_retention(older_than, cache_ttl, window)
     except RetentionError as exc:
@@ -110,6 +121,7 @@ def command(args: argparse.Namespace) -> int:
             batch_size=batch_size,
             dry_run=args.dry_run,
             progress=None if args.json else progress,
+            duty_cycle=duty_cycle,
         )
     finally:
         engine.dispose()

@@ -123,6 +123,7 @@ OPERATOR_FLAGS: dict[str, tuple[list[str], str | None, set[int]]] = {
         {3},
     ),
     "--batch-size": (["gc", "--dry-run", "--older-than", "30d"], "OUTBOX_GC_BATCH_SIZE", set()),
+    "--duty-cycle": (["gc", "--dry-run", "--older-than", "30d"], "OUTBOX_GC_DUTY_CYCLE", set()),
     "--scope": (["gc", "--dry-run", "--older-than", "30d"], None, set()),
     "--topic": (["parked", "list"], None, set()),
     "--limit": (["parked", "list"], None, set()),

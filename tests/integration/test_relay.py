@@ -154,7 +154,9 @@ def test_rows_behind_a_parked_row_are_neither_claimed_nor_sent_back_as_skipped(
         with relay.engine.connect() as conn:
             driver: Any = conn.connection.driver_connection
             with driver.cursor(binary=True) as cur:
-                cur.execute(relay.sql.claim, {"lanes": 1, "owned": [0], "batch_size": 100})
+                cur.execute(
+                    relay.sql.claim, {"lanes": 1, "owned": [0], "batch_size": 100, "low": 0}
+                )
                 fetched = cur.fetchall()
             conn.rollback()
     finally:
