@@ -4,7 +4,7 @@ Dropping a NOT NULL constraint only changes the catalogue: no table rewrite, no 
 ACCESS EXCLUSIVE lock it takes waits for the relay's open transactions, which are short.
 
 Revision ID: 0005
-Revises: 0003
+Revises: 0004
 Create Date: 2026-11-27
 """
 
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import context, op
 
 revision: str = "0005"
-down_revision: str | None = "0003"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
