@@ -1,0 +1,220 @@
+"""``outbox console`` over TCP (a real uvicorn process, real PostgreSQL), driven with httpx:
+pages render, filters narrow, read-only and CSRF refusals, escaping, and bad input as 400."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from outbox.schema import tables
+from tests.fixtures.console import ADMIN_TOKEN, ConsoleServer
+from tests.fixtures.relay import insert_rows, outbox_count
+
+BEARER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def park(engine: sa.Engine, ids: list[uuid.UUID], error: str) -> None:
+    """Park rows the way the relay does: parked_at set, the error and attempts kept."""
+    t = tables(None).outbox
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(t)
+            .where(t.c.event_id.in_(ids))
+            .values(parked_at=sa.func.now(), last_error=error, attempts=3)
+        )
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found, "no CSRF field on the page"
+    return found.group(1)
+
+
+@pytest.fixture
+def parked(engine: sa.Engine) -> dict[str, list[uuid.UUID]]:
+    """Two topics' parked rows with different errors, and a pending row."""
+    a = insert_rows(engine, "orders", [("k1", b'{"n": 1}'), ("k2", b"<script>alert(1)</script>")])
+    b = insert_rows(engine, "payments", [("p1", b"\x00\xff\x10")], {"token": "x"})
+    pending = insert_rows(engine, "orders", [("k9", b"later")])
+    park(engine, a, "MSG_SIZE_TOO_LARGE: too big")
+    park(engine, b, "UNKNOWN_TOPIC_OR_PART")
+    return {"orders": a, "payments": b, "pending": pending}
+
+
+def test_pages_render_the_backlog_and_the_parked_rows(
+    console_server: Callable[..., ConsoleServer], parked: dict[str, list[uuid.UUID]]
+) -> None:
+    server = console_server()
+    with httpx.Client(base_url=server.url) as client:
+        overview = client.get("/")
+        assert overview.status_code == 200
+        assert re.search(r'id="parked-count"><a href="/parked">3<', overview.text)
+        assert re.search(r'id="pending">1<', overview.text)
+        page = client.get("/parked")
+        assert page.status_code == 200
+        for event_id in parked["orders"] + parked["payments"]:
+            assert str(event_id) in page.text
+        assert str(parked["pending"][0]) not in page.text
+        # JSON pretty-printed, binary as hex; read-only: no action buttons.
+        assert "{\n  &#34;n&#34;: 1\n}" in page.text
+        assert "00 ff 10" in page.text
+        assert 'action="/parked/action"' not in page.text
+        assert client.get("/keys").status_code == 200
+
+
+def test_filters_narrow_by_topic_key_and_error_text(
+    console_server: Callable[..., ConsoleServer], parked: dict[str, list[uuid.UUID]]
+) -> None:
+    server = console_server()
+    with httpx.Client(base_url=server.url) as client:
+        by_topic = client.get("/parked", params={"topic": "payments"}).text
+        by_key = client.get("/parked", params={"key": "k2"}).text
+        # case-insensitive, and "_" is a literal underscore, not a wildcard
+        by_error = client.get("/parked", params={"error": "unknown_topic"}).text
+        wildcard = client.get("/parked", params={"error": "MSG%"}).text
+    assert str(parked["payments"][0]) in by_topic and str(parked["orders"][0]) not in by_topic
+    assert str(parked["orders"][1]) in by_key and str(parked["orders"][0]) not in by_key
+    assert str(parked["payments"][0]) in by_error and str(parked["orders"][0]) not in by_error
+    assert "<strong>0</strong>" in wildcard
+
+
+def test_an_event_value_holding_script_shows_as_text(
+    console_server: Callable[..., ConsoleServer], parked: dict[str, list[uuid.UUID]]
+) -> None:
+    server = console_server()
+    page = httpx.get(f"{server.url}/parked", params={"key": "k2"}).text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<script>" not in page
+
+
+def test_read_only_console_refuses_changes(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server()
+    form = {"action": "discard", "scope": "matching", "confirmed": "3", "csrf": "x"}
+    refused = httpx.post(f"{server.url}/parked/action", data=form, headers=BEARER)
+    assert refused.status_code == 403 and "read-only" in refused.text
+    assert outbox_count(engine, parked=True) == 3
+
+
+def test_changes_need_the_token_and_the_csrf_token(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    with httpx.Client(base_url=server.url, headers=BEARER) as admin:
+        page = admin.get("/parked")
+        assert 'action="/parked/action"' in page.text
+        token = csrf_of(page.text)
+        form = {"action": "discard", "scope": "matching", "confirmed": "3"}
+        # no token: anonymous visitors read, and are refused changes
+        anonymous = httpx.post(
+            f"{server.url}/parked/action", data={**form, "csrf": token}, cookies=admin.cookies
+        )
+        assert anonymous.status_code == 403
+        assert 'action="/parked/action"' not in httpx.get(f"{server.url}/parked").text
+        # the admin, but the form's CSRF token is missing or does not match the cookie
+        assert admin.post("/parked/action", data=form).status_code == 403
+        assert admin.post("/parked/action", data={**form, "csrf": "x" * 43}).status_code == 403
+        assert outbox_count(engine, parked=True) == 3
+        # the admin with the CSRF token: first a confirmation stating the count, then the change
+        confirm = admin.post("/parked/action", data={**form, "confirmed": "", "csrf": token})
+        assert confirm.status_code == 200
+        assert re.search(r'id="confirm-count">3<', confirm.text)
+        assert outbox_count(engine, parked=True) == 3
+        done = admin.post("/parked/action", data={**form, "csrf": token})
+        assert done.status_code == 303
+    assert outbox_count(engine, parked=True) == 0
+    assert outbox_count(engine) == 1
+    assert "admin discard: 3 parked row(s)" in server.log()
+    assert "from 127.0.0.1" in server.log()
+
+
+def test_a_stale_confirmation_is_asked_again_with_the_new_count(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    with httpx.Client(base_url=server.url, headers=BEARER) as admin:
+        token = csrf_of(admin.get("/parked").text)
+        form = {"action": "retry", "scope": "matching", "topic": "orders", "csrf": token}
+        again = admin.post("/parked/action", data={**form, "confirmed": "5"})
+    assert again.status_code == 200 and re.search(r'id="confirm-count">2<', again.text)
+    assert outbox_count(engine, parked=True) == 3
+
+
+def test_retry_of_a_selection_touches_only_those_rows(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    chosen = parked["orders"][0]
+    with httpx.Client(base_url=server.url, headers=BEARER) as admin:
+        token = csrf_of(admin.get("/parked").text)
+        form = {"action": "retry", "scope": "selected", "event_id": str(chosen), "csrf": token}
+        assert admin.post("/parked/action", data={**form, "confirmed": "1"}).status_code == 303
+    t = tables(None).outbox
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(t.c.parked_at, t.c.attempts).where(t.c.event_id == chosen)
+        ).one()
+    assert row.parked_at is None and row.attempts == 0
+    assert outbox_count(engine, parked=True) == 2
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "data"),
+    [
+        ("GET", "/parked?topic=not%20a%20topic", None),
+        ("GET", "/parked?offset=-1", None),
+        ("GET", "/parked?offset=ten", None),
+        ("GET", "/keys?scope=bad%20scope&key=k", None),
+        ("GET", "/keys?scope=orders", None),
+        ("POST", "/parked/action", {"action": "retry", "scope": "selected", "event_id": "nope"}),
+        ("POST", "/parked/action", {"action": "explode", "scope": "matching"}),
+        ("POST", "/parked/action", {"action": "retry", "scope": "selected"}),
+    ],
+)
+def test_bad_filters_and_ids_are_400_with_a_message(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    method: str,
+    path: str,
+    data: dict[str, Any] | None,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    with httpx.Client(base_url=server.url, headers=BEARER) as admin:
+        token = csrf_of(admin.get("/parked").text) if data is not None else ""
+        if data is not None:
+            data = {**data, "csrf": token}
+        answer = admin.request(method, path, data=data)
+    assert answer.status_code == 400, answer.text
+    assert 'id="error-message"' in answer.text and "Traceback" not in answer.text
+
+
+def test_no_secret_on_any_page(
+    console_server: Callable[..., ConsoleServer], database_url: str
+) -> None:
+    secret_url = database_url.replace("postgres@", "postgres:s3cr3t-pw@", 1)
+    server = ConsoleServer(secret_url, "--redis-url", "redis://:r3dis-pw@127.0.0.1:6379/0")
+    try:
+        server.start()
+        with httpx.Client(base_url=server.url) as client:
+            pages = [client.get(p).text for p in ("/", "/parked", "/keys", "/parked?offset=x")]
+    finally:
+        server.stop()
+        server.close()
+    for text in pages:
+        assert "s3cr3t-pw" not in text and "r3dis-pw" not in text
+    assert "***" in pages[0]
