@@ -14,6 +14,17 @@ from outbox._core import settings as _settings
 from outbox.cli._common import EXIT_OK, Flag, add_flags, integer, ranged, require
 from outbox.errors import ConfigurationError
 
+# This module is imported only when `outbox console` runs; without the console extra the
+# command says what to install instead of failing on import.
+try:
+    import uvicorn
+
+    from outbox.console.app import ConsoleSettings, create_app
+except ImportError as exc:
+    _MISSING: str | None = exc.name or "starlette"
+else:
+    _MISSING = None
+
 ENV_CONSOLE_HOST = "OUTBOX_CONSOLE_HOST"
 ENV_CONSOLE_PORT = "OUTBOX_CONSOLE_PORT"
 ENV_CONSOLE_ADMIN_TOKEN = "OUTBOX_CONSOLE_ADMIN_TOKEN"
@@ -60,15 +71,11 @@ def register(subparsers: Any) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn
-
-        from outbox.console.app import ConsoleSettings, create_app
-    except ImportError as exc:
+    if _MISSING is not None:
         raise ConfigurationError(
-            f"outbox console needs the console extra ({exc.name} is missing): "
+            f"outbox console needs the console extra ({_MISSING} is missing): "
             "pip install 'outbox-kit[console]'"
-        ) from None
+        )
     settings = ConsoleSettings(
         database_url=require(args, "database_url"),
         schema=args.schema,

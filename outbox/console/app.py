@@ -30,6 +30,7 @@ from urllib.parse import parse_qsl, urlencode
 import jinja2
 import sqlalchemy as sa
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MultiDict
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
@@ -295,7 +296,7 @@ class Console:
     ) -> Response:
         described = data.describe_filter(where)
         if event_ids is not None:
-            described = f"{len(event_ids)} selected row(s) among {described}"
+            described = f"{len(event_ids)} selected, {described}"
         with self.engine.begin() as conn:
             count = data.count_parked(conn, self.schema, where, event_ids)
             if confirmed != str(count):
@@ -366,8 +367,6 @@ def _age(seconds: float | None) -> str:
 
 
 async def _in_thread(func: Callable[..., Response], *args: Any) -> Response:
-    from starlette.concurrency import run_in_threadpool
-
     return await run_in_threadpool(func, *args)
 
 

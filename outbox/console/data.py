@@ -75,7 +75,7 @@ def filter_params(where: ParkedFilter) -> dict[str, str]:
 def describe_filter(where: ParkedFilter) -> str:
     """The filter in words, for confirmations and the admin log."""
     parts = [f"{k}={v!r}" for k, v in filter_params(where).items()]
-    return "every parked row" if not parts else "parked rows with " + ", ".join(parts)
+    return "all topics, keys and errors" if not parts else "with " + ", ".join(parts)
 
 
 def parse_offset(value: str | None) -> int:

@@ -3,7 +3,10 @@ pages render, filters narrow, read-only and CSRF refusals, escaping, and bad inp
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -218,3 +221,42 @@ def test_no_secret_on_any_page(
     for text in pages:
         assert "s3cr3t-pw" not in text and "r3dis-pw" not in text
     assert "***" in pages[0]
+
+
+def test_basic_auth_with_the_token_as_password_signs_in(
+    console_server: Callable[..., ConsoleServer], parked: dict[str, list[uuid.UUID]]
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    challenge = httpx.get(f"{server.url}/login")
+    assert challenge.status_code == 401
+    assert challenge.headers["www-authenticate"].startswith("Basic ")
+    wrong = httpx.get(f"{server.url}/parked", auth=("oncall", ADMIN_TOKEN + "x")).text
+    assert 'action="/parked/action"' not in wrong
+    with httpx.Client(base_url=server.url, auth=("oncall", ADMIN_TOKEN)) as admin:
+        assert admin.get("/login").status_code == 303
+        assert 'action="/parked/action"' in admin.get("/parked").text
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        ([], {}, "OUTBOX_DATABASE_URL"),
+        (["--port", "0"], {}, "--port"),
+        ([], {"OUTBOX_CONSOLE_PORT": "http"}, "OUTBOX_CONSOLE_PORT"),
+        (["--host", "0.0.0.0/8"], {}, "--host"),
+        ([], {"OUTBOX_CONSOLE_ADMIN_TOKEN": "short-secret"}, "at least 16"),
+    ],
+)
+def test_bad_console_settings_exit_2_with_one_line_before_serving(
+    database_url: str, args: list[str], env: dict[str, str], says: str
+) -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    if args or env:
+        environ["OUTBOX_DATABASE_URL"] = database_url
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox.cli", "console", *args],
+        capture_output=True, text=True, env={**environ, **env}, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert "short-secret" not in done.stderr
