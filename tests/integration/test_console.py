@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
+from hypothesis import given, settings, strategies as st
 
 from outbox.schema import tables
 from tests.fixtures.console import ADMIN_TOKEN, ConsoleServer
@@ -260,3 +261,34 @@ def test_bad_console_settings_exit_2_with_one_line_before_serving(
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert "short-secret" not in done.stderr
+
+
+FILTER_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60)
+
+
+def test_hostile_filters_are_a_page_or_a_400_never_a_500(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    with httpx.Client(base_url=server.url, headers=BEARER) as client:
+        token = csrf_of(client.get("/parked").text)
+
+        @settings(max_examples=40, deadline=None)
+        @given(
+            name=st.sampled_from(["topic", "key", "error", "offset", "scope", "event_id"]),
+            value=FILTER_TEXT,
+            where=st.sampled_from(["/parked", "/keys", "/parked/action"]),
+        )
+        def probe(name: str, value: str, where: str) -> None:
+            if where == "/parked/action":
+                form = {"csrf": token, "action": "retry", "scope": "selected", name: value}
+                answer = client.post(where, data=form)
+            else:
+                answer = client.get(where, params={name: value, "scope": "orders"})
+            assert answer.status_code in (200, 400), (answer.status_code, answer.text[-300:])
+            assert "Traceback" not in answer.text
+
+        probe()
+    assert outbox_count(engine, parked=True) == 3  # no confirmation, nothing changed
