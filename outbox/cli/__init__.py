@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "outbox.cli.consume",
         "run a handler on Kafka messages, at most once per idempotency key",
     ),
+    "dlq": ("outbox.cli.dlq", "list dead letters by failure, redrive them"),
     "console": (
         "outbox.cli.console",
         "serve the web console: backlog, relays, parked events, keys",
