@@ -11,7 +11,15 @@ import logging
 from typing import Any
 
 from outbox._core import settings as _settings
-from outbox.cli._common import EXIT_OK, Flag, add_flags, integer, ranged, require
+from outbox.cli._common import (
+    EXIT_OK,
+    Flag,
+    add_flags,
+    add_kafka_config,
+    integer,
+    ranged,
+    require,
+)
 from outbox.errors import ConfigurationError
 
 # This module is imported only when `outbox console` runs; without the console extra the
@@ -67,6 +75,7 @@ def register(subparsers: Any) -> None:
         p, "database_url", "schema", "bootstrap_servers", "redis_url", "log_level",
         HOST, PORT, ADMIN_TOKEN,
     )  # fmt: skip
+    add_kafka_config(p)
     p.set_defaults(func=command)
 
 
@@ -82,6 +91,7 @@ def command(args: argparse.Namespace) -> int:
         bootstrap_servers=args.bootstrap_servers,
         redis_url=args.redis_url,
         admin_token=args.admin_token or None,
+        kafka_config=args.kafka_config,
     ).validate()
     app = create_app(settings)
     mode = "admin token set" if settings.admin_token else "read-only"

@@ -8,9 +8,9 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from outbox._core.dlq import Group, Letter, group_letters, parse_ref, redrive_headers
+from outbox._core.dlq import Group, Letter, group_letters, parse_ref
 from outbox._core.validate import check_topic
-from outbox._kafka.dlq import produce_all, read_letters
+from outbox._kafka.dlq import read_letters
 from outbox.cli._common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -20,6 +20,7 @@ from outbox.cli._common import (
     ranged,
     require,
 )
+from outbox.dlq import redrive
 from outbox.errors import ConfigurationError
 
 MAX_LIMIT = 1_000_000
@@ -85,34 +86,24 @@ def _cmd_redrive(args: argparse.Namespace) -> int:
         chosen = [x for g in group_letters(letters) if g.id in args.group for x in g.letters]
     else:
         chosen = [x for x in letters if (x.partition, x.offset) in wanted]
-    unknown = [x.ref for x in chosen if x.info is None]
-    if unknown:
-        raise ConfigurationError(
-            f"{len(unknown)} chosen record(s) carry no outbox.dlq.* headers, so their original "
-            f"topic is unknown (first: {unknown[0]})"
-        )
-    records = [
-        (x.info.topic, x.key, x.value, redrive_headers(x.headers))
-        for x in chosen
-        if x.info is not None
-    ]
-    if not args.dry_run and records:
-        produce_all(args.bootstrap_servers, args.kafka_config, records)
+    count = redrive(
+        args.bootstrap_servers, chosen, kafka_config=args.kafka_config, dry_run=args.dry_run
+    )
     verb = "would redrive" if args.dry_run else "redriven"
     if args.json:
         print(
             json.dumps(
                 {
                     "dry_run": args.dry_run,
-                    "count": len(records),
+                    "count": count,
                     "messages": [x.ref for x in chosen],
-                    "topics": sorted({r[0] for r in records}),
+                    "topics": sorted({x.info.topic for x in chosen if x.info is not None}),
                 },
                 indent=2,
             )
         )
     else:
-        print(f"{len(records)} dead letter(s) {verb}")
+        print(f"{count} dead letter(s) {verb}")
     missing = len(wanted) - len(chosen) if not args.group else 0
     if (args.group and not chosen) or missing > 0:
         print("some groups or messages matched nothing: see `outbox dlq list`")

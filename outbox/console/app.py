@@ -21,7 +21,7 @@ import binascii
 import hmac
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from outbox import admin
-from outbox._core.redact import redact_url
+from outbox import admin, dlq
+from outbox._core.redact import redact_text, redact_url
 from outbox._core.settings import check_bootstrap_servers
 from outbox._core.urls import check_database_url, check_redis_url
 from outbox.config import normalize_database_url
@@ -85,6 +85,7 @@ class ConsoleSettings:
     bootstrap_servers: str | None = None
     redis_url: str | None = None
     admin_token: str | None = field(default=None, repr=False)
+    kafka_config: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def validate(self) -> ConsoleSettings:
         check_database_url(self.database_url)
@@ -342,6 +343,81 @@ class Console:
             },
         )
 
+    def dead_letters(self, request: Request) -> Response:
+        topic = request.query_params.get("topic") or ""
+        groups: list[dlq.Group] = []
+        if topic and self.settings.bootstrap_servers is None:
+            raise ValidationError(
+                "the dead-letters page reads Kafka: start the console with --bootstrap-servers"
+            )
+        if topic:
+            groups = dlq.read_groups(
+                self.settings.bootstrap_servers or "",
+                data.check_dlq_topic(topic),
+                kafka_config=self.settings.kafka_config,
+                limit=data.MAX_DEAD_LETTERS,
+            )
+        return self.page(
+            request,
+            "dlq.html",
+            {
+                "topic": topic,
+                "groups": [data.group_view(g) for g in groups],
+                "kafka": self.settings.bootstrap_servers is not None,
+            },
+        )
+
+    async def dead_letters_action(self, request: Request) -> Response:
+        form = await self.admin_form(request)
+        if isinstance(form, Response):
+            return form
+        topic = data.check_dlq_topic(form.get("topic") or "")
+        wanted = form.getlist("group")
+        if not wanted:
+            raise ValidationError("no group chosen: pick one on the dead-letters page")
+        if self.settings.bootstrap_servers is None:
+            raise ValidationError("start the console with --bootstrap-servers to redrive")
+        return await _in_thread(
+            self._redrive,
+            request,
+            topic,
+            wanted,
+            form.get("confirmed"),
+            self.settings.bootstrap_servers,
+        )
+
+    def _redrive(
+        self,
+        request: Request,
+        topic: str,
+        wanted: list[str],
+        confirmed: str | None,
+        bootstrap: str,
+    ) -> Response:
+        groups = dlq.read_groups(
+            bootstrap, topic, kafka_config=self.settings.kafka_config, limit=data.MAX_DEAD_LETTERS
+        )
+        letters = [x for g in groups if g.id in wanted for x in g.letters]
+        if confirmed != str(len(letters)):
+            return self.page(
+                request,
+                "dlq_confirm.html",
+                {
+                    "topic": topic,
+                    "wanted": wanted,
+                    "count": len(letters),
+                    "changed": confirmed is not None,
+                },
+            )
+        count = dlq.redrive(bootstrap, letters, kafka_config=self.settings.kafka_config)
+        client = request.client.host if request.client else "unknown"
+        log.warning(
+            "admin redrive: %d dead letter(s) of %s (groups %s) from %s",
+            count, topic, ", ".join(wanted), client,
+        )  # fmt: skip
+        query = urlencode({"topic": topic, "done": f"{count} dead letter(s) redriven"})
+        return RedirectResponse(f"/dlq?{query}", status_code=303)
+
     def login(self, request: Request) -> Response:
         if self.settings.admin_token is None:
             return self.error(request, 403, "this console is read-only: no admin token was set")
@@ -386,7 +462,7 @@ def create_app(settings: ConsoleSettings) -> Starlette:
             except ValidationError as exc:
                 return console.error(request, 400, str(exc))
             except OutboxError as exc:
-                return console.error(request, 503, str(exc))
+                return console.error(request, 503, redact_text(str(exc)))
             except sa.exc.OperationalError:
                 log.exception("the database did not answer")
                 return console.error(
@@ -409,6 +485,8 @@ def create_app(settings: ConsoleSettings) -> Starlette:
         Route("/parked", guarded(sync(console.parked))),
         Route("/parked/action", guarded(console.parked_action), methods=["POST"]),
         Route("/keys", guarded(sync(console.keys))),
+        Route("/dlq", guarded(sync(console.dead_letters))),
+        Route("/dlq/redrive", guarded(console.dead_letters_action), methods=["POST"]),
         Route("/login", guarded(console.login)),
         Route("/healthz", healthz),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),

@@ -13,12 +13,13 @@ import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
+from outbox._core.dlq import Group
 from outbox._core.redact import HIDDEN, is_secret_setting
 from outbox._core.validate import MAX_SCOPE_LENGTH, check_scope, check_topic, shown
 from outbox._pg import console as sql
@@ -120,6 +121,61 @@ def parse_key_lookup(params: Mapping[str, str]) -> tuple[str, str] | None:
     return scope, key
 
 
+MAX_DEAD_LETTERS = 100_000
+
+
+def check_dlq_topic(topic: str) -> str:
+    """A dead-letter topic name from a form or query string."""
+    if len(topic) > MAX_FILTER_LENGTH:
+        raise ValidationError(f"topic is {len(topic)} characters long: at most 249")
+    return check_topic(topic)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A group of dead letters on the page, with one example."""
+
+    id: str
+    topic: str
+    reason: str
+    error_type: str
+    error: str
+    count: int
+    first_seen: datetime | None
+    last_seen: datetime | None
+    example_ref: str
+    example_key: str
+    example_error: str
+    example_value: Shown
+    example_headers: list[tuple[str, str]]
+
+
+def _stamp(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def group_view(group: Group) -> GroupView:
+    first = group.letters[0]
+    return GroupView(
+        id=group.id,
+        topic=group.topic,
+        reason=group.reason,
+        error_type=group.error_type,
+        error=group.error,
+        count=group.count,
+        first_seen=_stamp(group.first_seen_ms),
+        last_seen=_stamp(group.last_seen_ms),
+        example_ref=first.ref,
+        example_key=key_text(first.key),
+        example_error=first.info.error if first.info is not None else "",
+        example_value=show_bytes(first.value),
+        example_headers=[
+            (n, HIDDEN if _secret_header(n) else show_bytes(v, limit=512).text)
+            for n, v in first.headers[:40]
+        ],
+    )
+
+
 # -- display ---------------------------------------------------------------------------------
 
 
@@ -155,11 +211,15 @@ def show_bytes(data: bytes | None, size: int | None = None, limit: int = VALUE_S
     return Shown("text", text, size, cut)
 
 
+def _secret_header(name: str) -> bool:
+    return is_secret_setting(name) or name.lower() in ("authorization", "cookie")
+
+
 def show_headers(stored: Mapping[str, Any] | None) -> list[tuple[str, str]]:
     """Stored headers as ``(name, shown value)``; a value whose name says secret is hidden."""
     out: list[tuple[str, str]] = []
     for name, value in (stored or {}).items():
-        if is_secret_setting(name) or name.lower() in ("authorization", "cookie"):
+        if _secret_header(name):
             out.append((name, HIDDEN))
             continue
         if isinstance(value, dict) and "base64" in value:

@@ -18,7 +18,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox.schema import tables
-from tests.fixtures.console import ADMIN_TOKEN, ConsoleServer
+from tests.fixtures.console import ADMIN_TOKEN, ConsoleServer, write_dead_letters
+from tests.fixtures.kafka import read_to_end
 from tests.fixtures.relay import (
     REPO,
     insert_rows,
@@ -97,6 +98,51 @@ def test_a_parked_event_is_retried_from_the_page_and_delivered(
     relay_once(database_url, kafka_bootstrap)
     wait_for_records(kafka_bootstrap, topic, [poison, healthy])
     assert outbox_count(engine) == 0
+
+
+def test_a_dead_letter_group_is_redriven_from_the_page(
+    chromium: Any,
+    console_server: Callable[..., ConsoleServer],
+    kafka_bootstrap: str,
+    tmp_path: Path,
+) -> None:
+    topic = f"billing-{uuid.uuid4().hex[:8]}"
+    dead = write_dead_letters(
+        kafka_bootstrap,
+        topic,
+        [
+            ("inv-1", KeyError("'inv-1' has no customer")),
+            ("inv-2", KeyError("'inv-2' has no customer")),
+            ("inv-3", ValueError("<script>alert(3)</script> is not a price")),
+        ],
+    )
+    server = console_server("--admin-token", ADMIN_TOKEN, "--bootstrap-servers", kafka_bootstrap)
+    page = admin_page(chromium)
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    try:
+        page.goto(server.url + "/dlq")
+        page.fill('input[name="topic"]', dead)
+        page.click('#dlq-topic button[type="submit"]')
+        groups = page.locator("tbody.group")
+        assert groups.count() == 2
+        first = groups.nth(0)
+        assert "'inv-<n>' has no customer" in first.inner_text()
+        assert first.locator("td.num").first.inner_text() == "2"
+        groups.nth(1).locator("summary").click()
+        assert "<script>alert(3)</script>" in groups.nth(1).inner_text()
+        shoot(page, tmp_path, "dead-letters")
+        first.locator("button.redrive").click()
+        assert page.locator("#confirm-count").inner_text() == "2"
+        page.click("#confirm")
+        assert page.locator("#done").inner_text() == "2 dead letter(s) redriven"
+    finally:
+        page.context.close()
+    assert dialogs == []
+    records = read_to_end(kafka_bootstrap, topic, at_least=2)
+    assert sorted(r.key() for r in records) == [b"inv-1", b"inv-2"]
+    assert all(dict(r.headers())["outbox.redrive-count"] == b"1" for r in records)
+    assert "admin redrive: 2 dead letter(s)" in server.log()
 
 
 def test_a_key_lookup_shows_a_completed_and_a_failed_key(

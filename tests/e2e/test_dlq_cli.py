@@ -8,11 +8,9 @@ import subprocess
 import sys
 import uuid
 
-from confluent_kafka import Producer
-
-from outbox._core.deadletter import DeadLetter, Reason, dead_letter_headers
 from outbox._core.dlq import REDRIVE_HEADER
-from tests.fixtures.kafka import create_topic, read_to_end
+from tests.fixtures.console import write_dead_letters
+from tests.fixtures.kafka import read_to_end
 from tests.fixtures.relay import REPO
 
 
@@ -27,25 +25,15 @@ def test_dead_letters_are_grouped_and_a_group_is_redriven_to_its_topic(
     kafka_bootstrap: str,
 ) -> None:
     topic = f"orders-{uuid.uuid4().hex[:8]}"
-    dead = topic + ".dlq"
-    create_topic(kafka_bootstrap, topic)
-    create_topic(kafka_bootstrap, dead)
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    failures = [
-        ("order-1", KeyError("'order-1' not in stock")),
-        ("order-2", KeyError("'order-2' not in stock")),
-        ("order-3", ValueError("price -4 is negative")),
-    ]
-    for offset, (key, exc) in enumerate(failures):
-        letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, exc, 1)
-        headers = dead_letter_headers(
-            [("X-Idempotency-Key", key.encode()), ("source", b"checkout")],
-            topic=topic, partition=0, offset=offset, group="billing", letter=letter,
-        )  # fmt: skip
-        producer.produce(
-            dead, key=key.encode(), value=f'{{"id": "{key}"}}'.encode(), headers=headers
-        )
-    assert producer.flush(30) == 0
+    dead = write_dead_letters(
+        kafka_bootstrap,
+        topic,
+        [
+            ("order-1", KeyError("'order-1' not in stock")),
+            ("order-2", KeyError("'order-2' not in stock")),
+            ("order-3", ValueError("price -4 is negative")),
+        ],
+    )
 
     listed = dlq(kafka_bootstrap, "list", "--topic", dead, "--json")
     assert listed.returncode == 0, listed.stderr

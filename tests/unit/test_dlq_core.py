@@ -21,9 +21,12 @@ def letter(offset: int, error: str, error_type: str = "KeyError") -> Letter:
 
 
 def test_varying_parts_of_an_error_are_one_group() -> None:
-    assert normalize_error("'order-17' missing after 3 tries") == "'…' missing after <n> tries"
+    assert (
+        normalize_error("'order-17' missing after 3 tries") == "'order-<n>' missing after <n> tries"
+    )
+    assert normalize_error("id 0b6f9c1e-8d47-4a8e-9a1c-2f0e5d3b7a61") == "id <uuid>"
     groups = group_letters(
-        [letter(0, "'a-1' missing"), letter(1, "'b-22' missing"), letter(2, "bad", "ValueError")]
+        [letter(0, "'a-1' missing"), letter(1, "'a-22' missing"), letter(2, "bad", "ValueError")]
     )
     assert [(g.error_type, g.count) for g in groups] == [("KeyError", 2), ("ValueError", 1)]
     assert groups[0].first_seen_ms == 1000 and groups[0].last_seen_ms == 1001
