@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dlq": ("outbox.cli.dlq", "list dead letters by failure, redrive them"),
     "console": (
         "outbox.cli.console",
-        "serve the web console: backlog, relays, parked events, keys",
+        "serve the web console: backlog, relays, parked events, dead letters, keys",
     ),
 }
 

@@ -67,7 +67,7 @@ def register(subparsers: Any) -> None:
     """Add ``outbox console``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "console",
-        help="serve the web console: backlog, relays, parked events, keys",
+        help="serve the web console: backlog, relays, parked events, dead letters, keys",
         description="A web console for the people on call. Read-only unless --admin-token is "
         "set and a request carries it. Needs outbox-kit[console].",
     )
