@@ -77,10 +77,15 @@ def parked_search(
     return list(connection.execute(query))
 
 
-def parked_count(connection: sa.Connection, schema: str | None, where: ParkedFilter) -> int:
-    """How many parked rows match ``where``."""
+def parked_count(
+    connection: sa.Connection,
+    schema: str | None,
+    where: ParkedFilter,
+    event_ids: Sequence[uuid.UUID] | None = None,
+) -> int:
+    """How many parked rows match ``where`` (and ``event_ids``)."""
     t = tables(schema).outbox
-    query = sa.select(sa.func.count()).select_from(t).where(*_selection(t, where))
+    query = sa.select(sa.func.count()).select_from(t).where(*_selection(t, where, event_ids))
     return int(connection.execute(query).scalar_one())
 
 

@@ -165,6 +165,7 @@ class Console:
             {
                 "admin": admin_now,
                 "admin_possible": self.settings.admin_token is not None,
+                "done": data.done_message(request.query_params.get("done")),
                 "csrf": self.csrf_token(request) if admin_now else "",
                 "database": redact_url(self.settings.database_url),
                 "refresh": None,
@@ -463,10 +464,10 @@ def create_app(settings: ConsoleSettings) -> Starlette:
                 return console.error(request, 400, str(exc))
             except OutboxError as exc:
                 return console.error(request, 503, redact_text(str(exc)))
-            except sa.exc.OperationalError:
-                log.exception("the database did not answer")
+            except sa.exc.DBAPIError:
+                log.exception("the database refused or did not answer")
                 return console.error(
-                    request, 503, "the database did not answer; see the console's log"
+                    request, 503, "the database refused or did not answer; see the console's log"
                 )
 
         return endpoint

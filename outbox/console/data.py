@@ -10,8 +10,9 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -105,6 +106,17 @@ def parse_event_ids(values: Sequence[str]) -> list[uuid.UUID]:
                 f"event id {shown(value)} is not a UUID: pick rows from the parked page"
             ) from None
     return ids
+
+
+_DONE = re.compile(
+    r"\d{1,9} (row\(s\) put back in line|row\(s\) discarded|dead letter\(s\) redriven)"
+)
+
+
+def done_message(value: str | None) -> str | None:
+    """The outcome an action's redirect carries, shown only when it is one the console wrote
+    (a crafted link cannot put other words on the page)."""
+    return value if value is not None and _DONE.fullmatch(value) else None
 
 
 def parse_key_lookup(params: Mapping[str, str]) -> tuple[str, str] | None:
@@ -288,27 +300,7 @@ def count_parked(
     event_ids: Sequence[uuid.UUID] | None,
 ) -> int:
     """How many parked rows an action on ``where`` (and ``event_ids``) would touch."""
-    schema = validate_schema_name(schema)
-    if event_ids is None:
-        return sql.parked_count(connection, schema, where)
-    return len(_existing(connection, schema, where, event_ids))
-
-
-def _existing(
-    connection: sa.Connection,
-    schema: str | None,
-    where: ParkedFilter,
-    event_ids: Iterable[uuid.UUID],
-) -> set[uuid.UUID]:
-    wanted = set(event_ids)
-    found: set[uuid.UUID] = set()
-    offset = 0
-    while True:  # at most MAX_SELECTION ids: a few pages
-        page = sql.parked_search(connection, schema, where, 5000, offset)
-        found.update(r.event_id for r in page if r.event_id in wanted)
-        if len(page) < 5000:
-            return found
-        offset += 5000
+    return sql.parked_count(connection, validate_schema_name(schema), where, event_ids)
 
 
 def change_parked(

@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 from hypothesis import given, settings, strategies as st
 
+from outbox import migrate
 from outbox.schema import tables
 from tests.fixtures.console import ADMIN_TOKEN, ConsoleServer
 from tests.fixtures.relay import insert_rows, outbox_count
@@ -292,3 +293,24 @@ def test_hostile_filters_are_a_page_or_a_400_never_a_500(
 
         probe()
     assert outbox_count(engine, parked=True) == 3  # no confirmation, nothing changed
+
+
+def test_a_crafted_outcome_in_a_link_is_not_shown(
+    console_server: Callable[..., ConsoleServer],
+) -> None:
+    server = console_server()
+    crafted = httpx.get(f"{server.url}/parked", params={"done": "Call +1 555 0100 now"}).text
+    assert "555 0100" not in crafted
+    genuine = httpx.get(f"{server.url}/parked", params={"done": "3 row(s) discarded"}).text
+    assert 'id="done">3 row(s) discarded<' in genuine
+
+
+def test_missing_tables_are_a_503_with_a_message_not_a_traceback(
+    console_server: Callable[..., ConsoleServer], database_url: str
+) -> None:
+    server = console_server()
+    migrate.downgrade(database_url, "base")
+    for path in ("/", "/parked", "/keys?scope=orders&key=k1"):
+        answer = httpx.get(server.url + path)
+        assert answer.status_code == 503, (path, answer.status_code)
+        assert 'id="error-message"' in answer.text and "Traceback" not in answer.text
