@@ -3,6 +3,7 @@
     python benchmarks/uow.py [--database-url URL] [--redis-url URL] [--seconds 5]
     python benchmarks/uow.py --async [--tasks 1,16,64]
     python benchmarks/uow.py --payloads [--rounds 3]
+    python benchmarks/uow.py --through-pooler [--workers 1,4,16]
 
 For 1, 4 and 16 concurrent worker processes it measures units of work per second and p50/p99
 latency against two baselines measured in the same run:
@@ -43,6 +44,7 @@ import psycopg
 import redis as redis_lib
 import sqlalchemy as sa
 from cpu import Meter, Usage, available as cpu_available, processes_named
+from pooler import pgbouncer
 from scratch import database_argument, scratch_database
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -122,6 +124,7 @@ class ByHand:
             "h0": '{"content-type": "application/json"}',
             "x0": _codec.key_hash(prefix.encode(), event_id.bytes),
             "l0": _events.order_lock_id(None, prefix.encode()),
+            "unit": uuid.uuid4().hex[:16],  # the claim's token, checked by the final statement
         }
         with self.engine.connect() as connection:
             driver = connection.connection.driver_connection
@@ -158,11 +161,19 @@ def _worker(
     wid: int,
     finish: Any,
 ) -> None:
-    engine = sa.create_engine(url, pool_size=1, max_overflow=0)
+    # "<mode>@pooler": the same through a transaction pooler (``--through-pooler``): no
+    # prepared statements there, for the baselines' statements either.
+    mode, _, pooled = mode.partition("@")
+    connect_args = {"prepare_threshold": None} if pooled else {}
+    engine = sa.create_engine(url, pool_size=1, max_overflow=0, connect_args=connect_args)
     ob = None
     if mode in MODES:
         use_redis, wake = MODES[mode]
-        config = outbox.OutboxConfig(wake_relays=wake, cache_prefix=f"bench-{uuid.uuid4().hex}")
+        config = outbox.OutboxConfig(
+            wake_relays=wake,
+            cache_prefix=f"bench-{uuid.uuid4().hex}",
+            pooler="transaction" if pooled else None,
+        )
         ob = outbox.Outbox(engine, redis_url=redis_url if use_redis else None, config=config)
     by_hand = ByHand(engine) if mode == "by hand" else None
     prefix = f"{wid}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -500,12 +511,20 @@ def main() -> int:
         action="store_true",
         help="measure a registry-serialized (Avro) publish and a CloudEvent against JSON instead",
     )
+    parser.add_argument(
+        "--through-pooler",
+        action="store_true",
+        help="measure the floor, the unit of work and the joined one directly and through a "
+        "private PgBouncer in transaction mode (OutboxConfig(pooler='transaction')) instead",
+    )
     args = parser.parse_args()
     with scratch_database(args.database_url, BUSINESS_DDL, FLOOR_DDL) as url:
         engine = sa.create_engine(url)
         try:
             if args.payloads:
                 payload_formats(url, args)
+            elif args.through_pooler:
+                pooler_benchmark(url, engine, args)
             elif args.use_async:
                 asyncio.run(async_benchmark(url, engine, args))
             else:
@@ -513,6 +532,55 @@ def main() -> int:
         finally:
             engine.dispose()
     return 0
+
+
+def pooler_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> None:
+    """The floor, the unit of work (no Redis: the database's share) and the joined unit of
+    work, on a direct connection and through PgBouncer in transaction mode (a server
+    connection per worker at most), with their ratios to the floor of the same route."""
+    workers_list = [int(w) for w in args.workers.split(",")]
+    print(
+        f"outbox-kit through a transaction pooler ({args.seconds:g}s per phase, best of "
+        f"{args.rounds} alternating rounds; PgBouncer transaction mode, "
+        f"default_pool_size={max(workers_list)}; units of work without Redis)",
+        flush=True,
+    )
+    print()
+    header = (
+        f"{'workers':>7} | {'route':<7} | {'floor/s':>7} | {'uow/s':>7} {'/floor':>6} | "
+        f"{'joined/s':>8} {'/floor':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    modes = ("floor", "uow-no-redis", "joined")
+    with pgbouncer(url_s, "transaction", max(workers_list)) as pooled_url:
+        ratios: list[tuple[int, float, float]] = []
+        for workers in workers_list:
+            best: dict[str, float] = {}
+            for _ in range(args.rounds):
+                for route in ("direct", "pooler"):
+                    for mode in modes:
+                        truncate(engine)
+                        name, url = (
+                            (mode, url_s) if route == "direct" else (f"{mode}@pooler", pooled_url)
+                        )
+                        rate = run_phase(name, url, args.redis_url, workers, args.seconds)[0]
+                        best[name] = max(best.get(name, 0.0), rate)
+            shown = []
+            for route, suffix in (("direct", ""), ("pooler", "@pooler")):
+                f, u, j = (best[m + suffix] for m in modes)
+                shown.append((u / f, j / f))
+                print(
+                    f"{workers:>7} | {route:<7} | {f:>7.0f} | {u:>7.0f} {u / f:>6.2f} | "
+                    f"{j:>8.0f} {j / f:>6.2f}",
+                    flush=True,
+                )
+            ratios.append((workers, shown[1][0] / shown[0][0], shown[1][1] / shown[0][1]))
+    truncate(engine)
+    print()
+    print("through the pooler, the ratio to the floor against the direct one's:")
+    for workers, uow, joined in ratios:
+        print(f"{workers:>7} workers: unit of work {uow:.2f}x, joined {joined:.2f}x")
 
 
 def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> None:

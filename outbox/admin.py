@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from outbox import migrate
 from outbox._core import lanes as lanes_core
 from outbox._core.durations import (
+    DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS as DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS,
     check_retention,
     format_duration,
     format_ranges,
@@ -60,7 +61,6 @@ __all__ = [
 
 # Kafka's default log retention (log.retention.hours=168): a consumer group that lost its
 # committed offsets and starts from the earliest record re-reads up to this far back.
-DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS = 7 * 24 * 3600.0
 DEFAULT_GC_BATCH_SIZE = 5000
 MAX_GC_BATCH_SIZE = 100_000
 JSON_FORMAT_VERSION = 1

@@ -8,6 +8,7 @@ combinations with a message that says how to fix them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -17,6 +18,11 @@ from typing import Any, TypeVar
 from outbox._core import validate as _validate
 from outbox._core.codec import IDEMPOTENCY_HEADER
 from outbox._core.deadletter import dead_letter_topic
+from outbox._core.durations import (
+    DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS,
+    check_retention,
+    parse_duration,
+)
 from outbox._core.environment import (  # the table of OUTBOX_* variables
     ENV_CACHE_TTL as ENV_CACHE_TTL,
     ENV_CONSUMER_GROUP as ENV_CONSUMER_GROUP,
@@ -33,6 +39,7 @@ from outbox._core.environment import (  # the table of OUTBOX_* variables
     ENV_LOG_LEVEL as ENV_LOG_LEVEL,
     ENV_METRICS_HOST as ENV_METRICS_HOST,
     ENV_MIN_REDELIVERY_WINDOW as ENV_MIN_REDELIVERY_WINDOW,
+    ENV_POOLER as ENV_POOLER,
     ENV_REDIS_URL as ENV_REDIS_URL,
     ENV_RELAY_BATCH_SIZE as ENV_RELAY_BATCH_SIZE,
     ENV_RELAY_LANES as ENV_RELAY_LANES,
@@ -69,6 +76,7 @@ DEFAULT_SCOPE = "default"
 DEFAULT_MAX_PAYLOAD_BYTES = DEFAULT_MESSAGE_MAX_BYTES
 DEFAULT_CACHE_TTL_SECONDS = 24 * 3600.0
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
+_DURATION_FIELDS = ("cache_ttl", "retention", "min_redelivery_window")
 # PostgreSQL's bytea (and Kafka's message.max.bytes) cannot go past 1 GiB.
 MAX_PAYLOAD_BYTES = 1024 * 1024 * 1024
 
@@ -87,6 +95,11 @@ class OutboxConfig:
     configuration, ``OUTBOX_KAFKA_CONFIG``, else librdkafka's default of 1,000,000; set it when
     the relay's producer is configured elsewhere (``--kafka-config message.max.bytes=...``).
     :meth:`validate` returns the config with the number filled in.
+
+    ``retention`` must also be at least ``min_redelivery_window`` (7 days): the rule
+    ``outbox gc --older-than`` follows, so a retention the configuration accepts is one
+    ``outbox gc`` accepts. Durations are seconds or the CLI's strings (``"7d"``, ``"36h"``,
+    ``"1d12h"``).
     """
 
     schema: str | None = None
@@ -106,22 +119,31 @@ class OutboxConfig:
     # A serializer given to publish() wins.
     serializers: Mapping[str, Callable[[Any, Any], bytes | None]] = field(default_factory=dict)
     key_serializers: Mapping[str, Callable[[Any, Any], bytes | None]] = field(default_factory=dict)
+    # What stands between the application and PostgreSQL: None (a direct connection, or a
+    # pooler in session mode) or "transaction" (PgBouncer and the like in transaction pooling
+    # mode: nothing may rely on the session; docs/operations.md, "Connection poolers").
+    pooler: str | None = None
+    min_redelivery_window: float = DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS
 
     def __post_init__(self) -> None:
         if isinstance(self.permanent_errors, list):
             object.__setattr__(self, "permanent_errors", tuple(self.permanent_errors))
+        for name in _DURATION_FIELDS:
+            value = getattr(self, name)
+            # "7d": read as outbox gc reads it; validate() refuses what cannot be read.
+            if isinstance(value, str):
+                with contextlib.suppress(ConfigurationError):
+                    object.__setattr__(self, name, parse_duration(value))
 
     def validate(self) -> OutboxConfig:
         """Refuse a setting of the wrong type, out of range or inconsistent with another one."""
         validate_schema_name(self.schema)
-        check_seconds("cache_ttl", self.cache_ttl)
-        check_seconds("retention", self.retention)
-        if self.cache_ttl >= self.retention:
-            raise ConfigurationError(
-                f"cache_ttl ({self.cache_ttl:g}s) must be shorter than retention "
-                f"({self.retention:g}s): otherwise Redis could replay a key the database has "
-                "already forgotten"
-            )
+        for name in _DURATION_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                parse_duration(value)  # raises, with the forms it accepts
+            check_seconds(name, value)
+        check_retention(self.retention, self.cache_ttl, self.min_redelivery_window, config=True)
         check_cache_prefix(self.cache_prefix)
         for name in ("cache_socket_timeout", "cache_connect_timeout"):
             check_seconds(name, getattr(self, name), MAX_TIMEOUT)
@@ -132,6 +154,7 @@ class OutboxConfig:
         check_bool("wake_relays", self.wake_relays)
         for name in ("serializers", "key_serializers"):
             _check_serializers(name, getattr(self, name))
+        check_pooler("pooler", self.pooler)
         if self.max_payload_bytes is None:
             return replace(self, max_payload_bytes=producer_limit(env(ENV_KAFKA_CONFIG)))
         return self
@@ -159,6 +182,17 @@ def _check_serializers(name: str, serializers: object) -> None:
                 f"{name}[{topic!r}] must be callable as serializer(obj, ctx), got "
                 f"{type(serializer).__name__}"
             )
+
+
+POOLERS = ("transaction", "session")
+
+
+def check_pooler(name: str, value: object) -> None:
+    if value is not None and value not in POOLERS:
+        raise ConfigurationError(
+            f"{name} must be None (a direct connection), 'session' or 'transaction' (a "
+            f"connection pooler in that mode), got {shown(value)}"
+        )
 
 
 @dataclass(frozen=True, repr=False)

@@ -34,7 +34,7 @@ from outbox._core.retry import backoff_delay
 from outbox._kafka.consumer import Message, header_key
 from outbox._kafka.serialization import Deserializer, decode
 from outbox._otel import spans
-from outbox._pg.errors import database_unavailable
+from outbox._pg.errors import database_unavailable, transaction_conflict
 from outbox.errors import DeadLetterError, KeyInProgress, SerializationError
 from outbox.uow_batch_async import AsyncBatch, AsyncMessageBatch
 
@@ -235,6 +235,7 @@ class AsyncVerdicts(ABC):
             replayed=replayed,
             dead_lettered=dead_lettered,
             database_unavailable=error is not None and self.unavailable(error),
+            conflict=error is not None and transaction_conflict(error),
         )
         if verdict.counts:
             tries.attempts += 1

@@ -86,7 +86,8 @@ class ConsumerMetrics:
         self.failed = Counter(
             "outbox_consumer_failed",
             "Attempts that did not finish a message (kind: error, permanent, key_in_progress, "
-            "dead_letter_unavailable, database_unavailable, guard_unavailable, lease_lost).",
+            "conflict, dead_letter_unavailable, database_unavailable, guard_unavailable, "
+            "lease_lost).",
             (*labels, "kind"), registry=registry,
         )  # fmt: skip
         self.dead_lettered = Counter(

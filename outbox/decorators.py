@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from outbox._core.decorating import check_flavour, key_function
+from outbox._core.decorating import arguments_fingerprint, check_flavour, key_function
 from outbox._core.typed_results import ResultCodec, typed_result
 from outbox._core.validate import check_scope
 from outbox.errors import ConfigurationError
@@ -34,7 +34,7 @@ def make_idempotent(
     get_outbox: Callable[[], _UnitOfWorkSource],
     key: str | Callable[..., str],
     scope: str,
-    fingerprint: Callable[..., str | None] | None,
+    fingerprint: Callable[..., str | None] | Literal[False] | None,
     *,
     is_async: bool | None = False,
     result_type: Any = None,
@@ -43,28 +43,33 @@ def make_idempotent(
     """The ``@idempotent`` decorator on the outbox ``get_outbox()`` returns.
 
     ``is_async`` is the flavour of that outbox (``None``: not known until the call): an
-    ``async def`` needs an ``AsyncOutbox`` and a plain function an ``Outbox``. ``result_type``
-    / ``result_codec``: see :meth:`outbox.Outbox.unit_of_work`.
+    ``async def`` needs an ``AsyncOutbox`` and a plain function an ``Outbox``. ``fingerprint``
+    ``None`` fingerprints the caller's arguments; ``False`` compares keys only.
+    ``result_type`` / ``result_codec``: see :meth:`outbox.Outbox.unit_of_work`.
     """
 
     check_scope(scope)  # refused at decoration time, not at the first call
     typed_result(result_type, result_codec)  # likewise an unsupported result type
     declared = {"result_type": result_type, "result_codec": result_codec}
-    if fingerprint is not None and not callable(fingerprint):
+    if fingerprint is not None and fingerprint is not False and not callable(fingerprint):
         raise ConfigurationError(
-            f"@idempotent fingerprint must be a callable or None, got {type(fingerprint).__name__}"
+            "@idempotent fingerprint must be a callable, None (the arguments) or False (none), "
+            f"got {type(fingerprint).__name__}"
         )
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         coroutine = check_flavour(func, is_async, "Outbox", "AsyncOutbox")
         key_of = key_function(func, key, "uow")
+        fingerprint_of = (
+            arguments_fingerprint(func) if fingerprint is None else (fingerprint or None)
+        )
 
         if coroutine:
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 ob = get_outbox()
-                fp = fingerprint(*args, **kwargs) if fingerprint is not None else None
+                fp = fingerprint_of(*args, **kwargs) if fingerprint_of is not None else None
                 attempt = ob.unit_of_work(
                     key_of(*args, **kwargs), scope=scope, fingerprint=fp, **declared
                 )
@@ -80,7 +85,7 @@ def make_idempotent(
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             ob = get_outbox()
-            fp = fingerprint(*args, **kwargs) if fingerprint is not None else None
+            fp = fingerprint_of(*args, **kwargs) if fingerprint_of is not None else None
             attempt = ob.unit_of_work(
                 key_of(*args, **kwargs), scope=scope, fingerprint=fp, **declared
             )

@@ -10,12 +10,20 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
 from outbox._core.typed_results import ResultCodec
-from outbox.config import DEFAULT_SCOPE, ENV_DATABASE_URL, ENV_REDIS_URL, env
+from outbox.config import (
+    DEFAULT_SCOPE,
+    ENV_DATABASE_URL,
+    ENV_POOLER,
+    ENV_REDIS_URL,
+    OutboxConfig,
+    check_pooler,
+    env,
+)
 from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError
 from outbox.uow import Outbox, _Attempt
@@ -29,7 +37,8 @@ def configure(database: str | sa.Engine | None = None, **options: Any) -> Outbox
     """Set the default :class:`Outbox` used by :func:`unit_of_work` and :func:`idempotent`.
 
     Without ``database`` it reads ``OUTBOX_DATABASE_URL`` (and ``OUTBOX_REDIS_URL`` unless
-    ``redis_url``/``redis`` is passed). Replaces and closes a previous default.
+    ``redis_url``/``redis`` is passed, ``OUTBOX_POOLER`` unless ``config`` is). Replaces and
+    closes a previous default.
     """
     global _default
     if database is None:
@@ -40,6 +49,8 @@ def configure(database: str | sa.Engine | None = None, **options: Any) -> Outbox
             )
         if "redis_url" not in options and "redis" not in options:
             options["redis_url"] = env(ENV_REDIS_URL)
+        if "config" not in options:
+            options["config"] = _config_from_env(options.pop("schema", None))
     new = Outbox(database, **options)
     with _default_lock:
         old, _default = _default, new
@@ -60,8 +71,15 @@ def default_outbox() -> Outbox:
                         "no default Outbox: call outbox.configure(url) or set "
                         f"{ENV_DATABASE_URL} (and optionally {ENV_REDIS_URL})"
                     )
-                _default = Outbox(url, redis_url=env(ENV_REDIS_URL))
+                _default = Outbox(url, redis_url=env(ENV_REDIS_URL), config=_config_from_env())
     return _default
+
+
+def _config_from_env(schema: str | None = None) -> OutboxConfig:
+    """``OUTBOX_POOLER`` (a connection pooler in transaction mode in between, or not)."""
+    pooler = env(ENV_POOLER)
+    check_pooler(ENV_POOLER, pooler)
+    return OutboxConfig(schema=schema, pooler=pooler)
 
 
 def unit_of_work(
@@ -83,7 +101,7 @@ def idempotent(
     key: str | Callable[..., str],
     *,
     scope: str = DEFAULT_SCOPE,
-    fingerprint: Callable[..., str | None] | None = None,
+    fingerprint: Callable[..., str | None] | Literal[False] | None = None,
     outbox: Outbox | AsyncOutbox | None = None,
     result_type: Any = None,
     result_codec: ResultCodec | None = None,
@@ -103,16 +121,17 @@ def idempotent(
         charge("req-1", 500)   # returns {"charged": 500} without calling the function
 
     ``key`` names the parameter that holds the idempotency key, or is a callable that receives
-    the caller's arguments and returns the key. ``fingerprint`` is an optional callable of the
-    same arguments returning a request fingerprint (reusing a key with another one raises
-    :class:`~outbox.errors.KeyReuseError`). The return value must be JSON-serializable: it is
-    stored and a duplicate gets its JSON form back (tuples come back as lists) -- unless
-    ``result_type`` declares its type (a pydantic model, a dataclass, ``Decimal``, ``UUID``,
-    ``datetime``...; or ``result_codec`` encodes it): a duplicate then gets an equal value of
-    that type. ``outbox``
-    defaults to the module-level default (:func:`outbox.configure`), looked up at call time.
-    With ``outbox=`` an :class:`~outbox.AsyncOutbox`, decorate an ``async def``: the decorator
-    takes the flavour of the outbox it is given (``AsyncOutbox.idempotent`` does the same).
+    the caller's arguments and returns the key. The call's arguments are the request's
+    fingerprint: the same key with other arguments raises :class:`~outbox.errors.KeyReuseError`
+    rather than replaying another call's result. ``fingerprint`` replaces that with a callable
+    of the same arguments returning a fingerprint of your own, or ``False`` compares keys only.
+    The return value must be JSON-serializable: it is stored and a duplicate gets its JSON form
+    back (tuples come back as lists) -- unless ``result_type`` declares its type (a pydantic
+    model, a dataclass, ``Decimal``, ``UUID``, ``datetime``...; or ``result_codec`` encodes it):
+    a duplicate then gets an equal value of that type. ``outbox`` defaults to the module-level
+    default (:func:`outbox.configure`), looked up at call time. With ``outbox=`` an
+    :class:`~outbox.AsyncOutbox`, decorate an ``async def``: the decorator takes the flavour of
+    the outbox it is given (``AsyncOutbox.idempotent`` does the same).
     """
     if outbox is not None:
         if not isinstance(outbox, Outbox | AsyncOutbox):

@@ -1,13 +1,18 @@
-"""Apply or revert outbox-kit's migrations from the installed package.
+"""Apply or revert outbox-kit's migrations from the installed package, and live beside an
+application's own alembic history.
 
 The migrations ship inside the wheel (``outbox.migrations``), so ``outbox migrate`` works
-without the repository's ``alembic.ini``.
+without the repository's ``alembic.ini``. They keep their own version table
+(``outbox_alembic_version``); an application's ``env.py`` passes :func:`include_name` (or
+:func:`include_object`) to ``context.configure`` so that its ``alembic revision --autogenerate``
+leaves the toolkit's tables alone.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import command
@@ -17,7 +22,38 @@ from alembic.script import ScriptDirectory
 from outbox._core.validate import shown
 from outbox.config import normalize_database_url
 from outbox.errors import ConfigurationError
-from outbox.schema import VERSION_TABLE, validate_schema_name
+from outbox.schema import VERSION_TABLE, tables, validate_schema_name
+
+# Every table the toolkit's migrations own (the Core tables mirror them), its version table
+# included.
+OUTBOX_TABLES = frozenset({*(t.name for t in tables().metadata.sorted_tables), VERSION_TABLE})
+
+
+def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+    """An ``include_name`` hook for an application's alembic ``env.py``: autogenerate skips
+    the toolkit's tables (and their indexes and constraints, which it compares only for tables
+    it includes), so it proposes neither dropping nor altering them::
+
+        from outbox.migrate import include_name
+        context.configure(connection=connection, target_metadata=metadata,
+                          include_name=include_name)
+
+    Tables are told apart by name (:data:`OUTBOX_TABLES`: ``idempotency_keys``, ``outbox``,
+    ``outbox_cache_secret``, ``outbox_alembic_version``, ...), in any schema. Combine it with a
+    filter of your own as ``lambda *a: include_name(*a) and mine(*a)``.
+    """
+    return not (type_ == "table" and name in OUTBOX_TABLES)
+
+
+def include_object(
+    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    """The same filter as :func:`include_name`, as an ``include_object`` hook (for an
+    ``env.py`` that already filters objects rather than names)."""
+    if type_ == "table":
+        return name not in OUTBOX_TABLES
+    table = getattr(obj, "table", None)
+    return table is None or getattr(table, "name", None) not in OUTBOX_TABLES
 
 
 def _script_location() -> str:

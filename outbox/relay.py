@@ -68,6 +68,7 @@ from outbox._kafka.records import build_records, build_records_checked
 from outbox._otel import spans
 from outbox._pg import lanes as pg_lanes
 from outbox._pg.errors import database_unavailable, is_database_error
+from outbox._pg.pooler import sessions_are_pooled
 from outbox._pg.relay import (
     OutboxStatements,
     listen_connector,
@@ -172,6 +173,7 @@ class Relay:
         )
         self._producer: KafkaProducer | None = None
         self._conn: sa.Connection | None = None
+        self._session_checked = False
         self._next_stats = 0.0
         self._kafka_backoff = Backoff(config.backoff_initial, config.backoff_max)
         # Claim without skipping until another transaction's lock gets in the way; then claim
@@ -210,7 +212,23 @@ class Relay:
 
     # ---------------------------------------------------------------------------- database
 
+    def _refuse_pooled_sessions(self) -> None:
+        """Raise :class:`ConfigurationError` when the database URL goes through a transaction
+        pooler: lanes are session advisory locks and wake-ups come through LISTEN, which would
+        protect nothing there (outbox._pg.pooler). Checked once, when the database answers."""
+        if self._session_checked:
+            return
+        if sessions_are_pooled(listen_connector(self.engine)):
+            raise ConfigurationError(
+                f"the database URL {redact_url(self.url)} goes through a connection pooler "
+                "in transaction mode, where the relay's lanes (session advisory locks) and "
+                "wake-ups (LISTEN) do not hold: point outbox-relay at PostgreSQL directly or "
+                "through a pooler in session mode"
+            )
+        self._session_checked = True
+
     def _connect(self) -> sa.Connection:
+        self._refuse_pooled_sessions()
         conn = self.engine.connect()
         try:
             self.lanes.register(conn)
@@ -466,6 +484,14 @@ class Relay:
 
     def run(self, once: bool = False) -> RunResult:
         """Serve lanes until :meth:`stop` (or, with ``once``, until nothing is claimable)."""
+        try:
+            self._refuse_pooled_sessions()
+        except ConfigurationError:
+            raise
+        except Exception as exc:
+            if not (is_database_error(exc) or isinstance(exc, OSError)):
+                raise
+            # The database is not reachable yet: checked at the first connection of the loop.
         listener = None
         if not once:
             listener = Listener(

@@ -40,10 +40,11 @@ from outbox._core.events import event_params
 from outbox._core.failures import is_permanent
 from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
-from outbox._pg.after_commit import defer
-from outbox._pg.engines import engine_for, notifier_engine
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.after_commit import defer, take
+from outbox._pg.engines import engine_for, notifier_engine, reader_engine
+from outbox._pg.errors import split_error, split_refused, undefined_table, unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
+from outbox._pg.pooler import refuse_undeclared
 from outbox._pg.statements import (
     Statements,
     idempotency_key_complete,
@@ -51,7 +52,7 @@ from outbox._pg.statements import (
     outbox_insert,
     statements,
 )
-from outbox._pg.transaction import Transaction, install_guard
+from outbox._pg.transaction import Transaction, check_caller, install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache import OutcomeCache, make_client
 from outbox._redis.clients import check_flavour
@@ -71,6 +72,16 @@ _ASYNC = False
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
+
+
+def unmigrated(schema: str | None) -> ConfigurationError:
+    """The error for a database without the toolkit's tables where they are looked for."""
+    where = f"schema {schema!r}" if schema else "the search path (schema=None)"
+    return ConfigurationError(
+        f"the outbox tables are not in {where}: run `outbox migrate` on this database"
+        + (f" with --schema {schema}" if schema else "")
+        + ", or pass the schema= they were migrated into (Outbox(..., schema=...))"
+    )
 
 
 class _Attempt:
@@ -101,6 +112,7 @@ class _Attempt:
 
     def __enter__(self) -> UnitOfWork:
         if self._session is not None or self._connection is not None:
+            self._outbox._check_sessions()
             self._uow = self._outbox._begin_joined(
                 self._key, self._scope, self._fingerprint, self._session, self._connection
             )
@@ -165,7 +177,15 @@ class Outbox(JoinedUnits):
             check_redis_url(redis_url)
         if redis is not None:
             check_flavour(redis, want_async=_ASYNC)
-        engine, self._owns_engine = engine_for(database, _ASYNC, engine_options)
+        # Behind a transaction pooler nothing may rely on the session (see Transaction).
+        self._pooled = self.config.pooler == "transaction"
+        engine, self._owns_engine = engine_for(
+            database, _ASYNC, engine_options, pooled=self._pooled
+        )
+        # Undeclared, a transaction pooler is refused: checked once, at the first unit of
+        # work that reaches the database (outbox._pg.pooler). Declared either way, not at all.
+        self._sessions_checked = self.config.pooler is not None
+        self._sessions_refused: ConfigurationError | None = None
         self.engine: Engine = engine
         self._owns_redis = redis_url is not None
         client = make_client(redis_url, self.config) if redis_url is not None else redis
@@ -173,6 +193,7 @@ class Outbox(JoinedUnits):
             OutcomeCache(client, self.config) if client is not None else None
         )
         self._identity = cache_identity(self.config.schema)
+        self._reader: Engine = reader_engine(self.engine) if self.cache is not None else self.engine
         if self.cache is not None:
             # A new connection may lead to a recreated or restored database: read its key again.
             event.listen(self.engine.pool, "connect", self._on_connect)
@@ -257,6 +278,9 @@ class Outbox(JoinedUnits):
         params: dict[str, Any] = {}
         _size, locks = event_params([event], params, self.config.schema)
         insert = outbox_insert(self.config.schema, locks)
+        if self._pooled:
+            check_caller(session, connection)
+        self._check_sessions()
         if session is not None:
             session.execute(insert, params)
             target: Any = session
@@ -274,7 +298,7 @@ class Outbox(JoinedUnits):
         key: str | Callable[..., str],
         *,
         scope: str = DEFAULT_SCOPE,
-        fingerprint: Callable[..., str | None] | None = None,
+        fingerprint: Callable[..., str | None] | Literal[False] | None = None,
         result_type: Any = None,
         result_codec: ResultCodec | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -288,6 +312,8 @@ class Outbox(JoinedUnits):
         """Dispose of the engine and Redis client if this object created them."""
         if event.contains(self.engine.pool, "connect", self._on_connect):
             event.remove(self.engine.pool, "connect", self._on_connect)
+        if self._reader is not self.engine:
+            self._reader.dispose()
         if self._owns_engine:
             self.engine.dispose()
         if self._owns_redis and self.cache is not None:
@@ -300,6 +326,22 @@ class Outbox(JoinedUnits):
         self.close()
 
     # -- internals --------------------------------------------------------------------------
+
+    def _check_sessions(self) -> None:
+        """Refuse a transaction pooler the configuration does not declare (once per outbox;
+        best effort: a database that cannot be reached now is not checked again)."""
+        if self._sessions_refused is not None:
+            raise self._sessions_refused
+        if self._sessions_checked:
+            return
+        self._sessions_checked = True
+        try:
+            refuse_undeclared(self.engine)
+        except ConfigurationError as exc:
+            self._sessions_refused = exc
+            raise
+        except Exception as exc:
+            log.debug("event=pooler_check_skipped error=%r", type(exc).__name__)
 
     def _on_connect(self, dbapi_connection: Any, _record: Any) -> None:
         """The pool opened a connection: read the database's identity on it (the database
@@ -318,16 +360,22 @@ class Outbox(JoinedUnits):
             cached = self._cached(cache, scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
-        tx = Transaction.open(self.engine)
+        self._check_sessions()
+        tx = Transaction.open(self.engine, pooled=self._pooled)
+        lock_id = claim.lock_id(scope, key)
         try:
             acquired, status, stored_fp, result_json, error, age = tx.begin_with(
                 self._sql.idempotency_key_claim_prepared,
-                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+                {"lock_id": lock_id, "scope": scope, "key": key},
             )
             if status is None and acquired:
+                # A unit of work joined to this one's connection for the same key is refused.
+                take(tx.connection, lock_id)
                 return UnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
-        except BaseException:
+        except BaseException as exc:
             tx.close()
+            if undefined_table(exc):
+                raise unmigrated(self.config.schema) from exc
             raise
         tx.finish()  # nothing was written
         row = (status, stored_fp, result_json, error, age)
@@ -354,6 +402,8 @@ class Outbox(JoinedUnits):
                 # Another attempt committed the key between our read and our lock: a race
                 # of microseconds. Its effects stand; ours were rolled back.
                 raise KeyInProgress(uow.scope, uow.key) from exc
+            if split_refused(exc):
+                raise split_error() from exc
             raise
         close_unit(uow)
         if self.cache is not None:

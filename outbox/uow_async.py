@@ -39,10 +39,11 @@ from outbox._core.events import event_params
 from outbox._core.failures import is_permanent
 from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
-from outbox._pg.after_commit import defer
-from outbox._pg.engines import engine_for, notifier_engine
-from outbox._pg.errors import unique_violation_of
+from outbox._pg.after_commit import defer, take
+from outbox._pg.engines import engine_for, notifier_engine, reader_engine
+from outbox._pg.errors import split_error, split_refused, undefined_table, unique_violation_of
 from outbox._pg.identity import cache_identity, read_identity
+from outbox._pg.pooler import refuse_undeclared_async
 from outbox._pg.statements import (
     Statements,
     idempotency_key_complete,
@@ -50,7 +51,7 @@ from outbox._pg.statements import (
     outbox_insert,
     statements,
 )
-from outbox._pg.transaction_async import AsyncTransaction, install_guard
+from outbox._pg.transaction_async import AsyncTransaction, check_caller, install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache_async import AsyncOutcomeCache, make_async_client
 from outbox._redis.clients import check_flavour
@@ -70,6 +71,16 @@ _ASYNC = True
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
+
+
+def unmigrated(schema: str | None) -> ConfigurationError:
+    """The error for a database without the toolkit's tables where they are looked for."""
+    where = f"schema {schema!r}" if schema else "the search path (schema=None)"
+    return ConfigurationError(
+        f"the outbox tables are not in {where}: run `outbox migrate` on this database"
+        + (f" with --schema {schema}" if schema else "")
+        + ", or pass the schema= they were migrated into (Outbox(..., schema=...))"
+    )
 
 
 class _AsyncAttempt:
@@ -100,6 +111,7 @@ class _AsyncAttempt:
 
     async def __aenter__(self) -> AsyncUnitOfWork:
         if self._session is not None or self._connection is not None:
+            await self._outbox._check_sessions()
             self._uow = await self._outbox._begin_joined(
                 self._key, self._scope, self._fingerprint, self._session, self._connection
             )
@@ -164,7 +176,15 @@ class AsyncOutbox(AsyncJoinedUnits):
             check_redis_url(redis_url)
         if redis is not None:
             check_flavour(redis, want_async=_ASYNC)
-        engine, self._owns_engine = engine_for(database, _ASYNC, engine_options)
+        # Behind a transaction pooler nothing may rely on the session (see AsyncTransaction).
+        self._pooled = self.config.pooler == "transaction"
+        engine, self._owns_engine = engine_for(
+            database, _ASYNC, engine_options, pooled=self._pooled
+        )
+        # Undeclared, a transaction pooler is refused: checked once, at the first unit of
+        # work that reaches the database (outbox._pg.pooler). Declared either way, not at all.
+        self._sessions_checked = self.config.pooler is not None
+        self._sessions_refused: ConfigurationError | None = None
         self.engine: AsyncEngine = engine
         self._owns_redis = redis_url is not None
         client = make_async_client(redis_url, self.config) if redis_url is not None else redis
@@ -172,6 +192,9 @@ class AsyncOutbox(AsyncJoinedUnits):
             AsyncOutcomeCache(client, self.config) if client is not None else None
         )
         self._identity = cache_identity(self.config.schema)
+        self._reader: AsyncEngine = (
+            reader_engine(self.engine) if self.cache is not None else self.engine
+        )
         if self.cache is not None:
             # A new connection may lead to a recreated or restored database: read its key again.
             event.listen(self.engine.sync_engine.pool, "connect", self._on_connect)
@@ -256,6 +279,9 @@ class AsyncOutbox(AsyncJoinedUnits):
         params: dict[str, Any] = {}
         _size, locks = event_params([event], params, self.config.schema)
         insert = outbox_insert(self.config.schema, locks)
+        if self._pooled:
+            await check_caller(session, connection)
+        await self._check_sessions()
         if session is not None:
             await session.execute(insert, params)
             target: Any = session.sync_session
@@ -273,7 +299,7 @@ class AsyncOutbox(AsyncJoinedUnits):
         key: str | Callable[..., str],
         *,
         scope: str = DEFAULT_SCOPE,
-        fingerprint: Callable[..., str | None] | None = None,
+        fingerprint: Callable[..., str | None] | Literal[False] | None = None,
         result_type: Any = None,
         result_codec: ResultCodec | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -287,6 +313,8 @@ class AsyncOutbox(AsyncJoinedUnits):
         """Dispose of the engine and Redis client if this object created them."""
         if event.contains(self.engine.sync_engine.pool, "connect", self._on_connect):
             event.remove(self.engine.sync_engine.pool, "connect", self._on_connect)
+        if self._reader is not self.engine:
+            await self._reader.dispose()
         if self._owns_engine:
             await self.engine.dispose()
         if self._owns_redis and self.cache is not None:
@@ -299,6 +327,22 @@ class AsyncOutbox(AsyncJoinedUnits):
         await self.close()
 
     # -- internals --------------------------------------------------------------------------
+
+    async def _check_sessions(self) -> None:
+        """Refuse a transaction pooler the configuration does not declare (once per outbox;
+        best effort: a database that cannot be reached now is not checked again)."""
+        if self._sessions_refused is not None:
+            raise self._sessions_refused
+        if self._sessions_checked:
+            return
+        self._sessions_checked = True
+        try:
+            await refuse_undeclared_async(self.engine)
+        except ConfigurationError as exc:
+            self._sessions_refused = exc
+            raise
+        except Exception as exc:
+            log.debug("event=pooler_check_skipped error=%r", type(exc).__name__)
 
     def _on_connect(self, dbapi_connection: Any, _record: Any) -> None:
         """The pool opened a connection: read the database's identity on it (the database
@@ -317,16 +361,22 @@ class AsyncOutbox(AsyncJoinedUnits):
             cached = await self._cached(cache, scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
-        tx = await AsyncTransaction.open(self.engine)
+        await self._check_sessions()
+        tx = await AsyncTransaction.open(self.engine, pooled=self._pooled)
+        lock_id = claim.lock_id(scope, key)
         try:
             acquired, status, stored_fp, result_json, error, age = await tx.begin_with(
                 self._sql.idempotency_key_claim_prepared,
-                {"lock_id": claim.lock_id(scope, key), "scope": scope, "key": key},
+                {"lock_id": lock_id, "scope": scope, "key": key},
             )
             if status is None and acquired:
+                # A unit of work joined to this one's connection for the same key is refused.
+                take(tx.connection.sync_connection, lock_id)
                 return AsyncUnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
-        except BaseException:
+        except BaseException as exc:
             await tx.close()
+            if undefined_table(exc):
+                raise unmigrated(self.config.schema) from exc
             raise
         await tx.finish()  # nothing was written
         row = (status, stored_fp, result_json, error, age)
@@ -353,6 +403,8 @@ class AsyncOutbox(AsyncJoinedUnits):
                 # Another attempt committed the key between our read and our lock: a race
                 # of microseconds. Its effects stand; ours were rolled back.
                 raise KeyInProgress(uow.scope, uow.key) from exc
+            if split_refused(exc):
+                raise split_error() from exc
             raise
         await close_unit(uow)
         if self.cache is not None:

@@ -133,7 +133,8 @@ class Batch:
         if len(set(keys)) != len(keys):
             raise ConfigurationError("a batch claims each key once")
         sql = many_statements(outbox.config.schema)
-        tx = Transaction.open(outbox.engine)
+        outbox._check_sessions()
+        tx = Transaction.open(outbox.engine, pooled=outbox._pooled)
         try:
             locks, rows = tx.begin_with_many(
                 [sql.idempotency_keys_lock, sql.idempotency_keys_read],

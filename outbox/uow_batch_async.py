@@ -131,7 +131,8 @@ class AsyncBatch:
         if len(set(keys)) != len(keys):
             raise ConfigurationError("a batch claims each key once")
         sql = many_statements(outbox.config.schema)
-        tx = await AsyncTransaction.open(outbox.engine)
+        await outbox._check_sessions()
+        tx = await AsyncTransaction.open(outbox.engine, pooled=outbox._pooled)
         try:
             locks, rows = await tx.begin_with_many(
                 [sql.idempotency_keys_lock, sql.idempotency_keys_read],

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from outbox._core import results, validate as _validate
@@ -22,7 +23,7 @@ from outbox._core.events import Event, event_params
 from outbox._core.typed_results import TypedResult
 from outbox._pg.transaction_async import AsyncTransaction
 from outbox.config import OutboxConfig
-from outbox.errors import ReplayedWriteError
+from outbox.errors import ReplayedWriteError, TransactionEndedError
 from outbox.payloads import CloudEvent, Serializer, encode_publish
 
 
@@ -40,6 +41,8 @@ class Joined:
     connection: AsyncConnection
     savepoint: Any
     session: AsyncSession | None
+    server: tuple[Any, Any] | None = None  # psycopg's connection and its cancel key
+    unit: str = ""  # the claim's token (outbox._pg.statements.UNIT_SETTING)
 
 
 class AsyncUnitOfWork:
@@ -82,6 +85,12 @@ class AsyncUnitOfWork:
             "the key already completed; return uow.result instead of writing"
         )
 
+    def _ended(self, what: str) -> TransactionEndedError:
+        return TransactionEndedError(
+            f"{what} is used after the unit of work ended (key {self.key!r}, scope "
+            f"{self.scope!r}): its transaction is over; use it inside the with-block"
+        )
+
     @property
     def connection(self) -> AsyncConnection:
         """SQLAlchemy Core connection inside the unit of work's transaction."""
@@ -90,7 +99,7 @@ class AsyncUnitOfWork:
         if self._joined is not None:
             return self._joined.connection
         if self._tx is None:
-            raise self._refuse("database access")
+            raise self._ended("uow.connection")
         return self._tx.connection
 
     @property
@@ -109,7 +118,10 @@ class AsyncUnitOfWork:
             elif self._tx is not None:
                 self._session = AsyncSession(bind=self._tx.connection, autoflush=True)
             else:
-                raise self._refuse("database access")
+                raise self._ended("uow.session")
+            # The session's commit() would only flush (its connection's transaction is the
+            # unit of work's): refused like the connection's, so no one believes it committed.
+            event.listen(self._session.sync_session, "before_commit", _refuse_session_commit)
         return self._session
 
     @property
@@ -172,6 +184,14 @@ class AsyncUnitOfWork:
         )
         self._events.append(event)
         return event.event_id
+
+
+def _refuse_session_commit(session: Any) -> None:
+    raise TransactionEndedError(
+        "uow.session.commit() is not allowed inside a unit of work: it commits when the "
+        "with-block ends, together with its idempotency key and outbox rows (use "
+        "uow.session.flush() to send pending rows now, begin_nested() for a savepoint)"
+    )
 
 
 async def close_unit(uow: AsyncUnitOfWork) -> None:

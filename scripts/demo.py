@@ -487,9 +487,24 @@ class Demo:
             if self.options.keep:
                 self.say(f"kept database {self.dbname} (--keep)")
             else:
-                with self.admin_engine.connect() as conn:
-                    conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.dbname}" WITH (FORCE)'))
+                self._drop_database(self.admin_engine, self.dbname)
             self.admin_engine.dispose()
+
+    def _drop_database(self, engine: sa.Engine, name: str) -> None:
+        """Drop the demo's database; a connection the server closed under the statement (it
+        ends the sessions of that database, and may restart them all) is retried once."""
+        statement = sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        for attempt in (1, 2):
+            try:
+                with engine.connect() as conn:
+                    conn.execute(statement)
+                return
+            except sa.exc.OperationalError as exc:
+                if attempt == 2:
+                    raise
+                self.say(f"dropping {name} again after: {str(exc).splitlines()[0]}")
+                engine.dispose()
+                time.sleep(1.0)
 
 
 # -- entry point ---------------------------------------------------------------------------------

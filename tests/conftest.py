@@ -39,6 +39,7 @@ pytest_plugins = [
     "tests.fixtures.redis",
     "tests.fixtures.kafka",
     "tests.fixtures.proxy",
+    "tests.fixtures.pgbouncer",
     "tests.fixtures.uow",
     "tests.fixtures.guard",
     "tests.fixtures.web",

@@ -74,6 +74,7 @@ RULES: list[Rule] = [
     Rule(r"\bAsyncRedisClient\b", "RedisClient"),
     Rule(r"\bAsyncClient\b", "Client"),
     Rule(r"\bas_async_client\b", "as_client"),
+    Rule(r"\brefuse_undeclared_async\b", "refuse_undeclared"),
     Rule(r"\bAsyncConsumerRunner\b", "ConsumerRunner"),
     Rule(r"\bAsync(Attempts|Rounds|JoinedUnits|Verdicts|GuardedAttempts)\b", r"\1"),
     Rule(r"\bAsync(Guarded)?Handler\b", r"\1Handler"),

@@ -92,6 +92,9 @@ class Failure(StrEnum):
     ERROR = "error"
     PERMANENT = "permanent"
     KEY_IN_PROGRESS = "key_in_progress"
+    CONFLICT = "conflict"
+    """PostgreSQL rolled the transaction back for a concurrent one (serialization failure,
+    deadlock)."""
     DEAD_LETTER_UNAVAILABLE = "dead_letter_unavailable"
     DATABASE_UNAVAILABLE = "database_unavailable"
     GUARD_UNAVAILABLE = "guard_unavailable"
@@ -132,6 +135,9 @@ CONFIRMED_DEAD_LETTER = Disposition(
 KEY_BUSY = Disposition(
     Action.RETRY, Outcome.RETRY, schedule=Schedule.IN_PROGRESS, failure=Failure.KEY_IN_PROGRESS
 )
+CONFLICT = Disposition(
+    Action.RETRY, Outcome.RETRY, schedule=Schedule.IN_PROGRESS, failure=Failure.CONFLICT
+)
 DATABASE_DOWN = Disposition(
     Action.RETRY, Outcome.RETRY, schedule=Schedule.RETRY, failure=Failure.DATABASE_UNAVAILABLE
 )
@@ -160,6 +166,7 @@ def classify(
     replayed: bool = False,
     dead_lettered: bool = False,
     database_unavailable: bool = False,
+    conflict: bool = False,
 ) -> Disposition:
     """Decide what becomes of a message after one attempt at it.
 
@@ -169,7 +176,9 @@ def classify(
     error it goes with is its dead letter's). ``dead_lettered`` means the handler's
     permanent error was dead-lettered and confirmed while the key was held.
     ``database_unavailable`` is the caller's verdict on ``error``
-    (:func:`outbox._pg.errors.database_unavailable`). A :class:`~outbox.errors.DeadLetterError`
+    (:func:`outbox._pg.errors.database_unavailable`), ``conflict`` its verdict that PostgreSQL
+    rolled the transaction back for a concurrent one
+    (:func:`outbox._pg.errors.transaction_conflict`). A :class:`~outbox.errors.DeadLetterError`
     as ``error`` means a dead letter was not confirmed. Under the Redis guard,
     :class:`~outbox.errors.GuardUnavailable` means Redis could not decide or store the outcome
     (``on_redis_error="closed"``) and :class:`~outbox.errors.LeaseLost` that another owner took
@@ -216,6 +225,10 @@ def classify(
     if database_unavailable:
         # Not the message's fault: retried, in order, until PostgreSQL answers again.
         return DATABASE_DOWN
+    if conflict:
+        # A serialization failure or a deadlock: nothing committed, and the message is not at
+        # fault; retried like a busy key, without counting an attempt.
+        return CONFLICT
     return _failed(attempts, max_attempts)
 
 

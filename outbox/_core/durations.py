@@ -68,8 +68,17 @@ def format_duration(seconds: float) -> str:
     return "".join(parts)
 
 
-def check_retention(older_than: float, cache_ttl: float, min_redelivery_window: float) -> None:
-    """Refuse a gc retention under which a duplicate could run its effects twice.
+# How late a broker may redeliver a message: no key may be forgotten sooner. One default for
+# ``outbox gc`` and ``OutboxConfig``.
+DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS = 7 * 24 * 3600.0
+
+
+def check_retention(
+    older_than: float, cache_ttl: float, min_redelivery_window: float, *, config: bool = False
+) -> None:
+    """Refuse a retention under which a duplicate could run its effects twice: the one rule of
+    ``outbox gc --older-than`` and of ``OutboxConfig.retention`` (``config=True`` words the
+    refusal in the configuration's field names).
 
     * It must be **longer than the Redis cache TTL**: otherwise the cache would still answer
       for keys PostgreSQL has forgotten, and whether a duplicate replays or runs again would
@@ -79,6 +88,22 @@ def check_retention(older_than: float, cache_ttl: float, min_redelivery_window: 
       that long after it was first handled (a consumer restarting from old offsets, a replay);
       if its key is already gone, the duplicate runs twice.
     """
+    if config:
+        if older_than <= cache_ttl:
+            raise RetentionError(
+                f"cache_ttl ({format_duration(cache_ttl)}) must be shorter than retention "
+                f"({format_duration(older_than)}): otherwise Redis could replay a key the "
+                "database has already forgotten"
+            )
+        if older_than < min_redelivery_window:
+            raise RetentionError(
+                f"retention ({format_duration(older_than)}) must be at least "
+                f"min_redelivery_window ({format_duration(min_redelivery_window)}), the rule "
+                "outbox gc holds --older-than to: a message redelivered after its key was "
+                "deleted would run twice. Lower min_redelivery_window only if no broker can "
+                "redeliver that late"
+            )
+        return
     if older_than <= cache_ttl:
         raise RetentionError(
             f"refusing --older-than {format_duration(older_than)}: it must be longer than the "

@@ -507,7 +507,20 @@ class Admission:
         if self.fixed_scope is not None:
             return Covered(self.fixed_scope, key)
         assert self.scope_of is not None
-        scope = self.scope_of(request)
+        try:
+            scope = self.scope_of(request)
+        except Exception as exc:
+            # e.g. ``lambda r: r.headers["x-tenant"]`` on a request without the header: the
+            # request lacks what the scope is made of, which is the client's to fix.
+            raise Refused(
+                Problem(
+                    400,
+                    "idempotency-scope-invalid",
+                    "Invalid idempotency scope",
+                    "the idempotency scope could not be derived from the request "
+                    f"({type(exc).__name__}); send the headers this endpoint requires",
+                )
+            ) from None
         try:
             check_scope(scope)
         except InvalidKeyError as exc:

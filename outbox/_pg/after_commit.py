@@ -13,13 +13,21 @@ after the caller's transaction committed. On a rollback it is dropped.
   has returned: when the connection starts its next transaction or goes back to the pool,
   whichever comes first (``with engine.begin() as conn:`` returns it right after the COMMIT).
 
-Callbacks must not raise; one that does is logged and the others still run.
+Callbacks must not raise; one that does is logged and the others still run. These events say
+when the caller *said* commit, not what PostgreSQL committed (a caller's savepoint rolled back
+around the work, an outer transaction the session was joined to): a callback that must act only
+on committed data checks what committed itself (``outbox.uow_joined_async`` reads the key back).
+
+The same events keep a registry of the keys a connection's current transaction holds (:func:`take`,
+:func:`holds`), so that a unit of work nested in another one for the same key is refused instead of
+re-entering the key's lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -31,8 +39,12 @@ log = logging.getLogger("outbox.uow")
 _PENDING = "outbox.after_commit.pending"
 _COMMITTING = "outbox.after_commit.committing"
 _SESSION_HOOKED = "outbox.after_commit.hooked"
+_HELD = "outbox.after_commit.held"
 
 Callback = Callable[[], None]
+
+# Engines whose events are hooked (checked on every take(): cheaper than sa.event.contains).
+_hooked: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
 
 # Tasks started by spawn(), kept referenced until they finish.
 _tasks: set[asyncio.Task[Any]] = set()
@@ -51,6 +63,7 @@ def defer(target: Session | sa.Connection, callback: Callback) -> None:
         if not target.info.get(_SESSION_HOOKED):
             sa.event.listen(target, "after_commit", _session_committed)
             sa.event.listen(target, "after_rollback", _session_rolled_back)
+            sa.event.listen(target, "after_transaction_end", _session_transaction_ended)
             target.info[_SESSION_HOOKED] = True
         target.info.setdefault(_PENDING, []).append(callback)
         return
@@ -74,10 +87,44 @@ def _session_rolled_back(session: Session) -> None:
     session.info.pop(_PENDING, None)
 
 
+def _session_transaction_ended(session: Session, transaction: Any) -> None:
+    # The session's outermost transaction ended without after_commit having taken the work
+    # (closed, or its COMMIT failed): drop it, so that a later commit does not run it.
+    if transaction.parent is None:
+        session.info.pop(_PENDING, None)
+
+
+# -- keys held by a connection's transaction ----------------------------------------------------
+
+
+def take(conn: sa.Connection | None, lock_id: int) -> None:
+    """Note that ``conn``'s current transaction holds the key lock ``lock_id``."""
+    if conn is None:
+        return
+    _hook_engine(conn.engine)
+    conn.info.setdefault(_HELD, set()).add(lock_id)
+
+
+def release(conn: sa.Connection, lock_id: int) -> None:
+    """Forget ``lock_id`` (its savepoint was rolled back, which released it)."""
+    if not conn.invalidated:
+        conn.info.get(_HELD, set()).discard(lock_id)
+
+
+def holds(conn: sa.Connection, lock_id: int) -> bool:
+    """True when ``conn``'s transaction may hold ``lock_id`` already (taken by a unit of work
+    in it and not known to be released). A savepoint of the caller rolled back may have
+    released it without an event saying so: ask the server before refusing."""
+    return not conn.invalidated and lock_id in conn.info.get(_HELD, ())
+
+
 # -- connections -------------------------------------------------------------------------------
 
 
 def _hook_engine(engine: sa.Engine) -> None:
+    if engine in _hooked:
+        return
+    _hooked.add(engine)
     if sa.event.contains(engine, "commit", _committing):
         return
     sa.event.listen(engine, "commit", _committing)
@@ -89,6 +136,7 @@ def _hook_engine(engine: sa.Engine) -> None:
 
 def _committing(conn: sa.Connection) -> None:
     info = conn.info
+    info.pop(_HELD, None)
     pending = info.pop(_PENDING, None)
     if pending:
         info.setdefault(_COMMITTING, []).extend(pending)
@@ -99,6 +147,7 @@ def _rolled_back(conn: sa.Connection) -> None:
         return
     conn.info.pop(_PENDING, None)
     conn.info.pop(_COMMITTING, None)
+    conn.info.pop(_HELD, None)
 
 
 def _failed(context: sa.engine.ExceptionContext) -> None:
@@ -121,6 +170,7 @@ def _checked_in(_dbapi_connection: Any, record: Any) -> None:
     if info is None:
         return
     info.pop(_PENDING, None)  # returned without a commit: the pool rolls it back
+    info.pop(_HELD, None)
     committed = info.pop(_COMMITTING, None)
     if committed:
         _run(committed)

@@ -21,9 +21,12 @@ from outbox.errors import ConfigurationError
 DEFAULT_POOL = {"pool_size": 20, "max_overflow": 20}
 
 
-def engine_for(database: object, want_async: bool, options: dict[str, Any] | None) -> Any:
+def engine_for(
+    database: object, want_async: bool, options: dict[str, Any] | None, *, pooled: bool = False
+) -> Any:
     """``(engine, owned)`` for ``database``: a URL (an engine is built) or an engine of the
-    wanted flavour; anything else raises :class:`ConfigurationError`."""
+    wanted flavour; anything else raises :class:`ConfigurationError`. With ``pooled`` (a
+    transaction pooler in between) a built engine's connections never prepare statements."""
     owner = "AsyncOutbox" if want_async else "Outbox"
     wanted = AsyncEngine if want_async else sa.Engine
     other = sa.Engine if want_async else AsyncEngine
@@ -48,6 +51,11 @@ def engine_for(database: object, want_async: bool, options: dict[str, Any] | Non
             if name in (options or {}):
                 check_seconds(f"engine_options[{name!r}]", (options or {})[name], zero=True)
         merged = {**DEFAULT_POOL, **(options or {})}
+        if pooled:
+            connect_args = merged.get("connect_args") or {}
+            if not isinstance(connect_args, dict):
+                raise ConfigurationError("engine_options['connect_args'] must be a dict")
+            merged["connect_args"] = {**connect_args, "prepare_threshold": None}
         url = normalize_database_url(database)
         try:
             engine = (
@@ -75,16 +83,29 @@ def engine_for(database: object, want_async: bool, options: dict[str, Any] | Non
         )
     if engine.dialect.name != "postgresql":
         raise ConfigurationError(f"outbox-kit needs PostgreSQL, got a {engine.dialect.name} engine")
+    if engine.dialect.driver != "psycopg":
+        # The unit of work talks to psycopg 3 below SQLAlchemy (prepared statements, escaping):
+        # another driver would fail at the first unit of work with a bare TypeError.
+        raise ConfigurationError(
+            f"{owner} runs on the psycopg 3 driver, got a postgresql+{engine.dialect.driver} "
+            f"engine: build it from a postgresql+psycopg:// URL "
+            f"({'create_async_engine' if want_async else 'create_engine'}"
+            '("postgresql+psycopg://...")) or pass the URL itself'
+        )
     return engine, owned
 
 
 def notifier_engine(engine: sa.Engine | AsyncEngine) -> sa.Engine:
     """A sync engine for the relays' wake-up thread: the engine itself, or for an
-    ``AsyncEngine`` a one-connection sync engine on the same database."""
+    ``AsyncEngine`` a one-connection sync engine on the same database (its connection never
+    prepares statements: see outbox._pg.wakeup)."""
     if isinstance(engine, sa.Engine):
         return engine
     return sa.create_engine(
-        engine.url.render_as_string(hide_password=False), pool_size=1, max_overflow=0
+        engine.url.render_as_string(hide_password=False),
+        pool_size=1,
+        max_overflow=0,
+        connect_args={"prepare_threshold": None},
     )
 
 
@@ -132,3 +153,17 @@ async def database_answers_async(engine: AsyncEngine) -> bool:
     except _UNREACHABLE:
         return False
     return True
+
+
+def reader_engine(engine: Any) -> Any:
+    """The engine on which a joined unit of work reads its key back after the caller's commit.
+
+    An ``AsyncEngine`` serves itself: the read runs in a task of its own, which waits for a
+    pooled connection without holding anyone up. A sync engine's read runs inside the caller's
+    commit, while the caller's connection is still checked out: on a full pool it would wait
+    for that very connection. So the sync flavour reads on a pool of its own, a twin of the
+    engine's (same connection factory and settings), that opens connections only when used.
+    """
+    if isinstance(engine, AsyncEngine):
+        return engine
+    return sa.create_engine(engine.url, pool=engine.pool.recreate())

@@ -7,12 +7,21 @@ import the driver themselves:
   outage, a restart, a failover, a full pool): retry later without counting an attempt. The relay
   and the consumer runner both use it.
 * :func:`unique_violation_of` -- a unique constraint refused a row (the unit of work's key race).
+* :func:`transaction_conflict` -- the transaction lost to a concurrent one (a serialization
+  failure under REPEATABLE READ or SERIALIZABLE, a deadlock): the same work may succeed again.
+* :func:`split_refused` -- a final statement found itself outside the transaction that claimed
+  its keys, and refused to run (invariant I13); :func:`split_error` says so to the caller.
+* :func:`undefined_table` -- a table is missing: the database was never migrated, or the
+  toolkit looks in another schema than the one its tables are in.
 """
 
 from __future__ import annotations
 
 import psycopg
 import sqlalchemy as sa
+
+from outbox._pg.statements import UNIT_MISMATCH
+from outbox.errors import TransactionEndedError
 
 # SQLSTATEs of a server going away or refusing connections for now (class 08, connection
 # exception; admin or crash shutdown; "the database system is starting up").
@@ -53,6 +62,42 @@ def unique_violation_of(exc: BaseException, constraint: str) -> bool:
     if not isinstance(origin, psycopg.errors.UniqueViolation):
         return False
     return origin.diag.constraint_name == constraint
+
+
+# serialization_failure, deadlock_detected
+_CONFLICT_SQLSTATES = ("40001", "40P01")
+
+
+def transaction_conflict(exc: BaseException) -> bool:
+    """True when PostgreSQL rolled the transaction back because of a concurrent one: a
+    serialization failure (REPEATABLE READ, SERIALIZABLE) or a deadlock. Nothing was committed,
+    and running the same work again may succeed."""
+    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    return isinstance(origin, psycopg.Error) and origin.sqlstate in _CONFLICT_SQLSTATES
+
+
+def split_refused(exc: BaseException) -> bool:
+    """True when ``exc`` is the refusal of a final statement that did not run in the
+    transaction whose claim set its token (see outbox._pg.statements.UNIT_SETTING)."""
+    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    return isinstance(origin, psycopg.errors.InvalidTextRepresentation) and (
+        UNIT_MISMATCH in str(origin)
+    )
+
+
+def split_error() -> TransactionEndedError:
+    return TransactionEndedError(
+        "the unit of work's final statement did not run in the transaction that claimed its "
+        "key, and refused to: the key was not completed and no event was written. Something "
+        "between the application and PostgreSQL lost the transaction (a connection pooler in "
+        "transaction mode needs OutboxConfig(pooler='transaction')); retry the unit of work"
+    )
+
+
+def undefined_table(exc: BaseException) -> bool:
+    """True when ``exc`` says a table does not exist (SQLSTATE 42P01)."""
+    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    return isinstance(origin, psycopg.errors.UndefinedTable)
 
 
 def is_database_error(exc: BaseException) -> bool:

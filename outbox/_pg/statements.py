@@ -54,7 +54,7 @@ def statements(schema: str | None) -> Statements:
     # Prepared-statement names live per connection, across schemas: tell schemas apart by a
     # short digest (a long schema name would be truncated to 63 bytes and could collide).
     claim_body = (
-        f"WITH lock AS (SELECT pg_try_advisory_xact_lock($1) AS acquired) "
+        f"WITH lock AS (SELECT pg_try_advisory_xact_lock($1) AS acquired, {_unit_set('$4')}) "
         f"SELECT lock.acquired, k.status, k.fingerprint, k.result::text AS result, k.error, "
         f"EXTRACT(EPOCH FROM now() - k.updated_at)::float8 AS age "
         f"FROM lock LEFT JOIN {keys} AS k ON k.scope = $2 AND k.key = $3"
@@ -71,10 +71,13 @@ def statements(schema: str | None) -> Statements:
         # BEGIN without being planned every time.
         idempotency_key_claim_prepared=Prepared(
             claim_name,
-            f"PREPARE {claim_name} (bigint, text, text) AS {claim_body}",
-            f"EXECUTE {claim_name} (%(lock_id)s, %(scope)s, %(key)s)",
-            "",
-            ("lock_id", "scope", "key"),
+            f"PREPARE {claim_name} (bigint, text, text, text) AS {claim_body}",
+            f"EXECUTE {claim_name} (%(lock_id)s, %(scope)s, %(key)s, %(unit)s)",
+            claim_body.replace("$1", "%(lock_id)s")
+            .replace("$2", "%(scope)s")
+            .replace("$3", "%(key)s")
+            .replace("$4", "%(unit)s"),
+            ("lock_id", "scope", "key", "unit"),
         ),
         idempotency_key_fail=(
             f"INSERT INTO {keys} (scope, key, status, fingerprint, error) "
@@ -89,6 +92,36 @@ def statements(schema: str | None) -> Statements:
 
 def _digest(*parts: object) -> str:
     return hashlib.blake2b(repr(parts).encode(), digest_size=6).hexdigest()
+
+
+# The proof that a final statement runs in the transaction that claimed its keys (invariant I13).
+# The claim sets the transaction-local setting UNIT_SETTING to a token of its own (a random
+# value per unit of work or batch, bound as the parameter `unit`); the final statement checks
+# for that token and fails otherwise, aborting its transaction. Whatever sits between the toolkit
+# and PostgreSQL (a transaction pooler that hands out another server connection, a reconnect, a
+# retry, a statement run outside the transaction in autocommit), a final statement that does not
+# run in the claiming transaction cannot see the token: it raises, and nothing of it commits.
+UNIT_SETTING = "outbox.unit"
+# Text of the error the check raises ("invalid input syntax for type integer: ..."), which
+# outbox._pg.errors recognizes.
+UNIT_MISMATCH = "outbox: not in the transaction that claimed the key"
+
+
+def _unit_set(param: str, *, append: bool = False) -> str:
+    """``set_config`` of the claim's token; ``append`` keeps tokens already set in the same
+    transaction (joined units of work, one after another or nested, in a caller's transaction)."""
+    value = f"coalesce(current_setting('{UNIT_SETTING}', true), '') || {param}" if append else param
+    return f"set_config('{UNIT_SETTING}', {value}, true)"
+
+
+def _unit_check(param: str) -> str:
+    """A condition that is true when the claim's token is set in this transaction, and raises
+    (an integer cast of :data:`UNIT_MISMATCH`) otherwise. Neither branch is a constant the
+    planner could fold: the error is raised only when the token is missing."""
+    return (
+        f"CAST(CASE WHEN strpos(current_setting('{UNIT_SETTING}', true), {param}) > 0 "
+        f"THEN '1' ELSE '{UNIT_MISMATCH}' END AS integer) = 1"
+    )
 
 
 _ROW_TYPES = ("uuid", "text", "bytea", "bytea", "jsonb", "integer")
@@ -167,23 +200,25 @@ def idempotency_key_complete(schema: str | None, events: int, locks: int = 0) ->
     transaction, so the order locks are held only until the commit. Row ``i`` binds
     parameters ``e{i}`` (event id), ``t{i}`` (topic), ``k{i}`` (key), ``v{i}`` (value),
     ``h{i}`` (headers JSON) and ``x{i}`` (key hash); lock ``j`` binds ``l{j}``
-    (:func:`outbox._core.events.event_params` binds them all). The text depends only on the
+    (:func:`outbox._core.events.event_params` binds them all); ``unit`` is the claim's token,
+    without which the statement raises (see :data:`UNIT_SETTING`). The text depends only on the
     schema, ``events`` and ``locks``.
     """
     schema = validate_schema_name(schema)
     if events < 0 or not 0 <= locks <= events:
         raise ValueError("events must not be negative, locks between 0 and events")
     keys = qualified(schema, IDEMPOTENCY_KEYS)
-    types = ["text", "text", "text", "text"]
-    args = ["%(scope)s", "%(key)s", "%(fingerprint)s", "%(result)s"]
+    types = ["text", "text", "text", "text", "text"]
+    args = ["%(scope)s", "%(key)s", "%(fingerprint)s", "%(result)s", "%(unit)s"]
+    # The key row is written only in the transaction whose claim set the token `unit` ($5).
     key_insert = (
         f"INSERT INTO {keys} (scope, key, status, fingerprint, result) "
-        f"VALUES ($1, $2, 'completed', $3, CAST($4 AS jsonb))"
+        f"SELECT $1, $2, 'completed', $3, CAST($4 AS jsonb) WHERE {_unit_check('$5')}"
     )
     if events == 0:
         body = key_insert
     else:
-        rows, row_types, row_args = _outbox_rows_insert(schema, events, locks, 5)
+        rows, row_types, row_args = _outbox_rows_insert(schema, events, locks, 6)
         body = f"WITH completed AS ({key_insert}) {rows}"
         types += row_types
         args += row_args
@@ -202,6 +237,8 @@ class JoinedStatements:
     idempotency_key_claim: sa.TextClause
     idempotency_key_fail: sa.TextClause
     idempotency_key_relock: sa.TextClause
+    idempotency_key_read: sa.TextClause
+    idempotency_key_held: sa.TextClause
 
 
 def _named(sql: str) -> str:
@@ -214,13 +251,29 @@ def joined_statements(schema: str | None) -> JoinedStatements:
     keys = qualified(schema, IDEMPOTENCY_KEYS)
     return JoinedStatements(
         idempotency_key_claim=sa.text(
-            "WITH lock AS (SELECT pg_try_advisory_xact_lock(:lock_id) AS acquired) "
+            "WITH lock AS (SELECT pg_try_advisory_xact_lock(:lock_id) AS acquired, "
+            f"{_unit_set(':unit', append=True)}) "
             "SELECT lock.acquired, k.status, k.fingerprint, k.result::text AS result, k.error, "
             "EXTRACT(EPOCH FROM now() - k.updated_at)::float8 AS age "
             f"FROM lock LEFT JOIN {keys} AS k ON k.scope = :scope AND k.key = :key"
         ),
         idempotency_key_fail=sa.text(_named(statements(schema).idempotency_key_fail)),
         idempotency_key_relock=sa.text("SELECT pg_try_advisory_xact_lock(:lock_id)"),
+        # After the caller's commit, on a connection of the toolkit's own: the key's committed
+        # row, if any (what the cache may learn).
+        idempotency_key_read=sa.text(
+            "SELECT status, fingerprint, result::text AS result, error, "
+            "EXTRACT(EPOCH FROM now() - updated_at)::float8 AS age "
+            f"FROM {keys} WHERE scope = :scope AND key = :key"
+        ),
+        # Does this server session hold the key's advisory lock already? (A bigint lock shows
+        # in pg_locks as its high and low 32 bits.)
+        idempotency_key_held=sa.text(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+            "AND pid = pg_backend_pid() AND granted AND objsubid = 1 "
+            "AND classid::bigint = ((CAST(:lock_id AS bigint) >> 32) & 4294967295) "
+            "AND objid::bigint = (CAST(:lock_id AS bigint) & 4294967295))"
+        ),
     )
 
 
@@ -263,7 +316,8 @@ def many_statements(schema: str | None) -> ManyStatements:
     # the order of the ids given.
     lock = (
         "SELECT array_agg(pg_try_advisory_xact_lock(l.id) ORDER BY l.n) "
-        "FROM unnest($1::bigint[]) WITH ORDINALITY AS l(id, n)"
+        "FROM unnest($1::bigint[]) WITH ORDINALITY AS l(id, n) "
+        f"WHERE {_unit_set('$2')} IS NOT NULL"
     )
     # Run as a statement of its own after the locks: its snapshot is taken once the locks are
     # held, so it sees the outcome of any attempt that held one of them before (that attempt's
@@ -286,7 +340,7 @@ def many_statements(schema: str | None) -> ManyStatements:
         f"WITH done AS (INSERT INTO {keys} (scope, key, status, fingerprint, result, error) "
         "SELECT $1, r.key, r.status, r.fingerprint, CAST(r.result AS jsonb), r.error "
         "FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) "
-        "AS r(key, status, fingerprint, result, error)) "
+        f"AS r(key, status, fingerprint, result, error) WHERE {_unit_check('$14')}) "
         f"INSERT INTO {qualified(schema, OUTBOX)} "
         "(event_id, topic, key, value, headers, key_hash) "
         "SELECT e.event_id, e.topic, e.key, e.value, CAST(e.headers AS jsonb), e.key_hash "
@@ -300,7 +354,7 @@ def many_statements(schema: str | None) -> ManyStatements:
     )
     return ManyStatements(
         idempotency_keys_lock=_prepared_many(
-            "outbox_keys_lock", schema, lock, [("lock_ids", "bigint[]")]
+            "outbox_keys_lock", schema, lock, [("lock_ids", "bigint[]"), ("unit", "text")]
         ),
         idempotency_keys_read=_prepared_many(
             "outbox_keys_read", schema, read, [("scope", "text"), ("keys", "text[]")]
@@ -323,6 +377,7 @@ def many_statements(schema: str | None) -> ManyStatements:
                 ("headers", "text[]"),
                 ("key_hashes", "integer[]"),
                 ("order_locks", "bigint[]"),
+                ("unit", "text"),
             ],
         ),
     )

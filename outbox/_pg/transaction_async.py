@@ -19,12 +19,23 @@ Round trips are most of a short transaction's cost, so the toolkit keeps its own
 
 Driver errors are translated here, the one place, into SQLAlchemy's exception types, and a
 broken connection is invalidated so the pool never hands it out again.
+
+An interruption (``KeyboardInterrupt``, ``SystemExit``, a cancelled task) may land anywhere,
+also while psycopg waits for the server or cleans up after itself. Two things then hold: a
+statement the client gave up on is cancelled on the server at once (its transaction holds the
+key's lock, and a backend waiting on another lock would not notice its client had gone), and a
+connection that goes back to the pool not idle, or still switched to autocommit, is discarded
+(:func:`install_guard`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import re
+import secrets
+import sys
 import uuid
 import weakref
 from typing import Any
@@ -35,7 +46,7 @@ from psycopg import AsyncClientCursor, IsolationLevel, pq
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox._pg.statements import Prepared
-from outbox.errors import TransactionEndedError
+from outbox.errors import ConfigurationError, TransactionEndedError
 
 # Names of the statements this module PREPAREd on each driver connection, and statements to
 # PREPARE at the connection's next begin_with().
@@ -52,6 +63,11 @@ _wanted: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[Prepared]] 
 
 _GUARDED = "outbox.unit_of_work_open"
 _ENDED = "outbox.unit_of_work_rolled_back"
+# Set while the driver connection is switched to autocommit by a unit of work.
+_SWITCHED = "outbox.autocommit_switched"
+# The connection's cancel key (libpq PGcancel), made while the connection is alive: usable
+# after psycopg closed the connection, to stop what its backend still runs.
+_CANCEL = "outbox.cancel"
 
 # The savepoint a batch runs each unit of work in.
 _SAVEPOINT = "outbox_unit"
@@ -85,13 +101,28 @@ def _refuse_begin(conn: sa.Connection) -> None:
         )
 
 
+def _discard_unclean(dbapi_connection: Any, record: Any) -> None:
+    # After the pool's reset: a connection a unit of work left switched to autocommit, or in
+    # any state but idle (an interruption inside SQLAlchemy or an event handler can leave the
+    # pool believing a transaction was ended that the server still holds), is not handed out
+    # again.
+    if dbapi_connection is None:
+        return
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    pgconn = getattr(driver, "pgconn", None)
+    switched = record.info.pop(_SWITCHED, False)
+    if switched or (pgconn is not None and pgconn.transaction_status != pq.TransactionStatus.IDLE):
+        record.info[_GUARDED] = False
+        record.invalidate()
+
+
 def install_guard(engine: AsyncEngine) -> None:
-    """Keep a unit of work's transaction whole against its own body.
+    """Keep a unit of work's transaction whole against its own body, and the pool clean.
 
     ``commit()`` from the body would commit business rows without the key and the outbox rows:
     refused before anything is sent. After a rollback from the body, any further statement is
     refused instead of running outside the transaction. Connections outside a unit of work are
-    unaffected.
+    unaffected. A connection that comes back to the pool other than idle is discarded.
     """
     for name, fn in (
         ("commit", _refuse_commit),
@@ -100,22 +131,78 @@ def install_guard(engine: AsyncEngine) -> None:
     ):
         if not sa.event.contains(engine.sync_engine, name, fn):
             sa.event.listen(engine.sync_engine, name, fn)
+    if not sa.event.contains(engine.sync_engine.pool, "checkin", _discard_unclean):
+        sa.event.listen(engine.sync_engine.pool, "checkin", _discard_unclean)
+
+
+def cancel_key(connection: sa.Connection) -> tuple[Any, Any] | None:
+    """``(driver connection, its cancel key)`` of a SQLAlchemy connection on psycopg, for
+    :func:`stop_abandoned` (a caller's connection joined by a unit of work); ``None`` for
+    another driver. The key is made once per driver connection, while it is alive."""
+    if connection.invalidated:
+        return None
+    driver = connection.connection.driver_connection
+    if not isinstance(driver, psycopg.BaseConnection) or driver.closed:
+        return None
+    cancel = _cancel_keys.get(driver)
+    if cancel is None:
+        cancel = _cancel_keys[driver] = driver.pgconn.get_cancel()
+    return driver, cancel
+
+
+_cancel_keys: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def stop_abandoned(driver: Any, cancel: Any, *, again: bool = False) -> None:
+    """Cancel the statement the server may still run for ``driver``, without awaiting.
+
+    Needed when the client stopped waiting for it: psycopg, interrupted, cancels it itself, but
+    gives up and closes the connection when interrupted again (an anyio cancel scope interrupts
+    every await) -- and a backend waiting on a lock does not notice that its client closed the
+    connection. ``cancel`` is the cancel key taken while the connection was alive (it works
+    after the close). Sent only while a statement runs, or after an interruption (``again``:
+    one that is being handled elsewhere): a connection lost in a network failure is not
+    waited on.
+    """
+    running = not driver.closed and (
+        driver.pgconn.transaction_status == pq.TransactionStatus.ACTIVE
+    )
+    if not (running or ((again or _interrupted()) and (driver.closed or driver.broken))):
+        return
+    with contextlib.suppress(psycopg.Error):  # the backend is gone already
+        cancel.cancel()
+    if not driver.closed:
+        driver.pgconn.finish()
+
+
+def _interrupted() -> bool:
+    """True while an interruption (not an ordinary exception) is being handled."""
+    exc = sys.exc_info()[1]
+    return exc is not None and not isinstance(exc, Exception)
 
 
 def _execute_text(
-    driver: psycopg.AsyncConnection[Any], p: Prepared, params: dict[str, Any]
+    driver: psycopg.AsyncConnection[Any],
+    p: Prepared,
+    params: dict[str, Any],
+    *,
+    inline: bool = False,
 ) -> bytes:
-    """``EXECUTE name (...)`` with the parameters as literals escaped by libpq.
+    """``EXECUTE name (...)`` with the parameters as literals escaped by libpq; with ``inline``,
+    the statement's own text with the literals in place of its parameters (no server-side
+    prepared statement: behind a transaction pooler a name PREPAREd in one transaction may be
+    missing, or mean another statement, in the next).
 
     Sent with the simple query protocol, several statements travel in one message; libpq's
     escaping (PQescapeLiteral / PQescapeByteaConn, which know the connection's settings) makes
     each value a literal, exactly as a client-side-binding cursor would, with less overhead.
     """
+    if driver.info.encoding != "utf-8":
+        text = p.direct if inline else p.execute
+        return AsyncClientCursor(driver).mogrify(text, params).encode(driver.info.encoding)
     escaping = _escaping.get(driver)
     if escaping is None:
         escaping = _escaping[driver] = pq.Escaping(driver.pgconn)
-    if driver.info.encoding != "utf-8":
-        return AsyncClientCursor(driver).mogrify(p.execute, params).encode(driver.info.encoding)
     literals = []
     for name in p.args:
         value = params[name]
@@ -135,7 +222,24 @@ def _execute_text(
             literals.append(escaping.escape_literal(_array_text(value)))
         else:
             raise TypeError(f"cannot bind {type(value).__name__} as a literal")
+    if inline:
+        texts, names = _inline_parts(p)
+        by_name = dict(zip(p.args, literals, strict=True))
+        out = [texts[0]]
+        for name, piece in zip(names, texts[1:], strict=True):
+            out += (by_name[name], piece)
+        return b"".join(out)
     return b"EXECUTE " + p.name.encode() + b" (" + b", ".join(literals) + b")"
+
+
+@functools.lru_cache(maxsize=1024)
+def _inline_parts(p: Prepared) -> tuple[list[bytes], list[str]]:
+    """The statement's text split around its ``%(name)s`` parameters: texts and names."""
+    pieces = _PARAMETER.split(p.direct)
+    return [t.encode() for t in pieces[0::2]], pieces[1::2]
+
+
+_PARAMETER = re.compile(r"%\((\w+)\)s")
 
 
 def _array_text(values: list[Any]) -> bytes:
@@ -185,18 +289,59 @@ def _begin_command(driver: psycopg.AsyncConnection[Any]) -> str:
     return " ".join(parts)
 
 
+def check_unprepared(driver: object) -> None:
+    """Refuse a driver connection that would PREPARE statements on its own behind a
+    transaction pooler (psycopg's automatic prepares are named per client connection: on a
+    shared server connection the same name may mean another client's statement, which then runs
+    in place of this one)."""
+    if getattr(driver, "prepare_threshold", None) is not None:
+        raise ConfigurationError(
+            "behind a transaction pooler (pooler='transaction') the engine's connections must "
+            "not prepare statements: create it with "
+            "connect_args={'prepare_threshold': None}, or pass a URL and let the outbox build it"
+        )
+
+
+async def check_caller(session: Any, connection: AsyncConnection | None) -> None:
+    """:func:`check_unprepared` for the connection of a caller's session (``session``, an ORM
+    session of this flavour) or connection."""
+    conn = await session.connection() if session is not None else connection
+    assert conn is not None
+    raw = await conn.get_raw_connection()
+    check_unprepared(raw.driver_connection)
+
+
 class AsyncTransaction:
-    """A transaction on a connection checked out of ``engine``."""
+    """A transaction on a connection checked out of ``engine``.
 
-    __slots__ = ("_driver", "_saved_autocommit", "connection")
+    ``pooled`` says that a transaction pooler (PgBouncer in transaction mode) stands between
+    the toolkit and PostgreSQL: nothing may then rely on the session -- statements are sent
+    with their parameters inline rather than PREPAREd, and a permanent failure is recorded in
+    the same transaction, after a rollback to a savepoint set with the claim, rather than under
+    a session-level lock.
+    """
 
-    def __init__(self, connection: AsyncConnection, driver: psycopg.AsyncConnection[Any]) -> None:
+    __slots__ = ("_cancel", "_driver", "_pooled", "_saved_autocommit", "_unit", "connection")
+
+    def __init__(
+        self,
+        connection: AsyncConnection,
+        driver: psycopg.AsyncConnection[Any],
+        pooled: bool = False,
+    ) -> None:
         self.connection = connection
         self._driver = driver
+        self._pooled = pooled
         self._saved_autocommit: bool | None = None
+        info = connection.info
+        self._cancel: pq.abc.PGcancel = info.get(_CANCEL) or info.setdefault(
+            _CANCEL, driver.pgconn.get_cancel()
+        )
+        # The claim's token (see outbox._pg.statements.UNIT_SETTING), new at every begin.
+        self._unit = ""
 
     @classmethod
-    async def open(cls, engine: AsyncEngine) -> AsyncTransaction:
+    async def open(cls, engine: AsyncEngine, *, pooled: bool = False) -> AsyncTransaction:
         """Check a connection out of ``engine`` (the psycopg 3 driver is required)."""
         connection = await engine.connect()
         raw = await connection.get_raw_connection()
@@ -204,7 +349,13 @@ class AsyncTransaction:
         if not isinstance(driver, psycopg.AsyncConnection):
             await connection.close()
             raise TypeError("outbox-kit needs the psycopg 3 driver (postgresql+psycopg://)")
-        return cls(connection, driver)
+        if pooled:
+            try:
+                check_unprepared(driver)
+            except ConfigurationError:
+                await connection.close()
+                raise
+        return cls(connection, driver, pooled)
 
     async def begin(self) -> None:
         """Start an ordinary transaction (psycopg sends BEGIN with the first statement)."""
@@ -217,7 +368,7 @@ class AsyncTransaction:
         :meth:`commit_with` could not send prepared) are PREPAREd in the same message, before
         ``BEGIN``, where a failure cannot harm a transaction.
         """
-        rows = await self.begin_with_many([claim], params)
+        rows = await self.begin_with_many([claim], params, savepoint=self._pooled)
         return rows[0][0]
 
     async def begin_with_many(
@@ -225,23 +376,46 @@ class AsyncTransaction:
     ) -> list[list[tuple[Any, ...]]]:
         """:meth:`begin_with` for several statements, run in order in the same round trip;
         returns the rows of each. With ``savepoint``, a savepoint for the first unit of work of
-        a batch is set in that round trip too (see :meth:`renew`)."""
+        a batch is set in that round trip too (see :meth:`renew`).
+
+        The claim's token is bound as the parameter ``unit`` (a new one for every transaction).
+        A stale record of prepared statements is corrected before ``BEGIN`` is sent again:
+        nothing of this transaction has run then."""
         driver = self._driver
         known = _prepared.setdefault(driver, set())
         self._saved_autocommit = driver.autocommit
+        self.connection.info[_SWITCHED] = True
+        self._unit = params["unit"] = secrets.token_hex(8)
+        pooled = self._pooled
         try:
             await driver.set_autocommit(True)
             begin = _begin_command(driver)
             wanted = _wanted.setdefault(driver, set())
-            body = b"; ".join(_execute_text(driver, p, params) for p in statements)
+            body = b"; ".join(_execute_text(driver, p, params, inline=pooled) for p in statements)
             if savepoint:
                 body += f"; SAVEPOINT {_SAVEPOINT}".encode()
             for _attempt in range(2):
+                if pooled:
+                    # No PREPARE, nothing to learn about the session: one attempt.
+                    cursor = driver.cursor()
+                    await cursor.execute(f"{begin}; ".encode() + body)
+                    cursor.nextset()
+                    rows = []
+                    for i in range(len(statements)):
+                        if i:
+                            cursor.nextset()
+                        rows.append([tuple(row) for row in await cursor.fetchall()])
+                    break
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
+                if driver.isolation_level is not None:
+                    # PREPARE counts as a query: BEGIN ISOLATION LEVEL must come first.
+                    head = f"{begin}; {prefix}"
+                else:
+                    head = f"{prefix}{begin}; "
                 cursor = driver.cursor()
                 try:
-                    await cursor.execute(f"{prefix}{begin}; ".encode() + body)
+                    await cursor.execute(head.encode() + body)
                 except (
                     psycopg.errors.InvalidSqlStatementName,
                     psycopg.errors.DuplicatePreparedStatement,
@@ -307,6 +481,9 @@ class AsyncTransaction:
         )
 
     async def execute(self, sql: str, params: dict[str, Any]) -> Any:
+        """Run ``sql`` in the transaction (bound by the driver); ``unit``, the claim's token,
+        is bound with ``params``."""
+        params = {**params, "unit": self._unit}
         try:
             return await self._driver.execute(sql, params)
         except psycopg.Error as exc:
@@ -337,6 +514,12 @@ class AsyncTransaction:
                 "body); nothing was committed by the unit of work"
             )
         self.connection.info[_GUARDED] = False
+        params = {**params, "unit": self._unit}
+        if self._pooled:
+            message = _execute_text(driver, final, params, inline=True) + b"; COMMIT"
+            if after is not None:
+                message += b"; " + _execute_text(driver, after, {}, inline=True)
+            return await self._commit_message(message, final, params, after is not None)
         known = _prepared.get(driver, ())
         if after is not None and after.name not in known:
             _wanted.setdefault(driver, set()).add(after)
@@ -349,6 +532,12 @@ class AsyncTransaction:
         message = _execute_text(driver, final, params) + b"; COMMIT"
         if after is not None:
             message += b"; " + after.execute.encode()
+        return await self._commit_message(message, final, params, after is not None)
+
+    async def _commit_message(
+        self, message: bytes, final: Prepared, params: dict[str, Any], after: bool
+    ) -> Any:
+        driver = self._driver
         cursor = driver.cursor()
         try:
             await cursor.execute(message)
@@ -358,7 +547,7 @@ class AsyncTransaction:
             raise await self._translate(final.execute, params, exc) from exc
         # The server transaction is over; close SQLAlchemy's view of it (psycopg sends nothing).
         await self.connection.commit()
-        if after is None:
+        if not after:
             return None
         cursor.nextset()
         cursor.nextset()
@@ -373,6 +562,10 @@ class AsyncTransaction:
         does next, so no other attempt can claim the key in between.
         """
         driver = self._driver
+        if self._pooled:
+            # No session lock behind a pooler: the savepoint set with the claim serves instead
+            # (roll_back_and_record rolls back to it, keeping the transaction's key lock).
+            return self.usable() and not self.connection.info.get(_ENDED, False)
         if driver.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
             return False
         try:
@@ -393,6 +586,8 @@ class AsyncTransaction:
         """
         driver = self._driver
         self.connection.info[_GUARDED] = False
+        if self._pooled:
+            return await self._roll_back_and_record_pooled(held, lock_id, sql, params)
         try:
             await self._rollback()
             if not held:
@@ -413,6 +608,37 @@ class AsyncTransaction:
                     # A broken connection released the lock with its session.
                     await self.connection.invalidate(exc)
 
+    async def _roll_back_and_record_pooled(
+        self, held: bool, lock_id: int, sql: str, params: dict[str, Any]
+    ) -> tuple[bool, bool]:
+        """:meth:`roll_back_and_record` without session state: back to the savepoint set with
+        the claim (the transaction keeps the key's lock), the record, COMMIT -- one message.
+        If the body ended the transaction, the record gets a transaction of its own that takes
+        the key's lock first (another attempt holding it decides instead)."""
+        driver = self._driver
+        cursor = AsyncClientCursor(driver)
+        try:
+            if held:
+                await cursor.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; {sql}; COMMIT", params)
+                cursor.nextset()  # the record's result
+                recorded = cursor.rowcount == 1
+                if self.connection.in_transaction():
+                    # SQLAlchemy's view; the server is idle, nothing is sent.
+                    await self.connection.rollback()
+                return True, recorded
+            await self._rollback()
+            await cursor.execute("BEGIN; SELECT pg_try_advisory_xact_lock(%(lock_id)s)",
+                                 {"lock_id": lock_id})  # fmt: skip
+            cursor.nextset()
+            row = await cursor.fetchone()
+            if not (row and row[0]):
+                await driver.execute("ROLLBACK")
+                return False, False
+            await cursor.execute(f"{sql}; COMMIT", params)
+            return True, cursor.rowcount == 1
+        except psycopg.Error as exc:
+            raise await self._translate(sql, params, exc) from exc
+
     async def finish(self) -> None:
         """End a transaction that wrote nothing and return the connection to the pool."""
         self.connection.info[_GUARDED] = False
@@ -424,6 +650,7 @@ class AsyncTransaction:
     async def close(self) -> None:
         """Roll back whatever is uncommitted and return the connection to the pool."""
         connection = self.connection
+        self._stop_server_work()
         try:
             if not connection.invalidated:
                 connection.info[_GUARDED] = False
@@ -433,10 +660,20 @@ class AsyncTransaction:
                 await self._rollback()
                 if self._saved_autocommit is not None:
                     await self._driver.set_autocommit(self._saved_autocommit)
+                connection.info.pop(_SWITCHED, None)
         except (sa.exc.DBAPIError, psycopg.Error) as exc:
             await connection.invalidate(exc)
+        except BaseException:
+            # Interrupted again while cleaning up: the pool discards the connection.
+            self._stop_server_work(again=True)
+            raise
         finally:
             await connection.close()
+
+    def _stop_server_work(self, *, again: bool = False) -> None:
+        """Cancel the statement the server may still run for this connection, without awaiting
+        (see :func:`stop_abandoned`)."""
+        stop_abandoned(self._driver, self._cancel, again=again)
 
     async def _rollback(self) -> None:
         driver = self._driver

@@ -95,8 +95,16 @@ class _Notifier:
     def __init__(self, engine: sa.Engine, schema: str | None) -> None:
         self._engine = engine
         self._channel = channel(schema)
-        # Notify only while a relay waits for work: one statement that probes and sends.
-        self._statement = f"SELECT pg_notify(%s, '') WHERE ({idle_probe_sql(schema)})"
+        # Notify only while a relay waits for work: one statement that probes and sends. A
+        # wake-up needs no durability: without synchronous_commit off, every notification
+        # would be a commit waiting for its own WAL flush, doubling the writers' fsync load.
+        # Set for the statement's own transaction only, never for the session: behind a
+        # transaction pooler a session setting would stay on a server connection that other
+        # clients get next.
+        self._statement = (
+            f"SELECT pg_notify(%s, '') WHERE ({idle_probe_sql(schema)}) "
+            "AND set_config('synchronous_commit', 'off', true) IS NOT NULL"
+        )
         self._pending = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -151,9 +159,10 @@ class _Notifier:
             if driver is None:
                 raise RuntimeError("the engine's driver connection is not available")
             driver.autocommit = True
-            # A wake-up needs no durability: without this, every notification would be a
-            # commit waiting for its own WAL flush, doubling the writers' fsync load.
-            driver.execute("SET synchronous_commit = off")
+            # No server-side prepared statement: behind a transaction pooler its name would be
+            # left on a server connection where another client's statement of the same name
+            # is expected (and would run in its place).
+            driver.prepare_threshold = None
             self._connection = driver
         cursor = self._connection.execute(self._statement, (self._channel,))
         self.rounds += 1

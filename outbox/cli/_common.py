@@ -42,6 +42,7 @@ from outbox.config import (
     ENV_LOG_LEVEL,
     ENV_METRICS_HOST,
     ENV_MIN_REDELIVERY_WINDOW,
+    ENV_POOLER,
     ENV_REDIS_URL,
     ENV_RELAY_BATCH_SIZE,
     ENV_RELAY_LANES,
@@ -52,6 +53,7 @@ from outbox.config import (
     ENV_RETENTION,
     ENV_SCHEMA,
     MAX_LANES,
+    POOLERS,
     TRACE_CONTEXTS,
     env,
 )
@@ -176,6 +178,14 @@ FLAGS: Mapping[str, Flag] = {
             "PostgreSQL schema of the outbox tables",
             default_text="public",
             check=_schema,
+        ),
+        Flag(
+            "--pooler",
+            ENV_POOLER,
+            "what stands between the units of work and PostgreSQL: transaction (a pooler such "
+            "as PgBouncer in transaction mode: nothing relies on the session) or session",
+            default_text="none (a direct connection)",
+            choices=POOLERS,
         ),
         Flag(
             "--redis-url",

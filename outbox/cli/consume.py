@@ -28,7 +28,7 @@ from outbox.cli._common import (
     resolve_flags,
     tune_collector,
 )
-from outbox.config import ConsumerConfig
+from outbox.config import ConsumerConfig, OutboxConfig
 from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, serve_metrics
 from outbox.consumer_async import is_coroutine_handler
 from outbox.errors import ConfigurationError
@@ -39,7 +39,7 @@ from outbox.uow_async import AsyncOutbox
 
 # What configures the outbox (a unit of work per message) and what configures the Redis guard
 # (a claim per message): a command takes one or the other, never a mix.
-_OUTBOX_FLAGS = ("database_url", "schema", "redis_url")
+_OUTBOX_FLAGS = ("database_url", "schema", "redis_url", "pooler")
 _GUARD_FLAGS = ("guard_lease", "guard_on_redis_error", "guard_secret")
 
 log = logging.getLogger("outbox.consumer")
@@ -68,7 +68,7 @@ def register(subparsers: Any) -> None:
         "--scope", default=None,
         help="idempotency scope, if it must differ from the group name",
     )  # fmt: skip
-    add_flags(p, "database_url", "schema", "redis_url", "bootstrap_servers")
+    add_flags(p, "database_url", "schema", "redis_url", "pooler", "bootstrap_servers")
     add_flags(p, "guard_redis_url", *_GUARD_FLAGS)
     p.add_argument(
         "--guard-cluster", action="store_true",
@@ -153,6 +153,10 @@ def _check_store(args: argparse.Namespace) -> bool:
     return True
 
 
+def _outbox_config(args: argparse.Namespace) -> OutboxConfig:
+    return OutboxConfig(schema=args.schema, pooler=args.pooler)
+
+
 def command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     # Like `python -m`: handler modules next to where the command runs are importable.
@@ -166,7 +170,7 @@ def command(args: argparse.Namespace) -> int:
     if args.guard_redis_url:
         target = RedisGuard(args.guard_redis_url, cluster=args.guard_cluster, **_guarding(args))
     else:
-        target = Outbox(args.database_url, redis_url=args.redis_url, schema=args.schema)
+        target = Outbox(args.database_url, redis_url=args.redis_url, config=_outbox_config(args))
     try:
         runner = ConsumerRunner(target, handler, config)
         with _serving(runner, args):
@@ -188,7 +192,7 @@ async def _consume_async(
         finally:
             await guard.aclose()
         return
-    ob = AsyncOutbox(args.database_url, redis_url=args.redis_url, schema=args.schema)
+    ob = AsyncOutbox(args.database_url, redis_url=args.redis_url, config=_outbox_config(args))
     try:
         await _run_async(AsyncConsumerRunner(ob, handler, config), args)
     finally:

@@ -32,6 +32,7 @@ from outbox._core.http import (
     fingerprint,
     is_stored,
     is_streaming,
+    missing_key,
     problem_for,
     quoted_path,
     replay_headers,
@@ -40,7 +41,13 @@ from outbox._core.http import (
     streaming_refused,
 )
 from outbox._otel import spans
-from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
+from outbox.errors import (
+    ConfigurationError,
+    KeyInProgress,
+    KeyReuseError,
+    NoUnitOfWork,
+    PreviouslyFailed,
+)
 from outbox.http import _Abort, _bound
 from outbox.uow_async import AsyncOutbox, AsyncUnitOfWork
 
@@ -202,8 +209,7 @@ class IdempotencyMiddleware:
             await _send(send, refused.problem.response())
             return refused.problem.status
         if covered is None:
-            await self.app(scope, receive, send)
-            return None
+            return await _without_key(self.app, scope, receive, send)
         if body is None:
             return None  # the client went away before sending its body: nothing to answer
         caller = settings.caller_of(request)
@@ -272,6 +278,28 @@ class IdempotencyMiddleware:
             response.status, response.headers, response.body, self.settings.stored_headers
         )
         return response, buffer.start
+
+
+async def _without_key(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> int | None:
+    """Pass a request without a key (none required) to the application; a handler that asks
+    for the unit of work anyway (``current_unit_of_work()``) gets the 400 a missing key gets
+    where one is required, not a 500: the client can fix it by sending a key."""
+    started = False
+
+    async def watched(message: Message) -> None:
+        nonlocal started
+        started = started or message["type"] == "http.response.start"
+        await send(message)
+
+    try:
+        await app(scope, receive, watched)
+    except NoUnitOfWork:
+        if started:
+            raise
+        problem = missing_key()
+        await _send(send, problem.response())
+        return problem.status
+    return None
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:

@@ -13,8 +13,11 @@ Fixtures (a PostgreSQL server is needed; Kafka only for :func:`relay_once`):
   session, dropped after the test. The server comes from ``OUTBOX_TESTING_DATABASE_URL``, else
   ``OUTBOX_DATABASE_URL`` (a URL of any database there; the role must be allowed to create
   databases). Override ``outbox_template_setup`` to add your own tables to the template.
-* ``outbox`` -- an :class:`~outbox.Outbox` on that database (with Redis when
-  ``OUTBOX_TESTING_REDIS_URL`` is set).
+* ``sync_outbox`` -- an :class:`~outbox.Outbox` on that database (with Redis when
+  ``OUTBOX_TESTING_REDIS_URL`` is set); ``outbox`` is the same fixture under its first name,
+  which hides the ``outbox`` module inside a test that takes it.
+* ``async_outbox`` -- an :class:`~outbox.AsyncOutbox` on that database, usable from any event
+  loop (``asyncio.run``, pytest-asyncio, anyio).
 * ``published`` -- the events the code under test wrote to the outbox (:class:`Published`).
 * ``deliver`` -- runs a consumer handler for one message as the consumer runner would, through
   the real unit of work, without a broker (:class:`Deliverer`): duplicates are replayed,
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
         ENV_TESTING_BOOTSTRAP,
         ENV_TESTING_DATABASE_URL,
         ENV_TESTING_REDIS_URL,
+        AsyncOutbox,
         Deliverer,
         Delivery,
         Outbox,
@@ -138,6 +142,30 @@ def outbox(outbox_database_url: str) -> Iterator[Outbox]:
         yield ob
     finally:
         ob.close()
+
+
+@pytest.fixture
+def sync_outbox(outbox: Outbox) -> Outbox:
+    """The :class:`~outbox.Outbox` of the ``outbox`` fixture, under a name that does not hide
+    the ``outbox`` module in the test that takes it."""
+    return outbox
+
+
+@pytest.fixture
+def async_outbox(outbox_database_url: str) -> Iterator[AsyncOutbox]:
+    """An :class:`~outbox.AsyncOutbox` on the test's database.
+
+    Its engine keeps no connection between units of work (``NullPool``) and it has no Redis
+    client, so nothing outlives the event loop the test ran it on: it works with
+    ``asyncio.run`` in a plain test, pytest-asyncio or anyio alike, and needs no closing.
+    """
+    api = _api()
+    engine = api.create_async_engine(outbox_database_url, poolclass=api.NullPool)
+    aob = api.AsyncOutbox(engine, config=api.OutboxConfig(wake_relays=False))
+    try:
+        yield aob
+    finally:
+        engine.sync_engine.dispose()
 
 
 @pytest.fixture

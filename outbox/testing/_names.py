@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine
+from sqlalchemy import NullPool, create_engine
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox.config import OutboxConfig
 from outbox.testing.databases import (
@@ -15,19 +16,23 @@ from outbox.testing.databases import (
 from outbox.testing.delivery import Deliverer, Delivery, assert_one_effect_per_key, relay_outbox
 from outbox.testing.published import Published, PublishedEvent, decode_event
 from outbox.uow import Outbox
+from outbox.uow_async import AsyncOutbox
 
 __all__ = [
     "ENV_TESTING_BOOTSTRAP",
     "ENV_TESTING_DATABASE_URL",
     "ENV_TESTING_REDIS_URL",
+    "AsyncOutbox",
     "Deliverer",
     "Delivery",
+    "NullPool",
     "Outbox",
     "OutboxConfig",
     "Published",
     "PublishedEvent",
     "TemplateDatabases",
     "assert_one_effect_per_key",
+    "create_async_engine",
     "create_engine",
     "decode_event",
     "relay_outbox",

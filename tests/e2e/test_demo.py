@@ -62,7 +62,11 @@ def test_quick_demo_runs_on_embedded_servers_when_none_answers(tmp_path: Path) -
         [sys.executable, "scripts/demo.py", "--quick", "--json", "--seed", "7"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    pgdata = tmp_path / "embedded" / "pg"
+    server_log = (pgdata / "log").read_text()[-3000:] if (pgdata / "log").exists() else ""
+    assert done.returncode == 0, (
+        done.stdout[-3000:] + done.stderr[-3000:] + "\n--- server log\n" + server_log
+    )
     lines = done.stdout.splitlines()
     assert any(
         "PostgreSQL: embedded 18." in line and "OUTBOX_DATABASE_URL" in line for line in lines
@@ -71,6 +75,5 @@ def test_quick_demo_runs_on_embedded_servers_when_none_answers(tmp_path: Path) -
     summary = json.loads(lines[-1])
     assert summary["orders_written"] == 200 and summary["events_delivered"] == 200
     assert summary["lost"] == 0 and summary["lost_messages"] == 0
-    pgdata = tmp_path / "embedded" / "pg"
     assert (pgdata / "PG_VERSION").read_text().strip() == "18"
     assert not (pgdata / "postmaster.pid").exists(), "the embedded PostgreSQL was left running"

@@ -61,11 +61,44 @@ def test_idempotent_decorator_by_parameter_name(default_outbox: outbox.Outbox) -
         return {"charged": amount}
 
     assert charge("req-1", 500) == {"charged": 500}
-    assert charge("req-1", 999) == {"charged": 500}
+    assert charge(request_id="req-1", amount=500) == {"charged": 500}  # the same call, replayed
+    with pytest.raises(KeyReuseError):  # the same key with other arguments
+        charge("req-1", 999)
     assert charge(request_id="req-2", amount=7) == {"charged": 7}
     assert calls == ["req-1", "req-2"]
     assert count(default_outbox.engine, "orders") == 2
     assert charge.__name__ == "charge"
+
+
+def test_idempotent_decorator_fingerprint_false_compares_keys_only(engine: sa.Engine) -> None:
+    create_orders(engine)
+    with outbox.Outbox(engine) as ob:
+
+        @ob.idempotent(key="request_id", fingerprint=False)
+        def charge(uow: outbox.UnitOfWork, request_id: str, amount: int) -> int:
+            uow.connection.execute(INSERT_ORDER, {"k": request_id, "a": amount})
+            return amount
+
+        assert charge("req-1", 500) == 500
+        assert charge("req-1", 999) == 500  # opted out: the first call's result
+    assert count(engine, "orders") == 1
+
+
+def test_idempotent_decorator_refuses_an_argument_without_a_stable_fingerprint(
+    engine: sa.Engine,
+) -> None:
+    create_orders(engine)
+    with outbox.Outbox(engine) as ob:
+
+        @ob.idempotent(key="request_id")
+        def charge(uow: outbox.UnitOfWork, request_id: str, client: object) -> int:
+            uow.connection.execute(INSERT_ORDER, {"k": request_id, "a": 1})
+            return 1
+
+        with pytest.raises(ConfigurationError, match=r"'client' is a object.*fingerprint="):
+            charge("req-1", object())
+    assert count(engine, "orders") == 0
+    assert count(engine, "idempotency_keys") == 0
 
 
 def test_idempotent_decorator_with_key_function_fingerprint_and_explicit_outbox(

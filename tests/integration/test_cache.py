@@ -65,7 +65,13 @@ def test_redis_is_written_only_after_the_commit(ob: outbox.Outbox) -> None:
 def test_ttl_is_configurable(
     make_outbox: Callable[..., outbox.Outbox], redis_url: str, redis_prefix: str
 ) -> None:
-    ob = make_outbox(redis_url, cache_prefix=redis_prefix, cache_ttl=120.0, retention=3600.0)
+    ob = make_outbox(
+        redis_url,
+        cache_prefix=redis_prefix,
+        cache_ttl=120.0,
+        retention=3600.0,
+        min_redelivery_window=60.0,
+    )
     place(ob, "t-1")
     assert ob.cache is not None
     ttl_ms = ob.cache.client.pttl(ob.cache.redis_key("shop", "t-1"))
@@ -77,7 +83,13 @@ def test_cache_warmed_from_postgres_never_outlives_the_key(
 ) -> None:
     """A duplicate answered by PostgreSQL puts the outcome in Redis, but only for as long as the
     database keeps the key (``retention`` after its last update, then ``outbox gc``)."""
-    ob = make_outbox(redis_url, cache_prefix=redis_prefix, cache_ttl=600.0, retention=3600.0)
+    ob = make_outbox(
+        redis_url,
+        cache_prefix=redis_prefix,
+        cache_ttl=600.0,
+        retention=3600.0,
+        min_redelivery_window=60.0,
+    )
     assert ob.cache is not None
     client = ob.cache.client
     for key, age in (("young", 0), ("old", 3600 - 100), ("expiring", 3600 - 0.5)):

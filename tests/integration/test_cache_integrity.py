@@ -77,7 +77,13 @@ def test_an_entry_moved_to_another_key_is_not_trusted(ob: outbox.Outbox) -> None
 def test_an_entry_kept_past_its_expiry_is_not_trusted(
     make_outbox: Callable[..., outbox.Outbox], redis_url: str, redis_prefix: str
 ) -> None:
-    ob = make_outbox(redis_url, cache_prefix=redis_prefix, cache_ttl=1.0, retention=3600.0)
+    ob = make_outbox(
+        redis_url,
+        cache_prefix=redis_prefix,
+        cache_ttl=1.0,
+        retention=3600.0,
+        min_redelivery_window=60.0,
+    )
     place(ob, "o-1")
     assert ob.cache is not None
     ob.cache.client.persist(ob.cache.redis_key("shop", "o-1"))  # a writer keeps it alive

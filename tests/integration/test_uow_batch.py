@@ -25,6 +25,7 @@ from outbox.errors import (
 )
 from outbox.uow_batch import Batch
 from outbox.uow_batch_async import AsyncBatch
+from tests.fixtures.pgbouncer import through
 from tests.fixtures.uow import INSERT_ORDER, count, create_orders, rows
 
 SCOPE = "shop"
@@ -34,14 +35,28 @@ class Boom(Exception):
     """A transient failure of a body."""
 
 
-@pytest.fixture
-def ob(engine: sa.Engine, redis_url: str, redis_prefix: str) -> Iterator[outbox.Outbox]:
+@pytest.fixture(params=["direct", "transaction-pooler"])
+def ob(
+    request: pytest.FixtureRequest, engine: sa.Engine, redis_url: str, redis_prefix: str
+) -> Iterator[outbox.Outbox]:
+    """An outbox on this test's database, directly or through PgBouncer in transaction mode
+    (tests/fixtures/pgbouncer.py)."""
     create_orders(engine)
     client = redis.Redis.from_url(redis_url)
-    with outbox.Outbox(
-        engine, redis=client, config=OutboxConfig(cache_prefix=redis_prefix)
-    ) as instance:
-        yield instance
+    if request.param == "direct":
+        with outbox.Outbox(
+            engine, redis=client, config=OutboxConfig(cache_prefix=redis_prefix)
+        ) as instance:
+            yield instance
+    else:
+        url = through(
+            request.getfixturevalue("pgbouncers"),
+            "transaction",
+            engine.url.render_as_string(hide_password=False),
+        )
+        config = OutboxConfig(cache_prefix=redis_prefix, pooler="transaction")
+        with outbox.Outbox(url, redis=client, config=config) as instance:
+            yield instance
     client.close()
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, strategies as st
 
 from outbox import OutboxConfig
 from outbox._core.claim import lock_id
 from outbox._pg.statements import idempotency_key_complete, statements
 from outbox.cli._common import parse_kafka_config
-from outbox.config import normalize_database_url, redact_url
+from outbox.config import POOLERS, normalize_database_url, redact_url
 from outbox.errors import ConfigurationError
 
 
@@ -30,11 +31,34 @@ def test_defaults_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"schema": "Bad-Name"}, "invalid schema name"),
         ({"permanent_errors": (ValueError, "nope")}, "exception classes"),
         ({"cache_socket_timeout": 0}, "cache_socket_timeout"),
+        ({"pooler": "statement"}, "pooler must be None"),
+        ({"pooler": "Transaction"}, "pooler must be None"),
     ],
 )
 def test_invalid_configs(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):
         OutboxConfig(**kwargs).validate()  # type: ignore[arg-type]
+
+
+def test_retention_follows_the_rule_of_outbox_gc() -> None:
+    # What outbox gc --older-than refuses, OutboxConfig.retention refuses, with the same limits.
+    from outbox.admin import DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS, RetentionError, check_retention
+
+    with pytest.raises(RetentionError, match="at least min_redelivery_window"):
+        OutboxConfig(retention=2 * 86400.0).validate()
+    with pytest.raises(RetentionError, match="redelivery window"):
+        check_retention(2 * 86400.0, 86400.0, DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS)
+    assert OutboxConfig().min_redelivery_window == DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS
+    lowered = OutboxConfig(retention=2 * 86400.0, min_redelivery_window=86400.0 + 1).validate()
+    assert lowered.retention == 2 * 86400.0
+
+
+def test_durations_take_the_cli_forms() -> None:
+    config = OutboxConfig(cache_ttl="12h", retention="1w1d", min_redelivery_window="7d").validate()
+    assert (config.cache_ttl, config.retention) == (12 * 3600.0, 8 * 86400.0)
+    assert config.min_redelivery_window == 7 * 86400.0
+    with pytest.raises(ConfigurationError, match=r"invalid duration.*e\.g\. 7d"):
+        OutboxConfig(retention="a week").validate()
 
 
 def test_redact_url_hides_passwords() -> None:
@@ -70,11 +94,11 @@ def test_statements_quote_the_schema_and_carry_no_input() -> None:
     sql = statements("tenant_1")
     assert '"tenant_1"' in sql.idempotency_key_fail or "tenant_1." in sql.idempotency_key_fail
     final = idempotency_key_complete("tenant_1", 2)
-    assert final.prepare.count("$") == 4 + 12
+    assert final.prepare.count("$") == 5 + 12  # key, result, the claim's token; 2 events
     assert "%(e1)s" in final.execute and "%(e1)s" in final.direct and "$" not in final.direct
     assert final.name != idempotency_key_complete(None, 2).name
     ordered = idempotency_key_complete("tenant_1", 2, 1)
-    assert ordered.prepare.count("$") == 4 + 12 + 1 and "pg_advisory_xact_lock" in ordered.prepare
+    assert ordered.prepare.count("$") == 5 + 12 + 1 and "pg_advisory_xact_lock" in ordered.prepare
     assert "%(l0)s" in ordered.execute and ordered.name != final.name
 
 
@@ -96,3 +120,15 @@ def test_numbers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         env_int("OUTBOX_X", 7)
     with pytest.raises(ConfigurationError, match=r"OUTBOX_X='4x' is not a number"):
         env_float("OUTBOX_X", 1.0)
+
+
+@given(
+    st.one_of(st.text(), st.integers(), st.booleans(), st.binary(), st.floats()).filter(
+        lambda value: value not in POOLERS
+    )
+)
+def test_pooler_is_one_of_the_pooling_modes(value: object) -> None:
+    """Anything but None, "session" or "transaction" is refused by validate(), before any
+    connection exists."""
+    with pytest.raises(ConfigurationError, match="pooler must be None"):
+        OutboxConfig(pooler=value).validate()  # type: ignore[arg-type]

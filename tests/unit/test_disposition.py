@@ -154,6 +154,22 @@ def test_a_busy_key_waits_briefly_and_never_counts(tried: int, limit: int, db_do
 
 
 @given(tried=attempts, limit=limits)
+def test_a_transaction_conflict_is_retried_without_counting(tried: int, limit: int) -> None:
+    outcome = verdict(
+        RuntimeError("could not serialize access due to concurrent update"),
+        attempts=tried,
+        max_attempts=limit,
+        conflict=True,
+    )
+    assert (outcome.action, outcome.schedule, outcome.failure, outcome.counts) == (
+        Action.RETRY,
+        Schedule.IN_PROGRESS,
+        Failure.CONFLICT,
+        False,
+    )
+
+
+@given(tried=attempts, limit=limits)
 def test_a_database_outage_is_retried_forever_without_counting(tried: int, limit: int) -> None:
     outcome = verdict(
         RuntimeError("server closed the connection"),

@@ -172,6 +172,15 @@ def test_invalid_scope_from_the_request_is_400() -> None:
     assert caught.value.problem.slug == "idempotency-scope-invalid"
 
 
+def test_a_scope_callable_that_raises_is_400_not_500() -> None:
+    admission = HttpSettings(scope=lambda req: req.headers["x-tenant"]).validate()
+    with pytest.raises(Refused) as caught:
+        admission.admit(request())  # no X-Tenant: the callable raises KeyError
+    assert caught.value.problem.status == 400
+    assert caught.value.problem.slug == "idempotency-scope-invalid"
+    assert "KeyError" in caught.value.problem.detail
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -1,0 +1,69 @@
+"""The documentation site: ``mkdocs build --strict`` passes (no broken link, no docstring the
+API reference cannot render), and the API reference names every public name of the package."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.docs.blocks import ROOT
+
+# Modules whose __all__ is public, and public names of modules without one.
+PUBLIC_MODULES = [
+    "outbox",
+    "outbox.consumer",
+    "outbox.guard",
+    "outbox.guard_async",
+    "outbox.http",
+    "outbox.http.fastapi",
+    "outbox.admin",
+    "outbox.testing",
+]
+PUBLIC_NAMES = {
+    "outbox.http.asgi": ["IdempotencyMiddleware"],
+    "outbox.http.wsgi": ["IdempotencyMiddleware"],
+    "outbox.migrate": ["upgrade", "downgrade", "current_revision", "head_revision",
+                       "include_name", "include_object", "OUTBOX_TABLES"],
+    "outbox.relay": ["Relay"],
+    "outbox.parked": ["ParkedRow", "list_parked", "retry_parked", "discard_parked"],
+}  # fmt: skip
+
+
+def public_names() -> set[str]:
+    names = {f"{module}.{name}" for module, listed in PUBLIC_NAMES.items() for name in listed}
+    for module in PUBLIC_MODULES:
+        names.update(f"{module}.{name}" for name in importlib.import_module(module).__all__)
+    errors = importlib.import_module("outbox.errors")
+    names.update(
+        f"outbox.errors.{name}"
+        for name, value in vars(errors).items()
+        if isinstance(value, type)
+        and issubclass(value, Exception)
+        and value.__module__ == errors.__name__
+    )
+    return names
+
+
+def test_the_api_reference_names_every_public_name() -> None:
+    page = (ROOT / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^::: ([\w.]+)$", page, flags=re.MULTILINE))
+    missing = sorted(public_names() - documented)
+    assert missing == [], f"add to docs/api.md: {', '.join(f'::: {n}' for n in missing)}"
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert "outbox.http.fastapi.unit_of_work" in api  # the docstrings were rendered
+    home = (tmp_path / "site" / "index.html").read_text()
+    headings = re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), flags=re.MULTILINE)
+    assert all(h.replace("`", "") in home for h in headings[:3])  # the home page is README.md
