@@ -15,7 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outbox.schema import tables
+from outbox.schema import OUTBOX, tables
 
 
 @dataclass(frozen=True)
@@ -142,3 +142,12 @@ def outbox_rows_naming(
         .limit(limit)
     )  # fmt: skip
     return list(connection.execute(query))
+
+
+def outbox_rows_deleted(connection: sa.Connection, schema: str | None) -> int | None:
+    """PostgreSQL's cumulative count of rows deleted from the outbox table (statistics)."""
+    query = sa.text(
+        "SELECT n_tup_del FROM pg_stat_user_tables WHERE schemaname = :schema AND relname = :table"
+    )
+    value = connection.execute(query, {"schema": schema or "public", "table": OUTBOX}).scalar()
+    return None if value is None else int(value)

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hmac
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from urllib.parse import parse_qsl, urlencode
 
 import jinja2
 import sqlalchemy as sa
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MultiDict
@@ -42,8 +46,9 @@ from outbox import admin, dlq
 from outbox._core.redact import redact_text, redact_url
 from outbox._core.settings import check_bootstrap_servers
 from outbox._core.urls import check_database_url, check_redis_url
+from outbox._pg import console as console_sql
 from outbox.config import normalize_database_url
-from outbox.console import data
+from outbox.console import chart, data
 from outbox.errors import ConfigurationError, OutboxError, ValidationError
 from outbox.schema import validate_schema_name
 
@@ -54,6 +59,7 @@ CSRF_COOKIE = "outbox_console_csrf"
 CSRF_FIELD = "csrf"
 MIN_TOKEN_LENGTH = 16
 REFRESH_SECONDS = 10
+SAMPLE_SECONDS = 10.0
 MAX_FORM_BYTES = 256 * 1024
 
 Form = MultiDict
@@ -141,6 +147,33 @@ class Console:
             loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=True
         )
         self.templates = Jinja2Templates(env=environment)
+        self.samples = chart.Samples()
+        self._stop = threading.Event()
+
+    # -- the relayed-per-minute samples --------------------------------------------------
+
+    def sample(self) -> None:
+        """Record the outbox table's cumulative deletes (errors are logged, never raised)."""
+        try:
+            with self.engine.connect() as conn:
+                deleted = console_sql.outbox_rows_deleted(conn, self.schema)
+                conn.rollback()
+        except sa.exc.DBAPIError:
+            log.warning("could not sample the outbox's deletes", exc_info=True)
+            return
+        if deleted is not None:
+            self.samples.add(time.time(), deleted)
+
+    def _sampler(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            self.sample()
+
+    def start_sampling(self) -> None:
+        self.sample()
+        threading.Thread(target=self._sampler, name="outbox-console-sampler", daemon=True).start()
+
+    def stop_sampling(self) -> None:
+        self._stop.set()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -222,6 +255,8 @@ class Console:
         ) as conn:
             status = admin.read_status(conn, self.schema)
             conn.rollback()
+        self.sample()
+        relayed = chart.per_minute(self.samples.snapshot(), time.time())
         parked = sum(t.parked for t in status.topics)
         pending = sum(t.pending for t in status.topics)
         return self.page(
@@ -233,6 +268,9 @@ class Console:
                 "pending": pending,
                 "age": _age,
                 "refresh": REFRESH_SECONDS,
+                # Numbers only, drawn by chart.svg_bars: safe to put in the page as markup.
+                "chart": Markup(chart.svg_bars(relayed)),
+                "relayed_last_hour": sum(v for v in relayed if v is not None),
                 "broker": self.settings.bootstrap_servers,
                 "redis": None
                 if self.settings.redis_url is None
@@ -498,6 +536,15 @@ def create_app(settings: ConsoleSettings) -> Starlette:
             "<h1>500</h1><p>internal error; see the console's log</p>", status_code=500
         )
 
-    app = Starlette(routes=routes, exception_handlers={500: server_error})
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        await run_in_threadpool(console.start_sampling)
+        try:
+            yield
+        finally:
+            console.stop_sampling()
+            console.engine.dispose()
+
+    app = Starlette(routes=routes, exception_handlers={500: server_error}, lifespan=lifespan)
     app.state.console = console
     return app

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from outbox import migrate
 from outbox.schema import tables
+from tests.fixtures.common import wait_for
 from tests.fixtures.console import ADMIN_TOKEN, ConsoleServer
 from tests.fixtures.relay import insert_rows, outbox_count
 
@@ -314,3 +315,20 @@ def test_missing_tables_are_a_503_with_a_message_not_a_traceback(
         answer = httpx.get(server.url + path)
         assert answer.status_code == 503, (path, answer.status_code)
         assert 'id="error-message"' in answer.text and "Traceback" not in answer.text
+
+
+def test_the_overview_charts_rows_relayed_since_the_console_started(
+    console_server: Callable[..., ConsoleServer], engine: sa.Engine
+) -> None:
+    server = console_server()
+    assert "(0 in all" in httpx.get(server.url + "/").text
+    insert_rows(engine, "orders", [(f"k{i}", b"v") for i in range(7)])
+    with engine.begin() as conn:  # what a relay does with rows Kafka confirmed
+        conn.execute(sa.delete(tables(None).outbox))
+
+    def charted() -> bool:
+        return "(7 in all" in httpx.get(server.url + "/").text
+
+    wait_for(charted, 30, "the deletes never reached the chart")
+    page = httpx.get(server.url + "/").text
+    assert '<svg id="relayed-chart"' in page and "<rect " in page
