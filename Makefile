@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv services test test-pg18 lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing demo demo-quick clean
+.PHONY: venv services test test-pg18 lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing bench-console demo demo-quick clean
 
 venv: $(VENV)/.installed
 
@@ -68,7 +68,10 @@ bench-http:
 bench-tracing:
 	$(PYTHON) benchmarks/tracing.py
 
-bench: bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing
+bench-console:
+	$(PYTHON) benchmarks/console.py
+
+bench: bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing bench-console
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -43,6 +43,7 @@ pytest_plugins = [
     "tests.fixtures.uow",
     "tests.fixtures.guard",
     "tests.fixtures.web",
+    "tests.fixtures.console",
     "tests.fixtures.tracing",
     "tests.fixtures.pg_cluster",
 ]

@@ -1,4 +1,4 @@
-"""The ``outbox`` command: ``migrate``, ``status``, ``gc``, ``parked``, ``consume``.
+"""The ``outbox`` command: ``migrate``, ``status``, ``gc``, ``parked``, ``consume``, ``console``.
 
 Each command lives in a module of its own. Only the module of the command being run is
 imported, so ``outbox migrate --help`` loads neither the Kafka client nor the runner; the
@@ -26,6 +26,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "consume": (
         "outbox.cli.consume",
         "run a handler on Kafka messages, at most once per idempotency key",
+    ),
+    "dlq": ("outbox.cli.dlq", "list dead letters by failure, redrive them"),
+    "console": (
+        "outbox.cli.console",
+        "serve the web console: backlog, relays, parked events, dead letters, keys",
     ),
 }
 

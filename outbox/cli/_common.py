@@ -516,7 +516,7 @@ def tune_collector() -> None:
 
 
 # Flags whose whole value is a secret (not a URL or a KEY=VALUE pair that redact_text reads).
-_HIDDEN_WHOLE = frozenset({"--guard-secret"})
+_HIDDEN_WHOLE = frozenset({"--guard-secret", "--admin-token"})
 
 
 def hide_secret_arguments(argv: Sequence[str] | None = None) -> bool | None:

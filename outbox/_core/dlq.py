@@ -1,0 +1,129 @@
+"""Dead letters read back: grouped by failure, and the headers of a redriven message.
+
+A group is the exception type and its message with the parts that vary from one message to the
+next (numbers, UUIDs, hex strings) replaced by placeholders, so that a thousand
+``KeyError: 'order-17'`` ... ``'order-9004'`` dead letters are one line with a count. A redrive
+sends the original key, value and headers (minus the ``outbox.dlq.*`` ones) back to the original
+topic with :data:`REDRIVE_HEADER` counting how often that message has been redriven.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from outbox._core.deadletter import HEADER_PREFIX, DeadLetterInfo
+
+REDRIVE_HEADER = "outbox.redrive-count"
+
+_VARYING = [
+    (re.compile(r"\b[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b"), "<uuid>"),
+    (re.compile(r"\b0x[0-9a-fA-F]+\b|\b[0-9a-fA-F]{16,}\b"), "<hex>"),
+    (re.compile(r"\d+(?:\.\d+)?"), "<n>"),
+]  # fmt: skip
+
+
+def normalize_error(error: str) -> str:
+    """The error text with its varying parts replaced by placeholders."""
+    for pattern, placeholder in _VARYING:
+        error = pattern.sub(placeholder, error)
+    return error
+
+
+def group_id(topic: str, error_type: str, normalized: str) -> str:
+    """A short, stable id of a failure group (for ``--group`` and links)."""
+    digest = hashlib.sha256(f"{topic}\x00{error_type}\x00{normalized}".encode()).hexdigest()
+    return digest[:12]
+
+
+@dataclass(frozen=True)
+class Letter:
+    """A record read from a dead-letter topic."""
+
+    partition: int
+    offset: int
+    timestamp_ms: int | None
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+    info: DeadLetterInfo | None  # None: not written by the consumer runner
+
+    @property
+    def ref(self) -> str:
+        """``partition:offset`` in its dead-letter topic."""
+        return f"{self.partition}:{self.offset}"
+
+
+@dataclass
+class Group:
+    """Dead letters that failed the same way."""
+
+    id: str
+    topic: str  # the original topic
+    error_type: str
+    error: str  # normalized
+    reason: str
+    letters: list[Letter] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.letters)
+
+    @property
+    def first_seen_ms(self) -> int | None:
+        stamps = [x.timestamp_ms for x in self.letters if x.timestamp_ms is not None]
+        return min(stamps) if stamps else None
+
+    @property
+    def last_seen_ms(self) -> int | None:
+        stamps = [x.timestamp_ms for x in self.letters if x.timestamp_ms is not None]
+        return max(stamps) if stamps else None
+
+
+def group_letters(letters: Iterable[Letter]) -> list[Group]:
+    """Letters grouped by original topic, exception type and normalized error; biggest first.
+    Records without the runner's headers form one group of their own."""
+    groups: dict[str, Group] = {}
+    for letter in letters:
+        info = letter.info
+        if info is None:
+            topic, error_type, error, reason = "?", "?", "not a dead letter of outbox-kit", "?"
+        else:
+            topic, error_type, reason = info.topic, info.error_type, info.reason
+            error = normalize_error(info.error)
+        gid = group_id(topic, error_type, error)
+        if gid not in groups:
+            groups[gid] = Group(gid, topic, error_type, error, reason)
+        groups[gid].letters.append(letter)
+    return sorted(groups.values(), key=lambda g: (-g.count, g.id))
+
+
+def redrive_headers(headers: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """The original headers without ``outbox.dlq.*``, with the redrive count raised by one."""
+    count = 0
+    kept: list[tuple[str, bytes]] = []
+    for name, value in headers:
+        if name == REDRIVE_HEADER:
+            with contextlib.suppress(UnicodeDecodeError, ValueError):
+                count = max(count, int(value.decode("ascii")))
+            continue
+        if not name.startswith(HEADER_PREFIX):
+            kept.append((name, value))
+    kept.append((REDRIVE_HEADER, str(count + 1).encode("ascii")))
+    return kept
+
+
+def parse_ref(text: str) -> tuple[int, int]:
+    """``partition:offset`` as two numbers; ``ValueError`` with a message otherwise."""
+    partition, sep, offset = text.partition(":")
+    if (
+        not sep
+        or not (partition + offset).isascii()
+        or not partition.isdigit()
+        or not offset.isdigit()
+    ):
+        raise ValueError(f"{text[:40]!r} is not PARTITION:OFFSET, e.g. 0:42")
+    return int(partition), int(offset)

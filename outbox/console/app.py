@@ -1,0 +1,550 @@
+"""The console's ASGI app (Starlette + Jinja2 templates): :func:`create_app`.
+
+Safe by default:
+
+* Read-only unless the app has an admin token and the request carries it (``Authorization:
+  Bearer TOKEN``, or HTTP basic with the token as password and any user name). Pages show
+  no action buttons to anyone else, and every state change refuses them with 403.
+* Every state change is a POST carrying the CSRF token of a ``SameSite=Strict`` cookie in a
+  form field (double submit); a cross-site form has neither and gets 403.
+* Every value goes through Jinja's autoescape; URLs are shown redacted, header values whose
+  names say secret are hidden.
+* A filter or an id that does not parse is a 400 with a message; a database that does not
+  answer is a 503; neither shows a traceback.
+* Each admin action is logged on ``outbox.console``: what, how many rows, from which address.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+import jinja2
+import sqlalchemy as sa
+from markupsafe import Markup
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MultiDict
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from outbox import admin, dlq
+from outbox._core.redact import redact_text, redact_url
+from outbox._core.settings import check_bootstrap_servers
+from outbox._core.urls import check_database_url, check_redis_url
+from outbox._pg import console as console_sql
+from outbox.config import normalize_database_url
+from outbox.console import chart, data
+from outbox.errors import ConfigurationError, OutboxError, ValidationError
+from outbox.schema import validate_schema_name
+
+log = logging.getLogger("outbox.console")
+
+HERE = Path(__file__).resolve().parent
+CSRF_COOKIE = "outbox_console_csrf"
+CSRF_FIELD = "csrf"
+MIN_TOKEN_LENGTH = 16
+REFRESH_SECONDS = 10
+SAMPLE_SECONDS = 10.0
+MAX_FORM_BYTES = 256 * 1024
+
+Form = MultiDict
+
+
+async def read_form(request: Request) -> Form | None:
+    """An urlencoded form body (the only kind the pages send), ``None`` when it is another
+    kind, too big or not UTF-8."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/x-www-form-urlencoded":
+        return None
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            return None
+    try:
+        return MultiDict(parse_qsl(body.decode("utf-8"), keep_blank_values=True))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class ConsoleSettings:
+    """What the console reads and who may change things."""
+
+    database_url: str
+    schema: str | None = None
+    bootstrap_servers: str | None = None
+    redis_url: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
+    kafka_config: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    def validate(self) -> ConsoleSettings:
+        check_database_url(self.database_url)
+        validate_schema_name(self.schema)
+        if self.bootstrap_servers is not None:
+            check_bootstrap_servers(self.bootstrap_servers, "bootstrap_servers")
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url)
+        if self.admin_token is not None and (
+            len(self.admin_token) < MIN_TOKEN_LENGTH or not self.admin_token.isprintable()
+        ):
+            raise ConfigurationError(
+                f"the admin token must be at least {MIN_TOKEN_LENGTH} printable characters: "
+                "make one with `python -c 'import secrets; print(secrets.token_urlsafe())'`"
+            )
+        return self
+
+
+def carries_token(authorization: str | None, token: str | None) -> bool:
+    """True when an ``Authorization`` header carries ``token`` (bearer, or basic password)."""
+    if not token or not authorization:
+        return False
+    scheme, _, credentials = authorization.strip().partition(" ")
+    credentials = credentials.strip()
+    if scheme.lower() == "bearer":
+        offered = credentials
+    elif scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(credentials, validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        offered = decoded.partition(":")[2]
+    else:
+        return False
+    return hmac.compare_digest(offered.encode("utf-8"), token.encode("utf-8"))
+
+
+class Console:
+    """The app's state: settings, one small engine, the templates."""
+
+    def __init__(self, settings: ConsoleSettings) -> None:
+        self.settings = settings.validate()
+        self.schema = validate_schema_name(settings.schema)
+        self.engine = sa.create_engine(
+            normalize_database_url(settings.database_url),
+            pool_size=2,
+            max_overflow=2,
+            pool_pre_ping=True,
+            connect_args={"connect_timeout": 5, "application_name": "outbox console"},
+        )
+        # Every value is escaped: an event value holding <script> shows as text.
+        environment = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=True
+        )
+        self.templates = Jinja2Templates(env=environment)
+        self.samples = chart.Samples()
+        self._stop = threading.Event()
+
+    # -- the relayed-per-minute samples --------------------------------------------------
+
+    def sample(self) -> None:
+        """Record the outbox table's cumulative deletes (errors are logged, never raised)."""
+        try:
+            with self.engine.connect() as conn:
+                deleted = console_sql.outbox_rows_deleted(conn, self.schema)
+                conn.rollback()
+        except sa.exc.DBAPIError:
+            log.warning("could not sample the outbox's deletes", exc_info=True)
+            return
+        if deleted is not None:
+            self.samples.add(time.time(), deleted)
+
+    def _sampler(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            self.sample()
+
+    def start_sampling(self) -> None:
+        self.sample()
+        threading.Thread(target=self._sampler, name="outbox-console-sampler", daemon=True).start()
+
+    def stop_sampling(self) -> None:
+        self._stop.set()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def is_admin(self, request: Request) -> bool:
+        return carries_token(request.headers.get("authorization"), self.settings.admin_token)
+
+    def csrf_token(self, request: Request) -> str:
+        token = request.cookies.get(CSRF_COOKIE)
+        if token and len(token) == 43 and token.isascii():
+            return token
+        token = getattr(request.state, "new_csrf", None) or secrets.token_urlsafe(32)
+        request.state.new_csrf = token
+        return token
+
+    def page(
+        self, request: Request, name: str, context: dict[str, Any], status: int = 200
+    ) -> Response:
+        admin_now = self.is_admin(request)
+        response: Response = self.templates.TemplateResponse(
+            request,
+            name,
+            {
+                "admin": admin_now,
+                "admin_possible": self.settings.admin_token is not None,
+                "done": data.done_message(request.query_params.get("done")),
+                "csrf": self.csrf_token(request) if admin_now else "",
+                "database": redact_url(self.settings.database_url),
+                "refresh": None,
+                **context,
+            },
+            status_code=status,
+        )
+        # Nothing runs on these pages but their own stylesheet; none may be framed.
+        response.headers["Content-Security-Policy"] = (
+            "default-src 'self'; script-src 'none'; frame-ancestors 'none'; form-action 'self'"
+        )
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "no-referrer"
+        new = getattr(request.state, "new_csrf", None)
+        if new:
+            response.set_cookie(CSRF_COOKIE, new, httponly=True, samesite="strict", path="/")
+        return response
+
+    def error(self, request: Request, status: int, message: str) -> Response:
+        return self.page(request, "error.html", {"status": status, "message": message}, status)
+
+    async def admin_form(self, request: Request) -> Form | Response:
+        """The form of a state change, or the refusal (403) when it may not be made."""
+        if not self.is_admin(request):
+            why = (
+                "this console is read-only: it was started without --admin-token"
+                if self.settings.admin_token is None
+                else "changes need the admin token (HTTP basic or bearer): sign in as admin"
+            )
+            return self.error(request, 403, why)
+        form = await read_form(request)
+        if form is None:
+            raise ValidationError(
+                "expected a form (application/x-www-form-urlencoded) of at most "
+                f"{MAX_FORM_BYTES} bytes"
+            )
+        offered = form.get(CSRF_FIELD)
+        expected = request.cookies.get(CSRF_COOKIE)
+        if (
+            not isinstance(offered, str)
+            or not expected
+            or not hmac.compare_digest(offered.encode(), expected.encode())
+        ):
+            return self.error(
+                request, 403, "the form's CSRF token is missing or stale: reload the page"
+            )
+        return form
+
+    # -- pages ---------------------------------------------------------------------------
+
+    def overview(self, request: Request) -> Response:
+        with self.engine.connect().execution_options(
+            isolation_level="REPEATABLE READ", postgresql_readonly=True
+        ) as conn:
+            status = admin.read_status(conn, self.schema)
+            conn.rollback()
+        self.sample()
+        relayed = chart.per_minute(self.samples.snapshot(), time.time())
+        parked = sum(t.parked for t in status.topics)
+        pending = sum(t.pending for t in status.topics)
+        return self.page(
+            request,
+            "overview.html",
+            {
+                "status": status,
+                "parked": parked,
+                "pending": pending,
+                "age": _age,
+                "refresh": REFRESH_SECONDS,
+                # Numbers only, drawn by chart.svg_bars: safe to put in the page as markup.
+                "chart": Markup(chart.svg_bars(relayed)),
+                "relayed_last_hour": sum(v for v in relayed if v is not None),
+                "broker": self.settings.bootstrap_servers,
+                "redis": None
+                if self.settings.redis_url is None
+                else redact_url(self.settings.redis_url),
+            },
+        )
+
+    def parked(self, request: Request) -> Response:
+        params = dict(request.query_params)
+        where = data.parse_filter(params)
+        offset = data.parse_offset(params.get("offset"))
+        with self.engine.connect() as conn:
+            rows, total = data.search_parked(conn, self.schema, where, offset)
+            conn.rollback()
+        query = data.filter_params(where)
+        pages = {}
+        if offset > 0:
+            pages["newer"] = urlencode({**query, "offset": max(0, offset - data.PAGE_SIZE)})
+        if offset + data.PAGE_SIZE < total:
+            pages["older"] = urlencode({**query, "offset": offset + data.PAGE_SIZE})
+        return self.page(
+            request,
+            "parked.html",
+            {
+                "rows": rows,
+                "total": total,
+                "offset": offset,
+                "where": query,
+                "described": data.describe_filter(where),
+                "pages": pages,
+            },
+        )
+
+    async def parked_action(self, request: Request) -> Response:
+        form = await self.admin_form(request)
+        if isinstance(form, Response):
+            return form
+        fields = dict(form)
+        action = fields.get("action", "")
+        if action not in ("retry", "discard"):
+            raise ValidationError(f"unknown action {action[:40]!r}: retry or discard")
+        where = data.parse_filter(fields)
+        scope = fields.get("scope", "")
+        if scope == "selected":
+            event_ids: list[Any] | None = data.parse_event_ids(form.getlist("event_id"))
+            if not event_ids:
+                raise ValidationError("no rows selected: tick the rows to change first")
+        elif scope == "matching":
+            event_ids = None
+        else:
+            raise ValidationError(f"unknown scope {scope[:40]!r}: selected or matching")
+        confirmed = fields.get("confirmed")
+        return await _in_thread(self._change, request, action, scope, where, event_ids, confirmed)
+
+    def _change(
+        self,
+        request: Request,
+        action: str,
+        scope: str,
+        where: data.ParkedFilter,
+        event_ids: list[Any] | None,
+        confirmed: str | None,
+    ) -> Response:
+        described = data.describe_filter(where)
+        if event_ids is not None:
+            described = f"{len(event_ids)} selected, {described}"
+        with self.engine.begin() as conn:
+            count = data.count_parked(conn, self.schema, where, event_ids)
+            if confirmed != str(count):
+                # First step, or the rows changed since the confirmation: (re)state the count.
+                conn.rollback()
+                return self.page(
+                    request,
+                    "confirm.html",
+                    {
+                        "action": action,
+                        "scope": scope,
+                        "count": count,
+                        "described": described,
+                        "where": data.filter_params(where),
+                        "event_ids": [str(e) for e in event_ids or ()],
+                        "changed": confirmed is not None,
+                    },
+                )
+            changed = data.change_parked(conn, self.schema, action, where, event_ids)
+        client = request.client.host if request.client else "unknown"
+        log.warning("admin %s: %d parked row(s) (%s) from %s", action, changed, described, client)
+        done = "put back in line" if action == "retry" else "discarded"
+        query = urlencode({**data.filter_params(where), "done": f"{changed} row(s) {done}"})
+        return RedirectResponse(f"/parked?{query}", status_code=303)
+
+    def keys(self, request: Request) -> Response:
+        lookup = data.parse_key_lookup(dict(request.query_params))
+        found = None
+        events: list[data.KeyEvent] = []
+        if lookup is not None:
+            with self.engine.connect() as conn:
+                found, events = data.lookup_key(conn, self.schema, *lookup)
+                conn.rollback()
+        return self.page(
+            request,
+            "keys.html",
+            {
+                "lookup": lookup,
+                "found": found,
+                "events": events,
+                "scope": lookup[0] if lookup else "",
+                "key": lookup[1] if lookup else "",
+            },
+        )
+
+    def dead_letters(self, request: Request) -> Response:
+        topic = request.query_params.get("topic") or ""
+        groups: list[dlq.Group] = []
+        if topic and self.settings.bootstrap_servers is None:
+            raise ValidationError(
+                "the dead-letters page reads Kafka: start the console with --bootstrap-servers"
+            )
+        if topic:
+            groups = dlq.read_groups(
+                self.settings.bootstrap_servers or "",
+                data.check_dlq_topic(topic),
+                kafka_config=self.settings.kafka_config,
+                limit=data.MAX_DEAD_LETTERS,
+            )
+        return self.page(
+            request,
+            "dlq.html",
+            {
+                "topic": topic,
+                "groups": [data.group_view(g) for g in groups],
+                "kafka": self.settings.bootstrap_servers is not None,
+            },
+        )
+
+    async def dead_letters_action(self, request: Request) -> Response:
+        form = await self.admin_form(request)
+        if isinstance(form, Response):
+            return form
+        topic = data.check_dlq_topic(form.get("topic") or "")
+        wanted = form.getlist("group")
+        if not wanted:
+            raise ValidationError("no group chosen: pick one on the dead-letters page")
+        if self.settings.bootstrap_servers is None:
+            raise ValidationError("start the console with --bootstrap-servers to redrive")
+        return await _in_thread(
+            self._redrive,
+            request,
+            topic,
+            wanted,
+            form.get("confirmed"),
+            self.settings.bootstrap_servers,
+        )
+
+    def _redrive(
+        self,
+        request: Request,
+        topic: str,
+        wanted: list[str],
+        confirmed: str | None,
+        bootstrap: str,
+    ) -> Response:
+        groups = dlq.read_groups(
+            bootstrap, topic, kafka_config=self.settings.kafka_config, limit=data.MAX_DEAD_LETTERS
+        )
+        letters = [x for g in groups if g.id in wanted for x in g.letters]
+        if confirmed != str(len(letters)):
+            return self.page(
+                request,
+                "dlq_confirm.html",
+                {
+                    "topic": topic,
+                    "wanted": wanted,
+                    "count": len(letters),
+                    "changed": confirmed is not None,
+                },
+            )
+        count = dlq.redrive(bootstrap, letters, kafka_config=self.settings.kafka_config)
+        client = request.client.host if request.client else "unknown"
+        log.warning(
+            "admin redrive: %d dead letter(s) of %s (groups %s) from %s",
+            count, topic, ", ".join(wanted), client,
+        )  # fmt: skip
+        query = urlencode({"topic": topic, "done": f"{count} dead letter(s) redriven"})
+        return RedirectResponse(f"/dlq?{query}", status_code=303)
+
+    def login(self, request: Request) -> Response:
+        if self.settings.admin_token is None:
+            return self.error(request, 403, "this console is read-only: no admin token was set")
+        if not self.is_admin(request):
+            return PlainTextResponse(
+                "sign in with any user name and the admin token as password\n",
+                status_code=401,
+                headers={"WWW-Authenticate": 'Basic realm="outbox console", charset="UTF-8"'},
+            )
+        return RedirectResponse("/", status_code=303)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+async def _in_thread(func: Callable[..., Response], *args: Any) -> Response:
+    return await run_in_threadpool(func, *args)
+
+
+def create_app(settings: ConsoleSettings) -> Starlette:
+    """The console as an ASGI app (serve it with uvicorn, or mount it in your own app)."""
+    console = Console(settings)
+
+    def guarded(
+        handler: Callable[[Request], Response | Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                result = handler(request)
+                if isinstance(result, Response):
+                    return result
+                return await result
+            except ValidationError as exc:
+                return console.error(request, 400, str(exc))
+            except OutboxError as exc:
+                return console.error(request, 503, redact_text(str(exc)))
+            except sa.exc.DBAPIError:
+                log.exception("the database refused or did not answer")
+                return console.error(
+                    request, 503, "the database refused or did not answer; see the console's log"
+                )
+
+        return endpoint
+
+    def sync(method: Callable[[Request], Response]) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            return await _in_thread(method, request)
+
+        return run
+
+    async def healthz(_request: Request) -> Response:
+        return PlainTextResponse("ok\n")
+
+    routes = [
+        Route("/", guarded(sync(console.overview))),
+        Route("/parked", guarded(sync(console.parked))),
+        Route("/parked/action", guarded(console.parked_action), methods=["POST"]),
+        Route("/keys", guarded(sync(console.keys))),
+        Route("/dlq", guarded(sync(console.dead_letters))),
+        Route("/dlq/redrive", guarded(console.dead_letters_action), methods=["POST"]),
+        Route("/login", guarded(console.login)),
+        Route("/healthz", healthz),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+
+    async def server_error(request: Request, _exc: Exception) -> Response:
+        return HTMLResponse(
+            "<h1>500</h1><p>internal error; see the console's log</p>", status_code=500
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        await run_in_threadpool(console.start_sampling)
+        try:
+            yield
+        finally:
+            console.stop_sampling()
+            console.engine.dispose()
+
+    app = Starlette(routes=routes, exception_handlers={500: server_error}, lifespan=lifespan)
+    app.state.console = console
+    return app

@@ -1,0 +1,382 @@
+"""What the console's pages show, without the web framework: filters checked before any I/O,
+parked rows and idempotency keys read and shaped for display, retry and discard.
+
+A filter or an id an operator typed is checked here and refused with a
+:class:`~outbox.errors.ValidationError` that says what is wrong; the pages turn it into a 400.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox._core.codec import IDEMPOTENCY_HEADER
+from outbox._core.dlq import Group
+from outbox._core.redact import HIDDEN, is_secret_setting
+from outbox._core.validate import MAX_SCOPE_LENGTH, check_scope, check_topic, shown
+from outbox._pg import console as sql
+from outbox._pg.console import ParkedFilter
+from outbox.errors import ValidationError
+from outbox.schema import validate_schema_name
+
+PAGE_SIZE = 50
+MAX_OFFSET = 10_000_000
+MAX_FILTER_LENGTH = 1000
+MAX_SELECTION = 1000
+# How much of a value a page shows; the size is always stated.
+VALUE_SHOWN = 4096
+HEX_SHOWN = 1024
+KEY_EVENTS_SHOWN = 50
+
+__all__ = ["PAGE_SIZE", "ParkedFilter", "ParkedView", "parse_filter"]
+
+
+def _text(name: str, value: str | None) -> str | None:
+    if value is None or value == "":
+        return None
+    if len(value) > MAX_FILTER_LENGTH:
+        raise ValidationError(
+            f"{name} is {len(value)} characters long: at most {MAX_FILTER_LENGTH}"
+        )
+    if "\x00" in value:
+        raise ValidationError(f"{name} holds a NUL character: PostgreSQL text cannot hold one")
+    return value
+
+
+def parse_filter(params: Mapping[str, str]) -> ParkedFilter:
+    """The parked-row filter of a query string or form: ``topic``, ``key``, ``error``."""
+    topic = _text("topic", params.get("topic"))
+    if topic is not None:
+        check_topic(topic)
+    key = _text("key", params.get("key"))
+    error = _text("error", params.get("error"))
+    return ParkedFilter(topic=topic, key=None if key is None else key.encode("utf-8"), error=error)
+
+
+def filter_params(where: ParkedFilter) -> dict[str, str]:
+    """The filter as query parameters (for links and hidden form fields)."""
+    out: dict[str, str] = {}
+    if where.topic is not None:
+        out["topic"] = where.topic
+    if where.key is not None:
+        out["key"] = where.key.decode("utf-8", "replace")
+    if where.error is not None:
+        out["error"] = where.error
+    return out
+
+
+def describe_filter(where: ParkedFilter) -> str:
+    """The filter in words, for confirmations and the admin log."""
+    parts = [f"{k}={v!r}" for k, v in filter_params(where).items()]
+    return "all topics, keys and errors" if not parts else "with " + ", ".join(parts)
+
+
+def parse_offset(value: str | None) -> int:
+    """A page offset: a whole number from 0."""
+    if value is None or value == "":
+        return 0
+    try:
+        offset = int(value)
+    except ValueError:
+        raise ValidationError(f"offset {shown(value)} is not a whole number") from None
+    if not 0 <= offset <= MAX_OFFSET:
+        raise ValidationError(f"offset {offset} is out of range 0..{MAX_OFFSET}")
+    return offset
+
+
+def parse_event_ids(values: Sequence[str]) -> list[uuid.UUID]:
+    """Event ids from a form's checkboxes; each must be a UUID."""
+    if len(values) > MAX_SELECTION:
+        raise ValidationError(f"{len(values)} rows selected: at most {MAX_SELECTION} at once")
+    ids: list[uuid.UUID] = []
+    for value in values:
+        try:
+            ids.append(uuid.UUID(value))
+        except ValueError:
+            raise ValidationError(
+                f"event id {shown(value)} is not a UUID: pick rows from the parked page"
+            ) from None
+    return ids
+
+
+_DONE = re.compile(
+    r"\d{1,9} (row\(s\) put back in line|row\(s\) discarded|dead letter\(s\) redriven)"
+)
+
+
+def done_message(value: str | None) -> str | None:
+    """The outcome an action's redirect carries, shown only when it is one the console wrote
+    (a crafted link cannot put other words on the page)."""
+    return value if value is not None and _DONE.fullmatch(value) else None
+
+
+def parse_key_lookup(params: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(scope, key)`` of the keys page, ``None`` when the form is empty."""
+    scope = params.get("scope") or ""
+    key = params.get("key") or ""
+    if not scope and not key:
+        return None
+    if not scope or not key:
+        raise ValidationError("give both the scope and the key")
+    check_scope(scope[: MAX_SCOPE_LENGTH + 1])
+    if _text("key", key) is None:  # pragma: no cover - key is not empty here
+        raise ValidationError("give the key")
+    return scope, key
+
+
+MAX_DEAD_LETTERS = 100_000
+
+
+def check_dlq_topic(topic: str) -> str:
+    """A dead-letter topic name from a form or query string."""
+    if len(topic) > MAX_FILTER_LENGTH:
+        raise ValidationError(f"topic is {len(topic)} characters long: at most 249")
+    return check_topic(topic)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A group of dead letters on the page, with one example."""
+
+    id: str
+    topic: str
+    reason: str
+    error_type: str
+    error: str
+    count: int
+    first_seen: datetime | None
+    last_seen: datetime | None
+    example_ref: str
+    example_key: str
+    example_error: str
+    example_value: Shown
+    example_headers: list[tuple[str, str]]
+
+
+def _stamp(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def group_view(group: Group) -> GroupView:
+    first = group.letters[0]
+    return GroupView(
+        id=group.id,
+        topic=group.topic,
+        reason=group.reason,
+        error_type=group.error_type,
+        error=group.error,
+        count=group.count,
+        first_seen=_stamp(group.first_seen_ms),
+        last_seen=_stamp(group.last_seen_ms),
+        example_ref=first.ref,
+        example_key=key_text(first.key),
+        example_error=first.info.error if first.info is not None else "",
+        example_value=show_bytes(first.value),
+        example_headers=[
+            (n, HIDDEN if _secret_header(n) else show_bytes(v, limit=512).text)
+            for n, v in first.headers[:40]
+        ],
+    )
+
+
+# -- display ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shown:
+    """A byte string as a page shows it: ``kind`` is json, text, hex or null."""
+
+    kind: str
+    text: str
+    size: int
+    cut: bool
+
+
+def show_bytes(data: bytes | None, size: int | None = None, limit: int = VALUE_SHOWN) -> Shown:
+    """JSON pretty-printed, UTF-8 as text, anything else as hex; at most ``limit`` bytes."""
+    if data is None:
+        return Shown("null", "", 0, False)
+    size = len(data) if size is None else size
+    cut = size > len(data) or len(data) > limit
+    head = data[:limit]
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        hexed = head[:HEX_SHOWN].hex(" ")
+        return Shown("hex", hexed, size, cut or size > HEX_SHOWN)
+    if not cut:
+        try:
+            return Shown(
+                "json", json.dumps(json.loads(text), indent=2, ensure_ascii=False), size, cut
+            )
+        except ValueError:
+            pass
+    return Shown("text", text, size, cut)
+
+
+def _secret_header(name: str) -> bool:
+    return is_secret_setting(name) or name.lower() in ("authorization", "cookie")
+
+
+def show_headers(stored: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """Stored headers as ``(name, shown value)``; a value whose name says secret is hidden."""
+    out: list[tuple[str, str]] = []
+    for name, value in (stored or {}).items():
+        if _secret_header(name):
+            out.append((name, HIDDEN))
+            continue
+        if isinstance(value, dict) and "base64" in value:
+            try:
+                raw = base64.b64decode(value["base64"], validate=True)
+            except (binascii.Error, TypeError, ValueError):
+                out.append((name, str(value)))
+                continue
+            out.append((name, show_bytes(raw, limit=512).text))
+        else:
+            out.append((name, str(value)))
+    return out
+
+
+def key_text(key: bytes | None) -> str:
+    if key is None:
+        return "-"
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + key.hex()
+
+
+@dataclass(frozen=True)
+class ParkedView:
+    """A parked row on the page."""
+
+    event_id: uuid.UUID
+    topic: str
+    key: str
+    attempts: int
+    error: str
+    parked_at: datetime
+    created_at: datetime
+    headers: list[tuple[str, str]]
+    value: Shown
+
+
+def _parked_view(row: Any) -> ParkedView:
+    return ParkedView(
+        event_id=row.event_id,
+        topic=row.topic,
+        key=key_text(row.key),
+        attempts=row.attempts,
+        error=row.last_error or "",
+        parked_at=row.parked_at,
+        created_at=row.created_at,
+        headers=show_headers(row.headers),
+        value=show_bytes(None if row.value_head is None else bytes(row.value_head), row.value_size),
+    )
+
+
+def search_parked(
+    connection: sa.Connection, schema: str | None, where: ParkedFilter, offset: int
+) -> tuple[list[ParkedView], int]:
+    """One page of parked rows matching ``where`` and how many match in all."""
+    schema = validate_schema_name(schema)
+    rows = sql.parked_search(connection, schema, where, PAGE_SIZE, offset)
+    return [_parked_view(r) for r in rows], sql.parked_count(connection, schema, where)
+
+
+def count_parked(
+    connection: sa.Connection,
+    schema: str | None,
+    where: ParkedFilter,
+    event_ids: Sequence[uuid.UUID] | None,
+) -> int:
+    """How many parked rows an action on ``where`` (and ``event_ids``) would touch."""
+    return sql.parked_count(connection, validate_schema_name(schema), where, event_ids)
+
+
+def change_parked(
+    connection: sa.Connection,
+    schema: str | None,
+    action: str,
+    where: ParkedFilter,
+    event_ids: Sequence[uuid.UUID] | None,
+) -> int:
+    """Retry or discard the parked rows of ``where`` (and ``event_ids``); the caller commits."""
+    schema = validate_schema_name(schema)
+    if action == "retry":
+        return sql.parked_retry(connection, schema, where, event_ids)
+    if action == "discard":
+        return sql.parked_discard(connection, schema, where, event_ids)
+    raise ValidationError(f"unknown action {shown(action)}: retry or discard")
+
+
+@dataclass(frozen=True)
+class KeyView:
+    scope: str
+    key: str
+    status: str
+    fingerprint: str | None
+    result: str | None
+    error: str | None
+    attempts: int
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class KeyEvent:
+    event_id: uuid.UUID
+    topic: str
+    key: str
+    attempts: int
+    error: str
+    parked: bool
+    created_at: datetime
+
+
+def lookup_key(
+    connection: sa.Connection, schema: str | None, scope: str, key: str
+) -> tuple[KeyView | None, list[KeyEvent]]:
+    """The idempotency key and the outbox rows still naming it (by message key or by the
+    ``X-Idempotency-Key`` header)."""
+    schema = validate_schema_name(schema)
+    row = sql.idempotency_key(connection, schema, scope, key)
+    view = None
+    if row is not None:
+        view = KeyView(
+            scope=row.scope,
+            key=row.key,
+            status=row.status,
+            fingerprint=row.fingerprint,
+            result=None
+            if row.result is None
+            else json.dumps(row.result, indent=2, ensure_ascii=False),
+            error=row.error,
+            attempts=row.attempts,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+        )
+    events = [
+        KeyEvent(
+            event_id=r.event_id,
+            topic=r.topic,
+            key=key_text(r.key),
+            attempts=r.attempts,
+            error=r.last_error or "",
+            parked=r.parked_at is not None,
+            created_at=r.created_at,
+        )
+        for r in sql.outbox_rows_naming(
+            connection, schema, key, IDEMPOTENCY_HEADER, KEY_EVENTS_SHOWN
+        )
+    ]
+    return view, events

@@ -1,0 +1,334 @@
+"""``outbox console`` over TCP (a real uvicorn process, real PostgreSQL), driven with httpx:
+pages render, filters narrow, read-only and CSRF refusals, escaping, and bad input as 400."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from hypothesis import given, settings, strategies as st
+
+from outbox import migrate
+from outbox.schema import tables
+from tests.fixtures.common import wait_for
+from tests.fixtures.console import ADMIN_TOKEN, ConsoleServer
+from tests.fixtures.relay import insert_rows, outbox_count
+
+BEARER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def park(engine: sa.Engine, ids: list[uuid.UUID], error: str) -> None:
+    """Park rows the way the relay does: parked_at set, the error and attempts kept."""
+    t = tables(None).outbox
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(t)
+            .where(t.c.event_id.in_(ids))
+            .values(parked_at=sa.func.now(), last_error=error, attempts=3)
+        )
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found, "no CSRF field on the page"
+    return found.group(1)
+
+
+@pytest.fixture
+def parked(engine: sa.Engine) -> dict[str, list[uuid.UUID]]:
+    """Two topics' parked rows with different errors, and a pending row."""
+    a = insert_rows(engine, "orders", [("k1", b'{"n": 1}'), ("k2", b"<script>alert(1)</script>")])
+    b = insert_rows(engine, "payments", [("p1", b"\x00\xff\x10")], {"token": "x"})
+    pending = insert_rows(engine, "orders", [("k9", b"later")])
+    park(engine, a, "MSG_SIZE_TOO_LARGE: too big")
+    park(engine, b, "UNKNOWN_TOPIC_OR_PART")
+    return {"orders": a, "payments": b, "pending": pending}
+
+
+def test_pages_render_the_backlog_and_the_parked_rows(
+    console_server: Callable[..., ConsoleServer], parked: dict[str, list[uuid.UUID]]
+) -> None:
+    server = console_server()
+    with httpx.Client(base_url=server.url) as client:
+        overview = client.get("/")
+        assert overview.status_code == 200
+        assert re.search(r'id="parked-count"><a href="/parked">3<', overview.text)
+        assert re.search(r'id="pending">1<', overview.text)
+        page = client.get("/parked")
+        assert page.status_code == 200
+        for event_id in parked["orders"] + parked["payments"]:
+            assert str(event_id) in page.text
+        assert str(parked["pending"][0]) not in page.text
+        # JSON pretty-printed, binary as hex; read-only: no action buttons.
+        assert "{\n  &#34;n&#34;: 1\n}" in page.text
+        assert "00 ff 10" in page.text
+        assert 'action="/parked/action"' not in page.text
+        assert client.get("/keys").status_code == 200
+
+
+def test_filters_narrow_by_topic_key_and_error_text(
+    console_server: Callable[..., ConsoleServer], parked: dict[str, list[uuid.UUID]]
+) -> None:
+    server = console_server()
+    with httpx.Client(base_url=server.url) as client:
+        by_topic = client.get("/parked", params={"topic": "payments"}).text
+        by_key = client.get("/parked", params={"key": "k2"}).text
+        # case-insensitive, and "_" is a literal underscore, not a wildcard
+        by_error = client.get("/parked", params={"error": "unknown_topic"}).text
+        wildcard = client.get("/parked", params={"error": "MSG%"}).text
+    assert str(parked["payments"][0]) in by_topic and str(parked["orders"][0]) not in by_topic
+    assert str(parked["orders"][1]) in by_key and str(parked["orders"][0]) not in by_key
+    assert str(parked["payments"][0]) in by_error and str(parked["orders"][0]) not in by_error
+    assert "<strong>0</strong>" in wildcard
+
+
+def test_an_event_value_holding_script_shows_as_text(
+    console_server: Callable[..., ConsoleServer], parked: dict[str, list[uuid.UUID]]
+) -> None:
+    server = console_server()
+    page = httpx.get(f"{server.url}/parked", params={"key": "k2"}).text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<script>" not in page
+
+
+def test_read_only_console_refuses_changes(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server()
+    form = {"action": "discard", "scope": "matching", "confirmed": "3", "csrf": "x"}
+    refused = httpx.post(f"{server.url}/parked/action", data=form, headers=BEARER)
+    assert refused.status_code == 403 and "read-only" in refused.text
+    assert outbox_count(engine, parked=True) == 3
+
+
+def test_changes_need_the_token_and_the_csrf_token(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    with httpx.Client(base_url=server.url, headers=BEARER) as admin:
+        page = admin.get("/parked")
+        assert 'action="/parked/action"' in page.text
+        token = csrf_of(page.text)
+        form = {"action": "discard", "scope": "matching", "confirmed": "3"}
+        # no token: anonymous visitors read, and are refused changes
+        anonymous = httpx.post(
+            f"{server.url}/parked/action", data={**form, "csrf": token}, cookies=admin.cookies
+        )
+        assert anonymous.status_code == 403
+        assert 'action="/parked/action"' not in httpx.get(f"{server.url}/parked").text
+        # the admin, but the form's CSRF token is missing or does not match the cookie
+        assert admin.post("/parked/action", data=form).status_code == 403
+        assert admin.post("/parked/action", data={**form, "csrf": "x" * 43}).status_code == 403
+        assert outbox_count(engine, parked=True) == 3
+        # the admin with the CSRF token: first a confirmation stating the count, then the change
+        confirm = admin.post("/parked/action", data={**form, "confirmed": "", "csrf": token})
+        assert confirm.status_code == 200
+        assert re.search(r'id="confirm-count">3<', confirm.text)
+        assert outbox_count(engine, parked=True) == 3
+        done = admin.post("/parked/action", data={**form, "csrf": token})
+        assert done.status_code == 303
+    assert outbox_count(engine, parked=True) == 0
+    assert outbox_count(engine) == 1
+    assert "admin discard: 3 parked row(s)" in server.log()
+    assert "from 127.0.0.1" in server.log()
+
+
+def test_a_stale_confirmation_is_asked_again_with_the_new_count(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    with httpx.Client(base_url=server.url, headers=BEARER) as admin:
+        token = csrf_of(admin.get("/parked").text)
+        form = {"action": "retry", "scope": "matching", "topic": "orders", "csrf": token}
+        again = admin.post("/parked/action", data={**form, "confirmed": "5"})
+    assert again.status_code == 200 and re.search(r'id="confirm-count">2<', again.text)
+    assert outbox_count(engine, parked=True) == 3
+
+
+def test_retry_of_a_selection_touches_only_those_rows(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    chosen = parked["orders"][0]
+    with httpx.Client(base_url=server.url, headers=BEARER) as admin:
+        token = csrf_of(admin.get("/parked").text)
+        form = {"action": "retry", "scope": "selected", "event_id": str(chosen), "csrf": token}
+        assert admin.post("/parked/action", data={**form, "confirmed": "1"}).status_code == 303
+    t = tables(None).outbox
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(t.c.parked_at, t.c.attempts).where(t.c.event_id == chosen)
+        ).one()
+    assert row.parked_at is None and row.attempts == 0
+    assert outbox_count(engine, parked=True) == 2
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "data"),
+    [
+        ("GET", "/parked?topic=not%20a%20topic", None),
+        ("GET", "/parked?offset=-1", None),
+        ("GET", "/parked?offset=ten", None),
+        ("GET", "/keys?scope=bad%20scope&key=k", None),
+        ("GET", "/keys?scope=orders", None),
+        ("POST", "/parked/action", {"action": "retry", "scope": "selected", "event_id": "nope"}),
+        ("POST", "/parked/action", {"action": "explode", "scope": "matching"}),
+        ("POST", "/parked/action", {"action": "retry", "scope": "selected"}),
+    ],
+)
+def test_bad_filters_and_ids_are_400_with_a_message(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    method: str,
+    path: str,
+    data: dict[str, Any] | None,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    with httpx.Client(base_url=server.url, headers=BEARER) as admin:
+        token = csrf_of(admin.get("/parked").text) if data is not None else ""
+        if data is not None:
+            data = {**data, "csrf": token}
+        answer = admin.request(method, path, data=data)
+    assert answer.status_code == 400, answer.text
+    assert 'id="error-message"' in answer.text and "Traceback" not in answer.text
+
+
+def test_no_secret_on_any_page(
+    console_server: Callable[..., ConsoleServer], database_url: str
+) -> None:
+    secret_url = database_url.replace("postgres@", "postgres:s3cr3t-pw@", 1)
+    server = ConsoleServer(secret_url, "--redis-url", "redis://:r3dis-pw@127.0.0.1:6379/0")
+    try:
+        server.start()
+        with httpx.Client(base_url=server.url) as client:
+            pages = [client.get(p).text for p in ("/", "/parked", "/keys", "/parked?offset=x")]
+    finally:
+        server.stop()
+        server.close()
+    for text in pages:
+        assert "s3cr3t-pw" not in text and "r3dis-pw" not in text
+    assert "***" in pages[0]
+
+
+def test_basic_auth_with_the_token_as_password_signs_in(
+    console_server: Callable[..., ConsoleServer], parked: dict[str, list[uuid.UUID]]
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    challenge = httpx.get(f"{server.url}/login")
+    assert challenge.status_code == 401
+    assert challenge.headers["www-authenticate"].startswith("Basic ")
+    wrong = httpx.get(f"{server.url}/parked", auth=("oncall", ADMIN_TOKEN + "x")).text
+    assert 'action="/parked/action"' not in wrong
+    with httpx.Client(base_url=server.url, auth=("oncall", ADMIN_TOKEN)) as admin:
+        assert admin.get("/login").status_code == 303
+        assert 'action="/parked/action"' in admin.get("/parked").text
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        ([], {}, "OUTBOX_DATABASE_URL"),
+        (["--port", "0"], {}, "--port"),
+        ([], {"OUTBOX_CONSOLE_PORT": "http"}, "OUTBOX_CONSOLE_PORT"),
+        (["--host", "0.0.0.0/8"], {}, "--host"),
+        ([], {"OUTBOX_CONSOLE_ADMIN_TOKEN": "short-secret"}, "at least 16"),
+    ],
+)
+def test_bad_console_settings_exit_2_with_one_line_before_serving(
+    database_url: str, args: list[str], env: dict[str, str], says: str
+) -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    if args or env:
+        environ["OUTBOX_DATABASE_URL"] = database_url
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox.cli", "console", *args],
+        capture_output=True, text=True, env={**environ, **env}, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert "short-secret" not in done.stderr
+
+
+FILTER_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60)
+
+
+def test_hostile_filters_are_a_page_or_a_400_never_a_500(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    with httpx.Client(base_url=server.url, headers=BEARER) as client:
+        token = csrf_of(client.get("/parked").text)
+
+        @settings(max_examples=40, deadline=None)
+        @given(
+            name=st.sampled_from(["topic", "key", "error", "offset", "scope", "event_id"]),
+            value=FILTER_TEXT,
+            where=st.sampled_from(["/parked", "/keys", "/parked/action"]),
+        )
+        def probe(name: str, value: str, where: str) -> None:
+            if where == "/parked/action":
+                form = {"csrf": token, "action": "retry", "scope": "selected", name: value}
+                answer = client.post(where, data=form)
+            else:
+                answer = client.get(where, params={name: value, "scope": "orders"})
+            assert answer.status_code in (200, 400), (answer.status_code, answer.text[-300:])
+            assert "Traceback" not in answer.text
+
+        probe()
+    assert outbox_count(engine, parked=True) == 3  # no confirmation, nothing changed
+
+
+def test_a_crafted_outcome_in_a_link_is_not_shown(
+    console_server: Callable[..., ConsoleServer],
+) -> None:
+    server = console_server()
+    crafted = httpx.get(f"{server.url}/parked", params={"done": "Call +1 555 0100 now"}).text
+    assert "555 0100" not in crafted
+    genuine = httpx.get(f"{server.url}/parked", params={"done": "3 row(s) discarded"}).text
+    assert 'id="done">3 row(s) discarded<' in genuine
+
+
+def test_missing_tables_are_a_503_with_a_message_not_a_traceback(
+    console_server: Callable[..., ConsoleServer], database_url: str
+) -> None:
+    server = console_server()
+    migrate.downgrade(database_url, "base")
+    for path in ("/", "/parked", "/keys?scope=orders&key=k1"):
+        answer = httpx.get(server.url + path)
+        assert answer.status_code == 503, (path, answer.status_code)
+        assert 'id="error-message"' in answer.text and "Traceback" not in answer.text
+
+
+def test_the_overview_charts_rows_relayed_since_the_console_started(
+    console_server: Callable[..., ConsoleServer], engine: sa.Engine
+) -> None:
+    server = console_server()
+    assert "(0 in all" in httpx.get(server.url + "/").text
+    insert_rows(engine, "orders", [(f"k{i}", b"v") for i in range(7)])
+    with engine.begin() as conn:  # what a relay does with rows Kafka confirmed
+        conn.execute(sa.delete(tables(None).outbox))
+
+    def charted() -> bool:
+        return "(7 in all" in httpx.get(server.url + "/").text
+
+    wait_for(charted, 30, "the deletes never reached the chart")
+    page = httpx.get(server.url + "/").text
+    assert '<svg id="relayed-chart"' in page and "<rect " in page
