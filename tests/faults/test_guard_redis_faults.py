@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -278,7 +277,6 @@ def test_garbage_is_guard_unavailable_or_runs_unguarded(guard_target: Target, sh
             with guard_target.guard(prefix=prefix, on_redis_error=policy) as guard:
                 key = f"{shape}-{policy}"
                 _write(client, guard.claim(key).redis_key, shape)
-                started = time.monotonic()
                 ran: list[bool] = []
 
                 def body(claim: Claim, ran: list[bool] = ran) -> None:
@@ -291,7 +289,6 @@ def test_garbage_is_guard_unavailable_or_runs_unguarded(guard_target: Target, sh
                 else:
                     guard.run(key, body)
                     assert ran == [False]
-                assert time.monotonic() - started < 2
     finally:
         client.close()
 
@@ -355,13 +352,11 @@ def test_any_hash_under_the_key_gives_an_outbox_error_or_a_run(redis_server: Pri
                 record["d"] = str(_now_ms(client) + 5_000).encode()
             if record:
                 client.hset(redis_key, mapping=record)  # type: ignore[arg-type]
-            started = time.monotonic()
             try:
                 guard.run("k", lambda claim: "ran")
                 outcome = "ran"
             except OutboxError as exc:
                 outcome = type(exc).__name__
-            assert time.monotonic() - started < 2
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
         attempt()

@@ -510,7 +510,15 @@ def test_the_decorator_refuses_bad_arguments_when_it_decorates(
         def handler(uow: Any, request_id: str) -> int:
             return 1
 
-        return world.ob.idempotent(key, scope=scope, fingerprint=fingerprint)(handler)
+        decorated = world.ob.idempotent(key, scope=scope, fingerprint=fingerprint)(handler)
+        # Accepted only within the documented rule: the key names one of the handler's
+        # parameters or is a callable, the fingerprint is a callable, False or None, the scope
+        # a valid scope name.
+        assert key == "request_id" or callable(key), f"accepted key {key!r}"
+        assert fingerprint is None or fingerprint is False or callable(fingerprint)
+        assert isinstance(scope, str) and 1 <= len(scope) <= 100, f"accepted scope {scope!r}"
+        assert re.fullmatch(r"[A-Za-z0-9._:/-]+", scope), f"accepted scope {scope!r}"
+        return decorated
 
     attempt("decorator", decorate, INPUT, world.counts)
 
