@@ -3,8 +3,13 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv services test test-pg18 lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing bench-console demo demo-quick clean
+.PHONY: help generate venv services test test-pg18 lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing bench-console demo demo-quick clean
 
+## help: list the targets with what each does
+help:
+	@sed -n 's/^## //p' $(MAKEFILE_LIST)
+
+## venv: create .venv with the package and its dev extra
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -21,11 +26,17 @@ services:
 ## test: lint, type-check, then the whole test suite against real services
 test: venv services lint typecheck pytest
 
+## generate: rewrite the sync twins from their asyncio sources (tools/async_to_sync.py)
+generate:
+	$(PYTHON) tools/async_to_sync.py
+
+## lint: the twins are current, ruff check and ruff format --check
 lint:
 	$(PYTHON) tools/async_to_sync.py --check
 	$(PYTHON) -m ruff check outbox migrations tests benchmarks scripts examples tools
 	$(PYTHON) -m ruff format --check outbox migrations tests benchmarks scripts examples tools
 
+## typecheck: mypy --strict over the package
 typecheck:
 	$(PYTHON) -m mypy outbox
 
@@ -35,6 +46,7 @@ TESTING_DATABASE_URL ?= $(or $(OUTBOX_TESTING_DATABASE_URL),$(OUTBOX_TEST_DATABA
 
 # Two sessions side by side (tests/integration | the other tiers); a selection in PYTEST_ARGS
 # runs one. pytest's exit 5 (no test collected) is a broken suite, not a pass.
+## pytest: the test suite (a selection in PYTEST_ARGS runs one)
 pytest:
 	@OUTBOX_TESTING_DATABASE_URL="$(TESTING_DATABASE_URL)" bash scripts/pytest_tiers.sh $(PYTHON) $(PYTEST_ARGS)
 
@@ -73,5 +85,6 @@ bench-console:
 
 bench: bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing bench-console
 
+## clean: remove the virtualenv and the caches
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

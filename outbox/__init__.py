@@ -19,8 +19,7 @@ from outbox.errors import (
     ReplayedWriteError,
     ValidationError,
 )
-from outbox.uow import Outbox, UnitOfWork
-from outbox.uow_async import AsyncOutbox, AsyncUnitOfWork
+from outbox.uow import AsyncOutbox, AsyncUnitOfWork, Outbox, UnitOfWork
 
 __all__ = [
     "AsyncOutbox",

@@ -26,8 +26,8 @@ from outbox.config import (
 )
 from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError
-from outbox.uow import Outbox, _Attempt
-from outbox.uow_async import AsyncOutbox
+from outbox.uow import AsyncOutbox
+from outbox.uow._outbox import Outbox, _Attempt
 
 _default: Outbox | None = None
 _default_lock = threading.Lock()

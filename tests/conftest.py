@@ -23,7 +23,7 @@ from tests.fixtures.postgres import FACTORIES  # noqa: E402
 
 # Property-based tests: HYPOTHESIS_PROFILE picks a profile; by default "ci" under CI=true
 # (derandomized: the same examples on every run) and "dev" elsewhere. "long" is the run by
-# hand that generates thousands of examples per family (see tests/property/README.md).
+# hand with ten times as many examples (docs/development.md says how to run it).
 # No deadline: examples talk to real services on shared machines.
 _COMMON: dict[str, Any] = {
     "deadline": None,

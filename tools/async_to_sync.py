@@ -1,20 +1,22 @@
 """Generate the sync twins of the asyncio sources, so each I/O sequence is written once.
 
-Every (source, target) pair in ``PAIRS`` is rewritten with the ``RULES`` (regular expressions,
-applied in order, line by line), then cleaned with ruff (import order, imports left unused by a
-rule) and formatted with ruff, and written under a header naming its source.
+Every ``x_async.py`` in a folder of the package is the source of ``x.py`` beside it (one rule,
+:func:`pairs`): it is rewritten with the ``RULES`` (regular expressions, applied in order, line
+by line), then cleaned with ruff (import order, imports left unused by a rule) and formatted with
+ruff, and written under a header naming its source.
 
     python tools/async_to_sync.py           # regenerate the targets
     python tools/async_to_sync.py --check   # exit 1 when a target differs from what it would be
 
 The run fails when a rule was never used across all pairs: a rule that matches nothing means
-the source changed under it, and the twins may have drifted. To generate a new twin, add its
-pair and any rule its names need; rules are shared by every pair.
+the source changed under it, and the twins may have drifted. To generate a new twin, name its
+source ``x_async.py`` and add any rule its names need; rules are shared by every pair.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import re
 import subprocess
@@ -25,27 +27,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (asyncio source, generated sync target), relative to the repository root.
-PAIRS: list[tuple[str, str]] = [
-    ("outbox/_pg/transaction_async.py", "outbox/_pg/transaction.py"),
-    ("outbox/_redis/cache_async.py", "outbox/_redis/cache.py"),
-    ("outbox/uow_unit_async.py", "outbox/uow_unit.py"),
-    ("outbox/uow_joined_async.py", "outbox/uow_joined.py"),
-    ("outbox/uow_async.py", "outbox/uow.py"),
-    ("outbox/guard_async.py", "outbox/guard.py"),
-    ("outbox/uow_batch_async.py", "outbox/uow_batch.py"),
-    ("outbox/consumer_attempt_async.py", "outbox/consumer_attempt.py"),
-    ("outbox/consumer_guarded_async.py", "outbox/consumer_guarded.py"),
-    ("outbox/consumer_rounds_async.py", "outbox/consumer_rounds.py"),
-    ("outbox/consumer_async.py", "outbox/consumer.py"),
-]
 
-# Names of an asyncio source that its sync target offers as well, so that one public module holds
-# both flavours (``from outbox.consumer import AsyncConsumerRunner``): imported from the source
-# and listed in the target's ``__all__``.
-REEXPORTS: dict[str, tuple[str, ...]] = {
-    "outbox/consumer.py": ("AsyncConsumerRunner",),
-}
+def pairs(root: Path = ROOT) -> list[tuple[str, str]]:
+    """(asyncio source, generated sync target), relative to ``root``: every ``x_async.py`` in a
+    folder of the package is the source of ``x.py`` beside it."""
+    return sorted(
+        (
+            str(source.relative_to(root)),
+            str(source.with_name(source.name.removesuffix("_async.py") + ".py").relative_to(root)),
+        )
+        for source in (root / "outbox").glob("*/**/*_async.py")
+    )
 
 
 @dataclass(frozen=True)
@@ -83,12 +75,8 @@ RULES: list[Rule] = [
     Rule(r"\b(_?)Async(Batch|BatchUnitOfWork|BatchAttempt|BatchGroup|MessageBatch)\b", r"\1\2"),
     Rule(r"\baob\b", "ob"),
     Rule(r"^_ASYNC = True$", "_ASYNC = False"),
-    # Modules that have a twin.
-    Rule(
-        r"\b(transaction|cache|uow|uow_batch|uow_unit|uow_joined|consumer_attempt|consumer_rounds"
-        r"|consumer_guarded|guard)_async\b",
-        r"\1",
-    ),
+    # Modules that have a twin: ``outbox.<folder>.x_async`` is ``outbox.<folder>.x``.
+    Rule(r"\b(outbox(?:\.\w+)+?)_async\b", r"\1"),
     # The language.
     Rule(r"\basync def\b", "def"),
     Rule(r"\basync with\b", "with"),
@@ -126,6 +114,8 @@ RULES: list[Rule] = [
 ]
 
 HEADER = "# generated from {source} by tools/async_to_sync.py; do not edit\n"
+# The twin's module docstring: what the module does is told once, in its source.
+DOCSTRING = '"""Generated from ``{source}`` by ``tools/async_to_sync.py``."""\n'
 
 
 class UnusedRules(Exception):
@@ -138,23 +128,6 @@ def convert(text: str, rules: Sequence[Rule], used: dict[Rule, int]) -> str:
         text, n = rule.compiled().subn(rule.replacement, text)
         used[rule] = used.get(rule, 0) + n
     return text
-
-
-def reexport(text: str, source: str, names: Sequence[str]) -> str:
-    """Import ``names`` from the module of ``source`` into ``text`` and add them to its
-    ``__all__`` (ruff sorts both afterwards)."""
-    if not names:
-        return text
-    module = source.removesuffix(".py").replace("/", ".")
-    future = "from __future__ import annotations\n"
-    if future not in text or "__all__ = [\n" not in text:
-        raise SystemExit(
-            f"{source}: a re-export needs its __future__ import and a multi-line __all__"
-        )
-    imports = "".join(f"from {module} import {name} as {name}\n" for name in names)
-    listed = "".join(f'    "{name}",\n' for name in names)
-    text = text.replace(future, future + imports, 1)
-    return text.replace("__all__ = [\n", "__all__ = [\n" + listed, 1)
 
 
 def _ruff(args: list[str], text: str, target: Path, root: Path) -> str:
@@ -172,6 +145,23 @@ def _ruff(args: list[str], text: str, target: Path, root: Path) -> str:
     return done.stdout
 
 
+def _docstring(text: str, source: str) -> str:
+    """``text`` with its module docstring (added when missing) replaced by :data:`DOCSTRING`."""
+    tree = ast.parse(text)
+    first = tree.body[0] if tree.body else None
+    lines = text.splitlines(keepends=True)
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+        and first.end_lineno is not None
+    ):
+        lines = lines[: first.lineno - 1] + lines[first.end_lineno :]
+    else:
+        lines = ["\n", *lines]
+    return DOCSTRING.format(source=source) + "".join(lines)
+
+
 def generate(
     pairs: Sequence[tuple[str, str]], rules: Sequence[Rule], root: Path = ROOT
 ) -> dict[Path, str]:
@@ -180,7 +170,6 @@ def generate(
     out: dict[Path, str] = {}
     for source, target in pairs:
         text = convert((root / source).read_text(encoding="utf-8"), rules, used)
-        text = reexport(text, source, REEXPORTS.get(target, ()))
         path = root / target
         text = _ruff(
             ["check", "--fix", "--select", "I,F401,RUF022", "--quiet", "--exit-zero"],
@@ -189,7 +178,7 @@ def generate(
             root,
         )
         text = _ruff(["format", "--quiet"], text, path, root)
-        out[path] = HEADER.format(source=source) + text
+        out[path] = HEADER.format(source=source) + _docstring(text, source)
     unused = [rule for rule in rules if not used.get(rule)]
     if unused:
         raise UnusedRules(
@@ -206,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        targets = generate(PAIRS, RULES, ROOT)
+        targets = generate(pairs(ROOT), RULES, ROOT)
     except UnusedRules as exc:
         print(f"async_to_sync: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ after the caller's transaction committed. On a rollback it is dropped.
 Callbacks must not raise; one that does is logged and the others still run. These events say
 when the caller *said* commit, not what PostgreSQL committed (a caller's savepoint rolled back
 around the work, an outer transaction the session was joined to): a callback that must act only
-on committed data checks what committed itself (``outbox.uow_joined_async`` reads the key back).
+on committed data checks what committed itself (``outbox.uow._joined_async`` reads the key back).
 
 The same events keep a registry of the keys a connection's current transaction holds (:func:`take`,
 :func:`holds`), so that a unit of work nested in another one for the same key is refused instead of

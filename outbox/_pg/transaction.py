@@ -1,33 +1,5 @@
 # generated from outbox/_pg/transaction_async.py by tools/async_to_sync.py; do not edit
-"""The unit of work's transaction: one pooled connection, the toolkit's statements sent raw.
-
-This asyncio module is the source; ``transaction.py`` (the sync flavour) is generated from it by
-``tools/async_to_sync.py``.
-
-Round trips are most of a short transaction's cost, so the toolkit keeps its own to a minimum:
-
-* ``BEGIN`` and the key claim travel in ONE simple-protocol message (parameters are bound
-  client-side by psycopg, never by string formatting). To stop psycopg from sending its own
-  ``BEGIN`` first, the driver connection is switched to autocommit for the duration; the server
-  still runs everything inside the explicit transaction, and psycopg's ``commit()`` and
-  ``rollback()`` act on the server's transaction state. The previous autocommit setting is
-  restored before the connection goes back to the pool.
-* The final statement and ``COMMIT`` travel in one message too, the statement PREPAREd once
-  per connection so the server does not plan it every time.
-* A batch of units of work (the consumer runner's micro-batches) claims all its keys with
-  ``BEGIN`` in one message (:meth:`Transaction.begin_with_many`) and runs each unit of work
-  in a savepoint that it releases and sets anew in one message (:meth:`Transaction.renew`).
-
-Driver errors are translated here, the one place, into SQLAlchemy's exception types, and a
-broken connection is invalidated so the pool never hands it out again.
-
-An interruption (``KeyboardInterrupt``, ``SystemExit``, a cancelled task) may land anywhere,
-also while psycopg waits for the server or cleans up after itself. Two things then hold: a
-statement the client gave up on is cancelled on the server at once (its transaction holds the
-key's lock, and a backend waiting on another lock would not notice its client had gone), and a
-connection that goes back to the pool not idle, or still switched to autocommit, is discarded
-(:func:`install_guard`).
-"""
+"""Generated from ``outbox/_pg/transaction_async.py`` by ``tools/async_to_sync.py``."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
 # generated from outbox/_redis/cache_async.py by tools/async_to_sync.py; do not edit
-"""Redis fast path: remembers outcomes (COMPLETED results, FAILED errors) of committed keys.
-
-Redis is a cache, never the truth. Entries are written only after the PostgreSQL commit,
-read and written with single-key commands (safe on Redis Cluster), with bounded timeouts. Any
-Redis failure, a slow answer or a malformed entry makes the cache step aside: the caller goes
-to PostgreSQL, which decides. After a failure the cache stays out of the way for a short while
-(``cache_retry_after``) so that a Redis outage does not add a timeout to every call.
-
-The cache trusts only entries signed with its database's key (:mod:`outbox._redis.entry`),
-which the unit of work reads from PostgreSQL once (:meth:`OutcomeCache.trust`) and again on
-every new connection of its engine (:meth:`OutcomeCache.reidentify`): until it has the
-key, the cache answers nothing and writes nothing.
-
-This asyncio module is the source; ``cache.py`` (the sync flavour) is generated from it by
-``tools/async_to_sync.py``.
-"""
+"""Generated from ``outbox/_redis/cache_async.py`` by ``tools/async_to_sync.py``."""
 
 from __future__ import annotations
 

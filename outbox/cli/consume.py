@@ -30,12 +30,10 @@ from outbox.cli._common import (
 )
 from outbox.config import ConsumerConfig, OutboxConfig
 from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, serve_metrics
-from outbox.consumer_async import is_coroutine_handler
+from outbox.consumer._runner_async import is_coroutine_handler
 from outbox.errors import ConfigurationError
-from outbox.guard import RedisGuard
-from outbox.guard_async import AsyncRedisGuard
-from outbox.uow import Outbox
-from outbox.uow_async import AsyncOutbox
+from outbox.guard import AsyncRedisGuard, RedisGuard
+from outbox.uow import AsyncOutbox, Outbox
 
 # What configures the outbox (a unit of work per message) and what configures the Redis guard
 # (a claim per message): a command takes one or the other, never a mix.

@@ -33,8 +33,7 @@ from outbox.errors import NoUnitOfWork
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from outbox.uow import UnitOfWork
-    from outbox.uow_async import AsyncUnitOfWork
+    from outbox.uow import AsyncUnitOfWork, UnitOfWork
 
 __all__ = [
     "DEFAULT_CALLER_HEADERS",

@@ -49,7 +49,7 @@ from outbox.errors import (
     PreviouslyFailed,
 )
 from outbox.http import _Abort, _bound
-from outbox.uow_async import AsyncOutbox, AsyncUnitOfWork
+from outbox.uow import AsyncOutbox, AsyncUnitOfWork
 
 Message = MutableMapping[str, Any]
 Scope = MutableMapping[str, Any]

@@ -62,7 +62,7 @@ from outbox.errors import (
     OutboxError,
     PreviouslyFailed,
 )
-from outbox.uow_async import AsyncOutbox, AsyncUnitOfWork
+from outbox.uow import AsyncOutbox, AsyncUnitOfWork
 
 __all__ = [
     "IDEMPOTENCY_KEY_DESCRIPTION",

@@ -15,8 +15,7 @@ from outbox.testing.databases import (
 )
 from outbox.testing.delivery import Deliverer, Delivery, assert_one_effect_per_key, relay_outbox
 from outbox.testing.published import Published, PublishedEvent, decode_event
-from outbox.uow import Outbox
-from outbox.uow_async import AsyncOutbox
+from outbox.uow import AsyncOutbox, Outbox
 
 __all__ = [
     "ENV_TESTING_BOOTSTRAP",

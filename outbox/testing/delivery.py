@@ -23,15 +23,14 @@ from outbox._core.environment import ENV_KAFKA_BOOTSTRAP
 from outbox._core.offsets import Tries
 from outbox._kafka.consumer import header_key, make_message
 from outbox.config import ConsumerConfig
-from outbox.consumer_async import is_coroutine_handler
-from outbox.consumer_attempt import Attempts
-from outbox.consumer_attempt_async import BATCH_HANDLER, AsyncAttempts
-from outbox.consumer_metrics import ConsumerMetrics
+from outbox.consumer._attempt import Attempts
+from outbox.consumer._attempt_async import BATCH_HANDLER, AsyncAttempts
+from outbox.consumer._metrics import ConsumerMetrics
+from outbox.consumer._runner_async import is_coroutine_handler
 from outbox.relay import BatchResult, Relay, RelayConfig
 from outbox.schema import tables
 from outbox.testing.databases import ENV_TESTING_BOOTSTRAP
-from outbox.uow import Outbox
-from outbox.uow_async import AsyncOutbox
+from outbox.uow import AsyncOutbox, Outbox
 
 
 @dataclass(frozen=True)

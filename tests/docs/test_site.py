@@ -17,7 +17,6 @@ PUBLIC_MODULES = [
     "outbox",
     "outbox.consumer",
     "outbox.guard",
-    "outbox.guard_async",
     "outbox.http",
     "outbox.http.fastapi",
     "outbox.admin",

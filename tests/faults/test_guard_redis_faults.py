@@ -12,8 +12,7 @@ import redis
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from outbox.errors import GuardUnavailable, LeaseLost, OutboxError
-from outbox.guard import Claim, RedisGuard
-from outbox.guard_async import AsyncRedisGuard
+from outbox.guard import AsyncRedisGuard, Claim, RedisGuard
 from tests.fixtures.guard import Target, new_prefix
 from tests.fixtures.proxy import TcpProxy
 from tests.fixtures.redis import PrivateRedis

@@ -25,8 +25,7 @@ from prometheus_client import CollectorRegistry
 from outbox import PermanentError
 from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, DeadLetterInfo
 from outbox.errors import PreviouslyFailed
-from outbox.guard import RedisGuard
-from outbox.guard_async import AsyncRedisGuard
+from outbox.guard import AsyncRedisGuard, RedisGuard
 from tests.fixtures.common import wait_for
 from tests.fixtures.consumer import (
     KAFKA,

@@ -21,8 +21,7 @@ from outbox.errors import (
     PreviouslyFailed,
     SerializationError,
 )
-from outbox.guard import Claim, RedisGuard
-from outbox.guard_async import AsyncClaim, AsyncRedisGuard
+from outbox.guard import AsyncClaim, AsyncRedisGuard, Claim, RedisGuard
 from tests.fixtures.guard import Target, new_prefix
 
 # Scripts of attempts on one key: what each attempt's body does, and the outcomes both flavours

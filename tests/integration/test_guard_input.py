@@ -11,8 +11,7 @@ import redis
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from outbox.errors import ConfigurationError, ValidationError
-from outbox.guard import RedisGuard
-from outbox.guard_async import AsyncRedisGuard
+from outbox.guard import AsyncRedisGuard, RedisGuard
 from tests.fixtures.guard import bad_fingerprints, bad_keys, bad_scopes, bad_seconds
 from tests.fixtures.redis import PrivateRedis
 

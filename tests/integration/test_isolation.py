@@ -21,11 +21,10 @@ from outbox._core.disposition import Outcome
 from outbox._core.offsets import Tries
 from outbox._pg.errors import transaction_conflict
 from outbox.consumer import AsyncConsumerRunner, ConsumerRunner
-from outbox.consumer_attempt_async import AsyncAttempts
-from outbox.consumer_metrics import ConsumerMetrics
+from outbox.consumer._attempt_async import AsyncAttempts
+from outbox.consumer._metrics import ConsumerMetrics
 from outbox.testing import Deliverer
-from outbox.uow_batch import Batch
-from outbox.uow_batch_async import AsyncBatch
+from outbox.uow import AsyncBatch, Batch
 from tests.fixtures.common import wait_for
 from tests.fixtures.consumer import (
     KAFKA,

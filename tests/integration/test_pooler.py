@@ -30,7 +30,7 @@ from outbox.errors import ConfigurationError, PermanentError, TransactionEndedEr
 from outbox.http import current_unit_of_work
 from outbox.http.asgi import IdempotencyMiddleware as AsgiMiddleware
 from outbox.http.wsgi import IdempotencyMiddleware as WsgiMiddleware
-from outbox.uow_batch import Batch
+from outbox.uow import Batch
 from tests.fixtures.pgbouncer import PgBouncer, through
 from tests.integration.test_http_middleware import call, respond, wsgi_call
 

@@ -32,9 +32,8 @@ from outbox.errors import (
     PreviouslyFailed,
     SerializationError,
 )
-from outbox.guard import RedisGuard
-from outbox.guard_async import AsyncRedisGuard
-from outbox.uow_batch import Batch
+from outbox.guard import AsyncRedisGuard, RedisGuard
+from outbox.uow import Batch
 from tests.fixtures.uow import INSERT_ORDER, count, create_orders, rows
 
 BROAD = [(ValueError,), (Exception,)]

@@ -24,7 +24,7 @@ from hypothesis import example, given, strategies as st
 import outbox
 from outbox import OutboxConfig
 from outbox.http.wsgi import IdempotencyMiddleware
-from outbox.uow_batch import Batch
+from outbox.uow import Batch
 from tests.fixtures.hostile import json_equal, json_form, scaled
 from tests.fixtures.results import RESULTS
 from tests.fixtures.uow import rows

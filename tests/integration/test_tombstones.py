@@ -13,7 +13,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type:
 from outbox import Outbox
 from outbox.consumer import ConsumerRunner
 from outbox.relay import Relay, RelayConfig
-from outbox.uow_batch import Batch
+from outbox.uow import Batch
 from tests.fixtures.consumer import KAFKA, Running, produce
 from tests.fixtures.kafka import create_topic, read_to_end
 from tests.fixtures.relay import outbox_count

@@ -23,8 +23,7 @@ from outbox.errors import (
     PermanentError,
     PreviouslyFailed,
 )
-from outbox.uow_batch import Batch
-from outbox.uow_batch_async import AsyncBatch
+from outbox.uow import AsyncBatch, Batch
 from tests.fixtures.pgbouncer import through
 from tests.fixtures.uow import INSERT_ORDER, count, create_orders, rows
 

@@ -42,14 +42,15 @@ def test_only_the_kafka_adapter_imports_confluent_kafka() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["consumer.py", "consumer_async.py", "consumer_metrics.py", "cli/consume.py"]
+    "module",
+    ["consumer/_runner.py", "consumer/_runner_async.py", "consumer/_metrics.py", "cli/consume.py"],
 )
 def test_the_consumer_uses_the_adapters_not_the_drivers(module: str) -> None:
     drivers = {"confluent_kafka", "psycopg", "sqlalchemy", "redis"}
     assert not {name for name in imported(PACKAGE / module) if name.split(".")[0] in drivers}
 
 
-@pytest.mark.parametrize("module", ["consumer.py", "consumer_async.py"])
+@pytest.mark.parametrize("module", ["consumer/_runner.py", "consumer/_runner_async.py"])
 def test_the_runner_has_no_command_line(module: str) -> None:
     names = imported(PACKAGE / module)
     assert "argparse" not in names

@@ -187,7 +187,7 @@ def test_each_runner_takes_handlers_and_outboxes_of_its_flavour() -> None:
 
     from outbox import AsyncOutbox, Outbox
     from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, consume
-    from outbox.consumer_async import consume as consume_async, is_coroutine_handler
+    from outbox.consumer._runner_async import consume as consume_async, is_coroutine_handler
 
     def plain(uow: Any, message: Any) -> None:
         return None
@@ -237,8 +237,7 @@ def test_the_sync_module_offers_both_runners() -> None:
 
 def test_a_guarded_runner_runs_one_message_at_a_time_with_claim_handlers() -> None:
     from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, batch_handler
-    from outbox.guard import RedisGuard
-    from outbox.guard_async import AsyncRedisGuard
+    from outbox.guard import AsyncRedisGuard, RedisGuard
 
     settings: dict[str, Any] = {"topics": ["orders"], "group": "g", "bootstrap_servers": "k:1"}
     url = "redis://127.0.0.1:1/0"  # nothing connects

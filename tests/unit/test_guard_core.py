@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from outbox._core import guard as core
-from outbox._heartbeat import AsyncHeartbeat, Heartbeat
 from outbox.errors import (
     ConfigurationError,
     GuardUnavailable,
@@ -21,8 +20,8 @@ from outbox.errors import (
     OutboxError,
     PreviouslyFailed,
 )
-from outbox.guard import RedisGuard
-from outbox.guard_async import AsyncRedisGuard
+from outbox.guard import AsyncRedisGuard, RedisGuard
+from outbox.guard._heartbeat import AsyncHeartbeat, Heartbeat
 from tests.fixtures.guard import (
     bad_fingerprints,
     bad_keys,

@@ -22,8 +22,7 @@ from outbox import cli
 from outbox.cli import consume as consume_cli
 from outbox.consumer import AsyncConsumerRunner, ConsumerConfig, ConsumerRunner, batch_handler
 from outbox.errors import ConfigurationError, ValidationError
-from outbox.guard import RedisGuard
-from outbox.guard_async import AsyncRedisGuard
+from outbox.guard import AsyncRedisGuard, RedisGuard
 from tests.fixtures.hostile import (
     HOSTILE_STR_OR_NOT,
     HOSTILE_TEXT,

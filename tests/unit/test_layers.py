@@ -10,6 +10,9 @@ count as edges.
     _otel                    (_otel: opentelemetry, loaded only when importable)
     services                 uow, consumer, relay, admin, guard, ... (and the package facade)
     cli                      the commands, on top
+
+Among the services, the folders are ranked too (``SERVICE_RANK``): the consumer builds on units
+of work and the guard, neither of those on the consumer, and the relay on none of them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ CONFINED = {
     "opentelemetry": "outbox._otel",
 }
 MAX_LOCAL_IMPORTS = 3
+# The service folders: a folder imports only folders of a lower rank.
+SERVICE_RANK = {"uow": 0, "guard": 0, "relay": 0, "consumer": 1}
 
 
 def module_name(path: Path) -> str:
@@ -60,6 +65,12 @@ def layer(module: str) -> str:
     if second == "cli":
         return "cli"
     return "service"
+
+
+def service_folder(module: str) -> str | None:
+    """The service folder ``module`` is in (its package or a module inside), or None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in SERVICE_RANK else None
 
 
 @dataclass(frozen=True)
@@ -135,7 +146,10 @@ INTERNAL = [e for e in EDGES if e.target.startswith("outbox") and e.target in MO
 
 def test_the_graph_was_read() -> None:
     assert len(MODULES) > 30 and len(INTERNAL) > 60
-    assert any(e.source == "outbox.uow" and e.target == "outbox._pg.transaction" for e in INTERNAL)
+    assert any(
+        e.source == "outbox.uow._outbox" and e.target == "outbox._pg.transaction" for e in INTERNAL
+    )
+    assert {service_folder(m) for m in MODULES} >= set(SERVICE_RANK)
 
 
 def test_no_import_cycle() -> None:
@@ -171,6 +185,18 @@ def test_layers_point_one_way() -> None:
         f"{e.source} ({layer(e.source)}) imports {e.target} ({layer(e.target)}) at line {e.line}"
         for e in INTERNAL
         if BASE_RANK[layer(e.target)] > BASE_RANK[layer(e.source)]
+    ]
+    assert wrong == []
+
+
+def test_service_folders_point_one_way() -> None:
+    wrong = [
+        f"{e.source} imports {e.target} at line {e.line}"
+        for e in INTERNAL
+        if (source := service_folder(e.source)) is not None
+        and (target := service_folder(e.target)) is not None
+        and source != target
+        and SERVICE_RANK[target] >= SERVICE_RANK[source]
     ]
     assert wrong == []
 

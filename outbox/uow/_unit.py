@@ -1,14 +1,5 @@
-# generated from outbox/uow_unit_async.py by tools/async_to_sync.py; do not edit
-"""The unit of work a caller holds: its connection, session, result and buffered events.
-
-:class:`UnitOfWork` is what ``with outbox.unit_of_work(key) as uow`` gives: it buffers
-``publish()`` calls and the result, and hands out the transaction's connection and session. It
-does no I/O of its own; the sequences that begin, commit and abort it are in
-:mod:`outbox.uow` (a transaction of its own) and :mod:`outbox.uow_joined` (the
-caller's transaction).
-
-Written for asyncio; ``outbox/uow_unit.py`` is generated from it by ``tools/async_to_sync.py``.
-"""
+# generated from outbox/uow/_unit_async.py by tools/async_to_sync.py; do not edit
+"""Generated from ``outbox/uow/_unit_async.py`` by ``tools/async_to_sync.py``."""
 
 from __future__ import annotations
 

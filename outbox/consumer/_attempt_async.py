@@ -4,15 +4,15 @@
 of a micro-batch's savepoints) around the handler, has :func:`outbox._core.disposition.classify`
 decide what the attempt came to, and carries the verdict out: a replay, a retry after a backoff,
 a dead letter (confirmed by the broker before the message counts as finished). The runner
-(:mod:`outbox.consumer_async`) polls and commits offsets; the micro-batch rounds
-(:mod:`outbox.consumer_rounds_async`) decide which messages share a transaction; both hand each
+(:mod:`outbox.consumer._runner_async`) polls and commits offsets; the micro-batch rounds
+(:mod:`outbox.consumer._rounds_async`) decide which messages share a transaction; both hand each
 message to this.
 
 What does not depend on where the key's outcome is kept -- reading the key, one attempt around
 the handler, the verdict carried out, dead letters -- is :class:`AsyncVerdicts`, shared with the
-attempts under the Redis guard (:mod:`outbox.consumer_guarded_async`).
+attempts under the Redis guard (:mod:`outbox.consumer._guarded_async`).
 
-Written for asyncio; ``outbox/consumer_attempt.py`` is generated from it by
+Written for asyncio; ``outbox/consumer/_attempt.py`` is generated from it by
 ``tools/async_to_sync.py``.
 """
 
@@ -36,14 +36,14 @@ from outbox._kafka.serialization import Deserializer, decode
 from outbox._otel import spans
 from outbox._pg.errors import database_unavailable, transaction_conflict
 from outbox.errors import DeadLetterError, KeyInProgress, SerializationError
-from outbox.uow_batch_async import AsyncBatch, AsyncMessageBatch
+from outbox.uow._batch_async import AsyncBatch, AsyncMessageBatch
 
 if TYPE_CHECKING:
     from outbox._kafka.deadletter import AsyncDeadLetterProducer
     from outbox._redis.cache_async import AsyncOutcomeCache
     from outbox.config import ConsumerConfig
-    from outbox.consumer_metrics import ConsumerMetrics
-    from outbox.uow_async import AsyncOutbox, AsyncUnitOfWork
+    from outbox.consumer._metrics import ConsumerMetrics
+    from outbox.uow._outbox_async import AsyncOutbox, AsyncUnitOfWork
 
 log = logging.getLogger("outbox.consumer")
 
@@ -350,7 +350,7 @@ class AsyncVerdicts(ABC):
 
 
 class AsyncAttempts(AsyncVerdicts):
-    """Attempts at messages in units of work of an :class:`~outbox.uow_async.AsyncOutbox`: one
+    """Attempts at messages in units of work of an :class:`~outbox.uow.AsyncOutbox`: one
     of their own (:meth:`alone`), or one of a micro-batch's savepoints (:meth:`run`). ``rules``
     are :class:`AsyncVerdicts`' keywords (``key_func``, ``fingerprint_func``, ``beat``)."""
 

@@ -1,4 +1,3 @@
-# generated from outbox/uow_joined_async.py by tools/async_to_sync.py; do not edit
 """Units of work inside the caller's transaction (``session=`` / ``connection=``).
 
 A joined unit of work claims its key in a savepoint of the caller's transaction and writes its
@@ -14,8 +13,8 @@ work produced: it reads the key's row back on a connection of its own, in a new 
 caches the row only if PostgreSQL shows it committed. A commit that did not contain the row
 writes nothing (and a miss only costs the next attempt one claim in PostgreSQL).
 
-:class:`JoinedUnits` is a base of :class:`outbox.uow.Outbox`, which provides the
-attributes it declares. Written for asyncio; ``outbox/uow_joined.py`` is generated from it by
+:class:`AsyncJoinedUnits` is a base of :class:`outbox.uow.AsyncOutbox`, which provides the
+attributes it declares. Written for asyncio; ``outbox/uow/_joined.py`` is generated from it by
 ``tools/async_to_sync.py``.
 """
 
@@ -28,61 +27,60 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, Engine
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.failures import is_permanent
-from outbox._pg.after_commit import defer, holds, release, take
+from outbox._pg.after_commit import defer, holds, release, spawn, take
 from outbox._pg.errors import split_error, split_refused, unique_violation_of
 from outbox._pg.identity import identity_of
 from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
-from outbox._pg.transaction import cancel_key, check_caller, stop_abandoned
-from outbox._redis.cache import OutcomeCache
+from outbox._pg.transaction_async import cancel_key, check_caller, stop_abandoned
+from outbox._redis.cache_async import AsyncOutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
-from outbox.uow_unit import Joined, UnitOfWork, completion, end_joined
+from outbox.uow._unit_async import AsyncUnitOfWork, Joined, completion, end_joined
 
 log = logging.getLogger("outbox.uow")
 
 
-class JoinedUnits:
+class AsyncJoinedUnits:
     """The claim's cache read and replay, and the joined units of work's sequences."""
 
     config: OutboxConfig
-    engine: Engine
-    cache: OutcomeCache | None
-    _reader: Engine
+    engine: AsyncEngine
+    cache: AsyncOutcomeCache | None
+    _reader: AsyncEngine
     _identity: tuple[str, Any]
     _joined_sql: JoinedStatements
     _notify: Callable[[], None]
     _pooled: bool
 
-    def _cached(self, cache: OutcomeCache, scope: str, key: str) -> StoredOutcome | None:
+    async def _cached(self, cache: AsyncOutcomeCache, scope: str, key: str) -> StoredOutcome | None:
         """The outcome Redis holds for the key, if the cache can vouch for it."""
         if not cache.trusted and cache.available():
             # Once per process: the key of this database's entries (outbox._pg.identity).
             statement, params = self._identity
             try:
-                with self.engine.connect() as conn:
+                async with self.engine.connect() as conn:
                     generation = cache.generation
-                    result = conn.exec_driver_sql(statement, params)
+                    result = await conn.exec_driver_sql(statement, params)
                     identity = identity_of(result.first())
             except Exception as exc:  # the database decides without the cache
                 cache.untrusted(exc)
                 return None
             cache.trust(generation, *identity)
-        return cache.get(scope, key)
+        return await cache.get(scope, key)
 
     def _replay(
         self, scope: str, key: str, fingerprint: str | None, stored: StoredOutcome
-    ) -> UnitOfWork:
+    ) -> AsyncUnitOfWork:
         claim.verdict(scope, key, fingerprint, stored, acquired=False)  # raises unless REPLAY
         result = json.loads(stored.result_json) if stored.result_json is not None else None
-        return UnitOfWork(self, scope, key, fingerprint, None, replayed=True, result=result)
+        return AsyncUnitOfWork(self, scope, key, fingerprint, None, replayed=True, result=result)
 
-    def _replay_claimed(
+    async def _replay_claimed(
         self,
         scope: str,
         key: str,
@@ -93,7 +91,7 @@ class JoinedUnits:
         result_json: str | None,
         error: str | None,
         age: float | None,
-    ) -> UnitOfWork:
+    ) -> AsyncUnitOfWork:
         """The claim found the key decided or held elsewhere: raise what the verdict says, or
         replay the stored outcome (and warm the cache with it: an earlier transaction committed
         it)."""
@@ -105,20 +103,20 @@ class JoinedUnits:
         if cache is not None:
             ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
             if ttl is not None:
-                cache.put(scope, key, stored, ttl)
+                await cache.put(scope, key, stored, ttl)
         return self._replay(scope, key, fingerprint, stored)
 
-    def _begin_joined(
+    async def _begin_joined(
         self,
         key: str,
         scope: str,
         fingerprint: str | None,
-        session: Session | None,
-        connection: Connection | None,
-    ) -> UnitOfWork:
+        session: AsyncSession | None,
+        connection: AsyncConnection | None,
+    ) -> AsyncUnitOfWork:
         cache = self.cache
         if cache is not None:
-            cached = self._cached(cache, scope, key)
+            cached = await self._cached(cache, scope, key)
             if cached is not None:
                 return self._replay(scope, key, fingerprint, cached)
         # The claim runs in the savepoint: its advisory lock is released if the savepoint is
@@ -126,50 +124,54 @@ class JoinedUnits:
         # released (the body succeeded), to be held until the caller commits or rolls back.
         lock_id = claim.lock_id(scope, key)
         if self._pooled:
-            check_caller(session, connection)
+            await check_caller(session, connection)
         unit = secrets.token_hex(8)
         if session is not None:
-            savepoint: Any = session.begin_nested()
-            conn = session.connection()
+            savepoint: Any = await session.begin_nested()
+            conn = await session.connection()
         else:
             assert connection is not None
-            savepoint = connection.begin_nested()
+            savepoint = await connection.begin_nested()
             conn = connection
         try:
             # The key's lock is re-entrant within one server session: a unit of work for the
             # same key already open in this transaction would be let in and run the body twice.
             if holds(_sync(conn), lock_id):
-                held = conn.execute(self._joined_sql.idempotency_key_held, {"lock_id": lock_id})
+                held = await conn.execute(
+                    self._joined_sql.idempotency_key_held, {"lock_id": lock_id}
+                )
                 if held.scalar():
                     raise KeyInProgress(scope, key)
-            result = conn.execute(
+            result = await conn.execute(
                 self._joined_sql.idempotency_key_claim,
                 {"lock_id": lock_id, "scope": scope, "key": key, "unit": unit},
             )
             acquired, status, stored_fp, result_json, error, age = result.one()
         except BaseException:
-            savepoint.rollback()
+            await savepoint.rollback()
             raise
         if status is None and acquired:
             take(_sync(conn), lock_id)
             joined = Joined(conn, savepoint, session, server=cancel_key(_sync(conn)), unit=unit)
-            return UnitOfWork(self, scope, key, fingerprint, None, replayed=False, joined=joined)
-        savepoint.rollback()  # nothing was written
+            return AsyncUnitOfWork(
+                self, scope, key, fingerprint, None, replayed=False, joined=joined
+            )
+        await savepoint.rollback()  # nothing was written
         row = (status, stored_fp, result_json, error, age)
-        return self._replay_claimed(scope, key, fingerprint, acquired, *row)
+        return await self._replay_claimed(scope, key, fingerprint, acquired, *row)
 
     def _after_commit(self, scope: str, key: str, wake: bool) -> Callable[[], None]:
         cache = self.cache
 
         def run() -> None:
             if cache is not None:
-                self._learn_committed(cache, scope, key)
+                spawn(self._learn_committed(cache, scope, key))
             if wake:
                 self._notify()
 
         return run
 
-    def _learn_committed(self, cache: OutcomeCache, scope: str, key: str) -> None:
+    async def _learn_committed(self, cache: AsyncOutcomeCache, scope: str, key: str) -> None:
         """Cache the key's outcome if -- and only as -- PostgreSQL committed it.
 
         Runs after a commit of the caller, on a connection of the toolkit's own: a statement
@@ -178,8 +180,8 @@ class JoinedUnits:
         means the commit did not contain it. Nothing is written then.
         """
         try:
-            with self._reader.connect() as conn:
-                result = conn.execute(
+            async with self._reader.connect() as conn:
+                result = await conn.execute(
                     self._joined_sql.idempotency_key_read, {"scope": scope, "key": key}
                 )
                 row = result.first()
@@ -192,26 +194,26 @@ class JoinedUnits:
         ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
         if ttl is not None:
             exact = results.from_database(result_json)  # the result's exact JSON text
-            cache.put(scope, key, StoredOutcome(status, stored_fp, exact, error), ttl)
+            await cache.put(scope, key, StoredOutcome(status, stored_fp, exact, error), ttl)
 
     def _defer(self, joined: Joined, callback: Callable[[], None]) -> None:
         if joined.session is not None:
-            defer(joined.session, callback)
+            defer(joined.session.sync_session, callback)
         else:
-            sync_connection = joined.connection
+            sync_connection = joined.connection.sync_connection
             assert sync_connection is not None
             defer(sync_connection, callback)
 
-    def _commit_joined(self, uow: UnitOfWork, joined: Joined) -> None:
+    async def _commit_joined(self, uow: AsyncUnitOfWork, joined: Joined) -> None:
         events = uow._events
         try:
             if joined.session is not None:
-                joined.session.flush()
-            _result_json, params, _size, locks = completion(uow, self.config.schema)
+                await joined.session.flush()
+            _result_json, params, _size, locks = await completion(uow, self.config.schema)
             params["unit"] = joined.unit
             statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
-            joined.connection.execute(statement, params)
-            joined.savepoint.commit()
+            await joined.connection.execute(statement, params)
+            await joined.savepoint.commit()
         except BaseException as exc:
             if joined.server is not None and not isinstance(exc, Exception):
                 # Interrupted, maybe while the final statement waited on an order lock: the
@@ -220,19 +222,19 @@ class JoinedUnits:
             if split_refused(exc):
                 # The savepoint went with the lost transaction: rolling back to it fails too.
                 with contextlib.suppress(Exception):
-                    end_joined(uow, joined, rollback=True)
+                    await end_joined(uow, joined, rollback=True)
                 raise split_error() from exc
-            end_joined(uow, joined, rollback=True)
+            await end_joined(uow, joined, rollback=True)
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc
             raise
-        end_joined(uow, joined, rollback=False)
+        await end_joined(uow, joined, rollback=False)
         self._defer(joined, self._after_commit(uow.scope, uow.key, bool(events)))
 
-    def _abort_joined(self, uow: UnitOfWork, joined: Joined, exc: BaseException) -> None:
+    async def _abort_joined(self, uow: AsyncUnitOfWork, joined: Joined, exc: BaseException) -> None:
         # Roll back to the savepoint: the body's writes go, the caller's other writes stay,
         # and so does the key's lock.
-        end_joined(uow, joined, rollback=True)
+        await end_joined(uow, joined, rollback=True)
         lock_id = claim.lock_id(uow.scope, uow.key)
         release(_sync(joined.connection), lock_id)
         permanent = is_permanent(exc, self.config.permanent_errors)
@@ -242,7 +244,7 @@ class JoinedUnits:
         # The savepoint's rollback released the key's lock: take it again in the caller's
         # transaction, never waiting. Another attempt that took it in between decides the
         # outcome instead (as in an owned unit of work).
-        result = joined.connection.execute(
+        result = await joined.connection.execute(
             self._joined_sql.idempotency_key_relock, {"lock_id": lock_id}
         )
         if not result.scalar():
@@ -254,7 +256,7 @@ class JoinedUnits:
             )
             return
         take(_sync(joined.connection), lock_id)
-        recorded = joined.connection.execute(
+        recorded = await joined.connection.execute(
             self._joined_sql.idempotency_key_fail,
             {"scope": uow.scope, "key": uow.key, "fingerprint": uow.fingerprint, "error": error},
         )
@@ -262,25 +264,25 @@ class JoinedUnits:
             self._defer(joined, self._after_commit(uow.scope, uow.key, False))
 
 
-def _sync(connection: Connection) -> Any:
+def _sync(connection: AsyncConnection) -> Any:
     """The SQLAlchemy connection whose ``info`` follows the caller's transaction."""
-    return connection
+    return connection.sync_connection
 
 
 def check_joinable(session: object, connection: object, *, required: bool = False) -> None:
     if session is not None and connection is not None:
         raise ConfigurationError("pass either session= or connection=, not both")
-    if session is not None and not isinstance(session, Session):
+    if session is not None and not isinstance(session, AsyncSession):
         raise ConfigurationError(
-            f"session= must be a SQLAlchemy {Session.__name__} for this outbox's flavour, "
+            f"session= must be a SQLAlchemy {AsyncSession.__name__} for this outbox's flavour, "
             f"got {type(session).__name__}"
         )
-    if connection is not None and not isinstance(connection, Connection):
+    if connection is not None and not isinstance(connection, AsyncConnection):
         raise ConfigurationError(
-            f"connection= must be a SQLAlchemy {Connection.__name__} for this outbox's "
+            f"connection= must be a SQLAlchemy {AsyncConnection.__name__} for this outbox's "
             f"flavour, got {type(connection).__name__}"
         )
     if required and session is None and connection is None:
         raise ConfigurationError(
-            f"publish() needs the caller's {Session.__name__} or {Connection.__name__}"
+            f"publish() needs the caller's {AsyncSession.__name__} or {AsyncConnection.__name__}"
         )

@@ -1,21 +1,5 @@
-# generated from outbox/consumer_attempt_async.py by tools/async_to_sync.py; do not edit
-"""One attempt at a consumed message, and carrying out what it came to.
-
-:class:`Attempts` reads a message's idempotency key, runs its unit of work (its own, or one
-of a micro-batch's savepoints) around the handler, has :func:`outbox._core.disposition.classify`
-decide what the attempt came to, and carries the verdict out: a replay, a retry after a backoff,
-a dead letter (confirmed by the broker before the message counts as finished). The runner
-(:mod:`outbox.consumer_async`) polls and commits offsets; the micro-batch rounds
-(:mod:`outbox.consumer_rounds`) decide which messages share a transaction; both hand each
-message to this.
-
-What does not depend on where the key's outcome is kept -- reading the key, one attempt around
-the handler, the verdict carried out, dead letters -- is :class:`Verdicts`, shared with the
-attempts under the Redis guard (:mod:`outbox.consumer_guarded`).
-
-Written for asyncio; ``outbox/consumer_attempt.py`` is generated from it by
-``tools/async_to_sync.py``.
-"""
+# generated from outbox/consumer/_attempt_async.py by tools/async_to_sync.py; do not edit
+"""Generated from ``outbox/consumer/_attempt_async.py`` by ``tools/async_to_sync.py``."""
 
 from __future__ import annotations
 
@@ -37,14 +21,14 @@ from outbox._kafka.serialization import Deserializer, decode
 from outbox._otel import spans
 from outbox._pg.errors import database_unavailable, transaction_conflict
 from outbox.errors import DeadLetterError, KeyInProgress, SerializationError
-from outbox.uow_batch import Batch, MessageBatch
+from outbox.uow._batch import Batch, MessageBatch
 
 if TYPE_CHECKING:
     from outbox._kafka.deadletter import DeadLetterProducer
     from outbox._redis.cache import OutcomeCache
     from outbox.config import ConsumerConfig
-    from outbox.consumer_metrics import ConsumerMetrics
-    from outbox.uow import Outbox, UnitOfWork
+    from outbox.consumer._metrics import ConsumerMetrics
+    from outbox.uow._outbox import Outbox, UnitOfWork
 
 log = logging.getLogger("outbox.consumer")
 

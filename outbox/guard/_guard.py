@@ -1,25 +1,5 @@
-# generated from outbox/guard_async.py by tools/async_to_sync.py; do not edit
-"""The Redis idempotency guard, for effects outside PostgreSQL, on redis clients.
-
-For a body whose effects are not rows in PostgreSQL -- a payment provider's API, an e-mail --
-the unit of work cannot make them atomic with the key. The guard keeps the key's state in Redis
-instead: a claim holds the key for a *lease*, the outcome is stored when the body ends, and a
-duplicate gets the stored result without running anything::
-
-    guard = RedisGuard("redis://cache:6379/0", lease=30)
-
-    with guard.claim(request_id, scope="payments") as claim:
-        if claim.replayed:
-            return claim.result
-        receipt = provider.charge(amount, idempotency_key=request_id)
-        ledger.record(request_id, receipt.id, fence=claim.fence)
-        claim.result = {"receipt": receipt.id}
-
-This is a weaker mode than the unit of work: a lease is a clock, and an owner paused longer
-than its lease can still act after another owner took over. ``claim.fence`` grows with every
-owner of a key, so downstream systems (the ledger above) can refuse a stale one.
-``docs/guard.md`` says when to use which, and what a lease cannot promise.
-"""
+# generated from outbox/guard/_guard_async.py by tools/async_to_sync.py; do not edit
+"""Generated from ``outbox/guard/_guard_async.py`` by ``tools/async_to_sync.py``."""
 
 from __future__ import annotations
 
@@ -32,7 +12,6 @@ from typing import Any, TypeVar
 
 from outbox._core import guard as core, validate as _validate
 from outbox._core.failures import is_permanent
-from outbox._heartbeat import Heartbeat
 from outbox._redis import guard as rg
 from outbox.config import DEFAULT_SCOPE
 from outbox.errors import (
@@ -41,6 +20,7 @@ from outbox.errors import (
     LeaseLost,
     ReplayedWriteError,
 )
+from outbox.guard._heartbeat import Heartbeat
 
 __all__ = ["Claim", "RedisGuard"]
 

@@ -1,27 +1,5 @@
-# generated from outbox/uow_async.py by tools/async_to_sync.py; do not edit
-"""The unit of work: business rows, the idempotency key and outbox rows in one transaction.
-
-::
-
-    with ob.unit_of_work("order-42", scope="payments") as uow:
-        if uow.replayed:
-            return uow.result
-        uow.session.add(Order(...))
-        uow.publish("orders.created", {"id": 42}, key="42")
-        uow.result = {"order_id": 42}
-
-How a key is claimed: the first statement tries a transaction-scoped advisory lock derived from
-``(scope, key)`` (``pg_try_advisory_xact_lock``, which never waits) and reads any committed outcome
-in the same round trip. Holding that lock is the claim: a concurrent attempt fails at once with
-:class:`~outbox.errors.KeyInProgress`, also when both attempts see the key for the first time,
-and a crashed attempt's lock vanishes with its connection. The key row itself is inserted in
-its final state at the end, in the same statement as the outbox rows, so PostgreSQL never
-holds a row in a "started" state that another writer would have to wait for.
-
-This asyncio module is the source of both flavours: ``uow.py`` (``Outbox``, ``UnitOfWork``) is
-generated from it by ``tools/async_to_sync.py``, so each I/O sequence is written once. The
-decisions (the claim's verdict, permanence, event encoding) live in :mod:`outbox._core`.
-"""
+# generated from outbox/uow/_outbox_async.py by tools/async_to_sync.py; do not edit
+"""Generated from ``outbox/uow/_outbox_async.py`` by ``tools/async_to_sync.py``."""
 
 from __future__ import annotations
 
@@ -60,8 +38,8 @@ from outbox.config import DEFAULT_SCOPE, OutboxConfig
 from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError, KeyInProgress
 from outbox.payloads import CloudEvent, Serializer, encode_publish
-from outbox.uow_joined import JoinedUnits, check_joinable
-from outbox.uow_unit import UnitOfWork, close_unit, completion
+from outbox.uow._joined import JoinedUnits, check_joinable
+from outbox.uow._unit import UnitOfWork, close_unit, completion
 
 __all__ = ["Outbox", "UnitOfWork"]
 

@@ -1,11 +1,11 @@
-"""One attempt at a consumed message under the Redis guard (:mod:`outbox.guard_async`).
+"""One attempt at a consumed message under the Redis guard (:mod:`outbox.guard`).
 
 For handlers whose effects are not in PostgreSQL, the runner can hold each message's key with an
-:class:`~outbox.guard_async.AsyncRedisGuard` instead of a unit of work: the handler runs as
+:class:`~outbox.guard.AsyncRedisGuard` instead of a unit of work: the handler runs as
 ``handler(claim, message)`` inside ``guard.claim(key, scope=<the runner's scope>,
 fingerprint=...)``, and its return value is stored as the claim's result. Everything else -- the
 key rules, the verdict of :func:`outbox._core.disposition.classify`, retries and dead letters --
-is the unit of work's (:class:`outbox.consumer_attempt_async.AsyncVerdicts`):
+is the unit of work's (:class:`outbox.consumer._attempt_async.AsyncVerdicts`):
 
 * the claim is entered: ``replayed`` -- the handler is not called, the message is finished;
 * the handler returns: the guard stores the result (COMPLETED) when the claim ends, and only
@@ -23,7 +23,7 @@ is the unit of work's (:class:`outbox.consumer_attempt_async.AsyncVerdicts`):
 
 There is no transaction to share, so a guarded runner handles one message at a time
 (``batch_size=1``) and takes no batch handler. Written for asyncio;
-``outbox/consumer_guarded.py`` is generated from it by ``tools/async_to_sync.py``.
+``outbox/consumer/_guarded.py`` is generated from it by ``tools/async_to_sync.py``.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from typing import TYPE_CHECKING, Any
 from outbox._core.disposition import Outcome
 from outbox._core.offsets import Tries
 from outbox._kafka.consumer import Message
-from outbox.consumer_attempt_async import AsyncVerdicts
+from outbox.consumer._attempt_async import AsyncVerdicts
 
 if TYPE_CHECKING:
     from outbox.config import ConsumerConfig
-    from outbox.consumer_metrics import ConsumerMetrics
-    from outbox.guard_async import AsyncRedisGuard
+    from outbox.consumer._metrics import ConsumerMetrics
+    from outbox.guard._guard_async import AsyncRedisGuard
 
 
 class AsyncGuardedAttempts(AsyncVerdicts):
     """Attempts at messages, each under a claim of the runner's
-    :class:`~outbox.guard_async.AsyncRedisGuard`. ``rules`` are :class:`AsyncVerdicts`'
+    :class:`~outbox.guard.AsyncRedisGuard`. ``rules`` are :class:`AsyncVerdicts`'
     keywords (``key_func``, ``fingerprint_func``, ``beat``)."""
 
     def __init__(

@@ -3,10 +3,10 @@
 :class:`AsyncUnitOfWork` is what ``async with outbox.unit_of_work(key) as uow`` gives: it buffers
 ``publish()`` calls and the result, and hands out the transaction's connection and session. It
 does no I/O of its own; the sequences that begin, commit and abort it are in
-:mod:`outbox.uow_async` (a transaction of its own) and :mod:`outbox.uow_joined_async` (the
+:mod:`outbox.uow._outbox_async` (a transaction of its own) and :mod:`outbox.uow._joined_async` (the
 caller's transaction).
 
-Written for asyncio; ``outbox/uow_unit.py`` is generated from it by ``tools/async_to_sync.py``.
+Written for asyncio; ``outbox/uow/_unit.py`` is generated from it by ``tools/async_to_sync.py``.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ from outbox._pg.wakeup import Listener
 from outbox.config import RelayConfig as RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError, PublishError
 from outbox.metrics import RelayMetrics
-from outbox.relay_lanes import LaneOwnership
+from outbox.relay._lanes import LaneOwnership
 
 log = logging.getLogger("outbox.relay")
 

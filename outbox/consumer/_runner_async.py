@@ -1,4 +1,3 @@
-# generated from outbox/consumer_async.py by tools/async_to_sync.py; do not edit
 """Idempotent Kafka consumer runner: exactly-once effects from at-least-once delivery.
 
 Each message is run through ``unit_of_work(key, scope=<group>)`` keyed by its
@@ -6,42 +5,41 @@ Each message is run through ``unit_of_work(key, scope=<group>)`` keyed by its
 replayed a stored result, or the message was dead-lettered (and the broker confirmed the dead
 letter). Redelivery after a crash or a rebalance is absorbed by the idempotency key::
 
-    from outbox import Outbox
-    from outbox.consumer import ConsumerRunner
+    from outbox import AsyncOutbox
+    from outbox.consumer import AsyncConsumerRunner
 
-    def handle(uow, message):
+    async def handle(uow, message):
         order = json.loads(message.value())
         uow.session.add(Order(id=order["id"]))
         uow.publish("order.accepted", {"id": order["id"]}, key=str(order["id"]))
         return {"accepted": order["id"]}          # stored, replayed to duplicates
 
-    runner = ConsumerRunner(
-        Outbox(url), handle, topics=["orders"], group="billing",
+    runner = AsyncConsumerRunner(
+        AsyncOutbox(url), handle, topics=["orders"], group="billing",
         bootstrap_servers="kafka:9092",
     )
-    runner.run()        # returns after runner.stop() (e.g. from a signal handler)
+    await runner.run()        # returns after runner.stop() (e.g. from a signal handler)
 
 or ``outbox consume app:handle --topic orders --group billing``. The delivery semantics
 (offsets, retries, dead letters, rebalances) are described in ``docs/consumer.md``.
 
 For handlers whose effects are not in PostgreSQL, the runner takes an
-:class:`~outbox.guard.RedisGuard` instead of the outbox: each message's handler then
+:class:`~outbox.guard.AsyncRedisGuard` instead of the outbox: each message's handler then
 runs as ``handler(claim, message)`` under ``guard.claim(key, scope=<group>)``, one message at
 a time, and the offset moves once the guard stored the outcome in Redis
-(:mod:`outbox.consumer_guarded`; ``docs/guard.md``, "A guarded consumer").
+(:mod:`outbox.consumer._guarded_async`; ``docs/guard.md``, "A guarded consumer").
 
 This module is the loop: poll, hand the received messages to the micro-batch rounds
-(:mod:`outbox.consumer_rounds`), which hand each message to an attempt
-(:mod:`outbox.consumer_attempt`: unit of work, :func:`outbox._core.disposition.classify`,
-the verdict carried out; or :mod:`outbox.consumer_guarded` under the guard), and commit
+(:mod:`outbox.consumer._rounds_async`), which hand each message to an attempt
+(:mod:`outbox.consumer._attempt_async`: unit of work, :func:`outbox._core.disposition.classify`,
+the verdict carried out; or :mod:`outbox.consumer._guarded_async` under the guard), and commit
 offsets behind finished messages. The Kafka clients are in
 :mod:`outbox._kafka`, the dead-letter format in :mod:`outbox._core.deadletter`.
 
-Both flavours come from one source: ``outbox/consumer_async.py`` (asyncio) is written by hand and
-``outbox/consumer.py`` (sync, which offers the asyncio runner too) is generated from it by
-``tools/async_to_sync.py``, so the loop exists once. In the asyncio flavour the Kafka clients'
-blocking calls are awaited and run on each client's own thread; in the sync one they are plain
-calls.
+Both flavours come from one source: this module (asyncio) is written by hand and ``_runner.py``
+(sync) is generated from it by ``tools/async_to_sync.py``, so the loop exists once. In the
+asyncio flavour the Kafka clients' blocking calls are awaited and run on each client's own
+thread; in the sync one they are plain calls.
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from outbox._core.deadletter import DeadLetterInfo, Reason
@@ -61,10 +59,10 @@ from outbox._core.offsets import TP, Assignment
 from outbox._core.retry import backoff_delay
 from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
-from outbox._kafka.consumer import Committed, KafkaConsumer, Message, coordinates, header_key
-from outbox._kafka.deadletter import DeadLetterProducer
+from outbox._kafka.consumer import AsyncKafkaConsumer, Committed, Message, coordinates, header_key
+from outbox._kafka.deadletter import AsyncDeadLetterProducer
 from outbox._kafka.serialization import Deserializer
-from outbox._pg.engines import database_answers, readiness_engine
+from outbox._pg.engines import database_answers_async, readiness_engine
 from outbox._pg.errors import database_unavailable
 from outbox.config import (
     ENV_CONSUMER_GROUP as ENV_GROUP,
@@ -72,42 +70,40 @@ from outbox.config import (
     ENV_KAFKA_CONFIG as ENV_KAFKA_CONFIG,
     ConsumerConfig,
 )
-from outbox.consumer_async import AsyncConsumerRunner as AsyncConsumerRunner
-from outbox.consumer_attempt import (
+from outbox.consumer._attempt_async import (
     BATCH_HANDLER,
-    Attempts,
+    AsyncAttempts,
+    AsyncVerdicts,
     FingerprintFunc,
     KeyFunc,
-    Verdicts,
     batch_handler,
 )
-from outbox.consumer_guarded import GuardedAttempts
-from outbox.consumer_metrics import ConsumerMetrics, default_max_silence, serve_metrics
-from outbox.consumer_rounds import Rounds
+from outbox.consumer._guarded_async import AsyncGuardedAttempts
+from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
+from outbox.consumer._rounds_async import AsyncRounds
 from outbox.errors import ConfigurationError, ConsumerError
-from outbox.guard import Claim, RedisGuard
-from outbox.uow import Outbox
-from outbox.uow_batch import MessageBatch
+from outbox.guard._guard_async import AsyncClaim, AsyncRedisGuard
+from outbox.uow._batch_async import AsyncMessageBatch
+from outbox.uow._outbox_async import AsyncOutbox
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from outbox.uow import UnitOfWork
+    from outbox.uow._outbox_async import AsyncUnitOfWork
 
 __all__ = [
     "ENV_GROUP",
     "ENV_KAFKA_CONFIG",
     "ENV_METRICS_PORT",
     "AsyncConsumerRunner",
+    "AsyncGuardedHandler",
+    "AsyncHandler",
+    "AsyncMessageBatch",
     "ConsumerConfig",
     "ConsumerError",
-    "ConsumerRunner",
     "DeadLetterInfo",
     "FingerprintFunc",
-    "GuardedHandler",
-    "Handler",
     "KeyFunc",
-    "MessageBatch",
     "Outcome",
     "Reason",
     "backoff_delay",
@@ -126,31 +122,31 @@ log = logging.getLogger("outbox.consumer")
 READY_CHECK_INTERVAL = 5.0
 READY_CHECK_TIMEOUT = 2.0
 
-_ASYNC = False
+_ASYNC = True
 
-Handler = Callable[["UnitOfWork", Message], Any]
-"""``def handler(uow, message) -> result``: apply one message inside its unit of work.
+AsyncHandler = Callable[["AsyncUnitOfWork", Message], Awaitable[Any]]
+"""``async def handler(uow, message) -> result``: apply one message inside its unit of work.
 
 The return value must be JSON-serializable; it is stored with the key and replayed to
 duplicates (the handler is not called for them).
 """
-GuardedHandler = Callable[[Claim, Message], Any]
-"""``def handler(claim, message) -> result``: apply one message under its guard's claim
-(a runner given an :class:`~outbox.guard.RedisGuard`). The return value must be
+AsyncGuardedHandler = Callable[[AsyncClaim, Message], Awaitable[Any]]
+"""``async def handler(claim, message) -> result``: apply one message under its guard's claim
+(a runner given an :class:`~outbox.guard.AsyncRedisGuard`). The return value must be
 JSON-serializable; it is stored as the claim's result and replayed to duplicates.
 """
 
 
-class ConsumerRunner:
+class AsyncConsumerRunner:
     """Feeds Kafka messages through units of work and commits offsets behind them.
 
-    ``outbox`` is an :class:`~outbox.uow.Outbox`, or an
-    :class:`~outbox.guard.RedisGuard` for handlers whose effects are not in
+    ``outbox`` is an :class:`~outbox.uow.AsyncOutbox`, or an
+    :class:`~outbox.guard.AsyncRedisGuard` for handlers whose effects are not in
     PostgreSQL: the handler is then ``handler(claim, message)``, each message runs under a claim
     of its key, one at a time (``batch_size`` must be 1, its default there), and no batch
     handler is taken.
 
-    ``ConsumerRunner(outbox, handler, topics=[...], group="billing",
+    ``AsyncConsumerRunner(outbox, handler, topics=[...], group="billing",
     bootstrap_servers=..., kafka_config={...}, key_header=..., max_attempts=5,
     dlq_topic_suffix=".dlq", ...)`` takes the fields of :class:`ConsumerConfig` as keywords (or a
     ready ``config=``). ``key_func`` replaces the header lookup; ``fingerprint_func`` is the
@@ -171,8 +167,8 @@ class ConsumerRunner:
 
     def __init__(
         self,
-        outbox: Outbox | RedisGuard,
-        handler: Handler | GuardedHandler,
+        outbox: AsyncOutbox | AsyncRedisGuard,
+        handler: AsyncHandler | AsyncGuardedHandler,
         config: ConsumerConfig | None = None,
         *,
         key_func: KeyFunc | None = None,
@@ -182,12 +178,12 @@ class ConsumerRunner:
         value_deserializer: Deserializer | None = None,
         **settings: Any,
     ) -> None:
-        guarded = isinstance(outbox, RedisGuard)
-        if not guarded and not isinstance(outbox, Outbox):
+        guarded = isinstance(outbox, AsyncRedisGuard)
+        if not guarded and not isinstance(outbox, AsyncOutbox):
             raise ConfigurationError(
                 f"{type(self).__name__} needs an outbox of its flavour "
-                f"({'asyncio' if _ASYNC else 'sync'}): an {Outbox.__name__} or an "
-                f"{RedisGuard.__name__}, got {type(outbox).__name__}"
+                f"({'asyncio' if _ASYNC else 'sync'}): an {AsyncOutbox.__name__} or an "
+                f"{AsyncRedisGuard.__name__}, got {type(outbox).__name__}"
             )
         if config is None:
             if guarded:
@@ -206,14 +202,14 @@ class ConsumerRunner:
                 "functions, the asyncio runner coroutine functions"
             )
         self.config = config.validate()
-        self.outbox: Outbox | None = None
-        self.guard: RedisGuard | None = None
+        self.outbox: AsyncOutbox | None = None
+        self.guard: AsyncRedisGuard | None = None
         self._scope = self.config.effective_scope
         self.metrics_registry = metrics_registry
         self._metrics = ConsumerMetrics.for_registry(metrics_registry)
         self._stopping = threading.Event()
         self._partitions: Assignment[Message] = Assignment()
-        self._consumer: KafkaConsumer | None = None
+        self._consumer: AsyncKafkaConsumer | None = None
         self._last_commit = 0.0
         self._fatal: str | None = None
         self._running = threading.Lock()
@@ -223,7 +219,7 @@ class ConsumerRunner:
         self._broker_up = False
         self._database_up = False
         self._next_check = 0.0
-        self._attempts: Verdicts
+        self._attempts: AsyncVerdicts
         for name, given in (
             ("key_deserializer", key_deserializer),
             ("value_deserializer", value_deserializer),
@@ -239,14 +235,16 @@ class ConsumerRunner:
             "key_deserializer": key_deserializer,
             "value_deserializer": value_deserializer,
         }
-        if isinstance(outbox, RedisGuard):
+        if isinstance(outbox, AsyncRedisGuard):
             _check_guarded(self.config, handler)
             self.guard = outbox
-            self._attempts = GuardedAttempts(outbox, handler, self.config, self._metrics, **rules)
+            self._attempts = AsyncGuardedAttempts(
+                outbox, handler, self.config, self._metrics, **rules
+            )
         else:
             self.outbox = outbox
-            self._attempts = Attempts(outbox, handler, self.config, self._metrics, **rules)
-        self._rounds = Rounds(
+            self._attempts = AsyncAttempts(outbox, handler, self.config, self._metrics, **rules)
+        self._rounds = AsyncRounds(
             self._attempts,
             self.config,
             self._partitions,
@@ -261,7 +259,7 @@ class ConsumerRunner:
 
     # -- public --------------------------------------------------------------------------------
 
-    def run(self) -> None:
+    async def run(self) -> None:
         """Consume until :meth:`stop`; then commit finished offsets and leave the group.
 
         A runner runs once: a :meth:`stop` that comes before :meth:`run` makes it return at once.
@@ -272,12 +270,12 @@ class ConsumerRunner:
             raise ConfigurationError("this ConsumerRunner is already running")
         try:
             bootstrap = self.config.effective_bootstrap
-            self._consumer = KafkaConsumer(
+            self._consumer = AsyncKafkaConsumer(
                 consumer_config(bootstrap, self.config.group, self.config.kafka_config),
                 on_error=self._on_client_error,
                 on_commit=self._on_commit,
             )
-            self._attempts.dlq = DeadLetterProducer(
+            self._attempts.dlq = AsyncDeadLetterProducer(
                 producer_config(bootstrap, self.config.kafka_config, purpose="dead-letter"),
                 group=self.config.group,
                 suffix=self.config.dlq_topic_suffix,
@@ -299,20 +297,20 @@ class ConsumerRunner:
             )
             while not self._stopping.is_set():
                 self._heartbeat = time.monotonic()
-                self._check_if_due()
+                await self._check_if_due()
                 timeout = self._poll_timeout()
-                received = self._consumer.consume(
+                received = await self._consumer.consume(
                     self.config.batch_size, timeout, self.config.batch_wait
                 )
                 for message in received:
                     self._accept(message)
-                self._work()
-                self._commit_if_due()
+                await self._work()
+                await self._commit_if_due()
         finally:
             self._heartbeat = None
             self._broker_up = self._database_up = False
             try:
-                self._shutdown()
+                await self._shutdown()
             finally:
                 self._running.release()
         if self._fatal is not None:
@@ -351,7 +349,7 @@ class ConsumerRunner:
     def _beat(self) -> None:
         self._heartbeat = time.monotonic()
 
-    def _check_if_due(self) -> None:
+    async def _check_if_due(self) -> None:
         """Readiness checks, on the loop (so a wedged loop is never ready): a metadata request
         to the broker and ``SELECT 1`` on the outbox's database, each bounded by
         ``READY_CHECK_TIMEOUT`` (the database by its connect timeout). The database is checked
@@ -361,10 +359,10 @@ class ConsumerRunner:
         if now < self._next_check or self._consumer is None:
             return
         self._next_check = now + READY_CHECK_INTERVAL
-        broker = self._consumer.check(READY_CHECK_TIMEOUT)
+        broker = await self._consumer.check(READY_CHECK_TIMEOUT)
         database = True
         if self._ready_engine is not None:
-            database = database_answers(self._ready_engine)
+            database = await database_answers_async(self._ready_engine)
         if (broker, database) != (self._broker_up, self._database_up):
             log.log(
                 logging.INFO if broker and database else logging.WARNING,
@@ -427,7 +425,7 @@ class ConsumerRunner:
                 continue
             self._partitions.confirm((topic, partition), offset)
 
-    def _commit(self, sync: bool, only: list[TP] | None = None) -> None:
+    async def _commit(self, sync: bool, only: list[TP] | None = None) -> None:
         consumer = self._consumer
         if consumer is None:
             return
@@ -436,16 +434,16 @@ class ConsumerRunner:
         if not offsets:
             return
         try:
-            committed = consumer.commit(offsets, sync=sync)
+            committed = await consumer.commit(offsets, sync=sync)
         except ConsumerError as exc:
             log.warning("offset commit of %s failed: %s", _describe(offsets), exc)
             return
         if sync:
             self._on_commit(None, committed)
 
-    def _commit_if_due(self) -> None:
+    async def _commit_if_due(self) -> None:
         if time.monotonic() - self._last_commit >= self.config.commit_interval:
-            self._commit(sync=False)
+            await self._commit(sync=False)
             self._report_lag()
 
     def _report_lag(self) -> None:
@@ -471,9 +469,9 @@ class ConsumerRunner:
         state.backlog.append(message)
         self._metrics.received(self.config.group, topic)
 
-    # -- the work (outbox.consumer_rounds) -------------------------------------------------
+    # -- the work (outbox.consumer._rounds_async) -------------------------------------------------
 
-    def _work(self) -> None:
+    async def _work(self) -> None:
         """Work through what was received, a micro-batch at a time, until every partition's
         backlog is empty or waiting for a retry."""
         consumer = self._consumer
@@ -482,13 +480,13 @@ class ConsumerRunner:
             plan = self._partitions.take(self.config.batch_size, time.monotonic())
             if not plan:
                 break
-            rnd = self._rounds.round(plan)
+            rnd = await self._rounds.round(plan)
             if rnd.dead_lettered:
                 # Shrinks the window in which a crash would dead-letter a message again.
-                self._commit(sync=True, only=sorted(rnd.dead_lettered))
+                await self._commit(sync=True, only=sorted(rnd.dead_lettered))
             if not rnd.moved:
                 break
-            self._commit_if_due()
+            await self._commit_if_due()
         now = time.monotonic()
         for key, state in self._partitions.items():
             if not state.backlog:
@@ -497,45 +495,45 @@ class ConsumerRunner:
                 # Its partition waits; the backlog keeps what was received after the head.
                 consumer.pause(key)
 
-    def _shutdown(self) -> None:
+    async def _shutdown(self) -> None:
         consumer = self._consumer
         if consumer is not None:
             try:
-                self._commit(sync=True)
+                await self._commit(sync=True)
             finally:
                 try:
-                    consumer.close()  # leaves the group: partitions move on at once
+                    await consumer.close()  # leaves the group: partitions move on at once
                 except ConsumerError as exc:
                     log.warning("closing the Kafka consumer failed: %s", exc)
                 self._consumer = None
         if self._attempts.dlq is not None:
-            self._attempts.dlq.close()
+            await self._attempts.dlq.close()
             self._attempts.dlq = None
         if self._ready_engine is not None:
-            self._ready_engine.dispose()
+            await self._ready_engine.dispose()
         self._partitions.clear()
         log.info("consumer of group %r stopped", self.config.group)
 
 
-def consume(
-    outbox: Outbox | RedisGuard,
-    handler: Handler | GuardedHandler,
+async def consume(
+    outbox: AsyncOutbox | AsyncRedisGuard,
+    handler: AsyncHandler | AsyncGuardedHandler,
     *,
     install_signal_handlers: bool = True,
     **settings: Any,
 ) -> None:
-    """Run :class:`ConsumerRunner` until SIGTERM or SIGINT (the simple form).
+    """Run :class:`AsyncConsumerRunner` until SIGTERM or SIGINT (the simple form).
 
-    ``outbox`` is an :class:`~outbox.uow.Outbox` or an
-    :class:`~outbox.guard.RedisGuard` (see :class:`ConsumerRunner`).
-    ``settings`` are the :class:`ConsumerRunner` keywords (``topics``, ``group``,
+    ``outbox`` is an :class:`~outbox.uow.AsyncOutbox` or an
+    :class:`~outbox.guard.AsyncRedisGuard` (see :class:`AsyncConsumerRunner`).
+    ``settings`` are the :class:`AsyncConsumerRunner` keywords (``topics``, ``group``,
     ``bootstrap_servers``, ``kafka_config``, ``key_func``...). A signal lets the message in
     hand finish, commits the finished offsets and returns. Signal handlers are installed only
     from the main thread and restored on return.
     """
-    runner = ConsumerRunner(outbox, handler, **settings)
+    runner = AsyncConsumerRunner(outbox, handler, **settings)
     with stop_on_signals(runner.stop, enabled=install_signal_handlers):
-        runner.run()
+        await runner.run()
 
 
 def _check_guarded(config: ConsumerConfig, handler: object) -> None:

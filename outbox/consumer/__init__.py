@@ -1,0 +1,70 @@
+"""The consumer runner: exactly-once effects from at-least-once delivery.
+
+Each message runs in a unit of work keyed by its idempotency key (or under the Redis guard), and
+its offset is committed only once that unit of work committed, replayed a stored result, or the
+message was dead-lettered. :class:`ConsumerRunner` runs plain handlers, :class:`AsyncConsumerRunner`
+coroutine handlers. The modules in this folder are private; each sync module is generated from its
+``_async`` source by ``tools/async_to_sync.py``.
+"""
+
+from __future__ import annotations
+
+from outbox.consumer._runner import (
+    ENV_GROUP,
+    ENV_KAFKA_CONFIG,
+    ENV_METRICS_PORT,
+    ConsumerConfig,
+    ConsumerError,
+    ConsumerRunner,
+    DeadLetterInfo,
+    FingerprintFunc,
+    GuardedHandler,
+    Handler,
+    KeyFunc,
+    MessageBatch,
+    Outcome,
+    Reason,
+    backoff_delay,
+    batch_handler,
+    consume,
+    database_unavailable,
+    header_key,
+    message_fingerprint,
+    serve_metrics,
+    topic_fingerprint,
+)
+from outbox.consumer._runner_async import (
+    AsyncConsumerRunner,
+    AsyncGuardedHandler,
+    AsyncHandler,
+    AsyncMessageBatch,
+)
+
+__all__ = [
+    "ENV_GROUP",
+    "ENV_KAFKA_CONFIG",
+    "ENV_METRICS_PORT",
+    "AsyncConsumerRunner",
+    "AsyncGuardedHandler",
+    "AsyncHandler",
+    "AsyncMessageBatch",
+    "ConsumerConfig",
+    "ConsumerError",
+    "ConsumerRunner",
+    "DeadLetterInfo",
+    "FingerprintFunc",
+    "GuardedHandler",
+    "Handler",
+    "KeyFunc",
+    "MessageBatch",
+    "Outcome",
+    "Reason",
+    "backoff_delay",
+    "batch_handler",
+    "consume",
+    "database_unavailable",
+    "header_key",
+    "message_fingerprint",
+    "serve_metrics",
+    "topic_fingerprint",
+]

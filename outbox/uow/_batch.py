@@ -1,0 +1,364 @@
+# generated from outbox/uow/_batch_async.py by tools/async_to_sync.py; do not edit
+"""Generated from ``outbox/uow/_batch_async.py`` by ``tools/async_to_sync.py``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session
+
+from outbox._core import claim, results, validate as _validate
+from outbox._core.claim import StoredOutcome
+from outbox._core.events import Event, order_lock_id
+from outbox._core.failures import is_permanent
+from outbox._pg.statements import many_statements
+from outbox._pg.transaction import Transaction
+from outbox.errors import ConfigurationError
+from outbox.uow._unit import UnitOfWork
+
+if TYPE_CHECKING:
+    from outbox.uow._outbox import Outbox
+
+log = logging.getLogger("outbox.uow")
+
+# Up to this many bytes of event values, the final statement and COMMIT share one round trip (as
+# in a single unit of work); above it the values go as binary parameters.
+_INLINE_LIMIT = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What a batch's claim learned about one key: whether this transaction holds its lock, and
+    its committed outcome (with its age in seconds) if it has one."""
+
+    acquired: bool
+    stored: StoredOutcome | None
+    age: float | None
+
+    @property
+    def runnable(self) -> bool:
+        """True when the key's work may run here: no outcome yet and the lock is ours."""
+        return self.acquired and self.stored is None
+
+
+class BatchUnitOfWork(UnitOfWork):
+    """A unit of work of a batch: the batch's connection, in the savepoint of its message.
+
+    Reaching for ``connection`` or ``session`` marks it *touched*: only then does its savepoint
+    need releasing (or rolling back) when it ends.
+    """
+
+    touched = False
+
+    @property
+    def connection(self) -> Connection:
+        self.touched = True
+        return super().connection
+
+    @property
+    def session(self) -> Session:
+        self.touched = True
+        return super().session
+
+
+class Batch:
+    """Units of work of many keys in one transaction, each in a savepoint (see module)."""
+
+    def __init__(
+        self, outbox: Outbox, scope: str, tx: Transaction, claims: dict[str, Claim]
+    ) -> None:
+        self._outbox = outbox
+        self.scope = scope
+        self._tx: Transaction | None = tx
+        self._claims = claims
+        self._used: set[str] = set()
+        # The final rows, in the order their units of work ended.
+        self._keys: list[str] = []
+        self._statuses: list[str] = []
+        self._fingerprints: list[str | None] = []
+        self._results: list[str | None] = []
+        self._errors: list[str | None] = []
+        self._events: list[Event] = []
+        self.staged_bytes = 0
+        # Outcomes for Redis after the commit; and outcomes read from PostgreSQL, already
+        # committed, to warm it with whatever becomes of the batch.
+        self._outcomes: list[tuple[str, StoredOutcome, float | None]] = []
+        self._warm: list[tuple[str, StoredOutcome, float | None]] = []
+        self.committed = False
+
+    @classmethod
+    def open(cls, outbox: Outbox, scope: str, keys: list[str]) -> Batch:
+        """Begin the batch's transaction and claim ``keys`` (distinct, already validated) in one
+        round trip; raises what the database raised (nothing is held then)."""
+        if len(set(keys)) != len(keys):
+            raise ConfigurationError("a batch claims each key once")
+        sql = many_statements(outbox.config.schema)
+        outbox._check_sessions()
+        tx = Transaction.open(outbox.engine, pooled=outbox._pooled)
+        try:
+            locks, rows = tx.begin_with_many(
+                [sql.idempotency_keys_lock, sql.idempotency_keys_read],
+                {
+                    "lock_ids": [claim.lock_id(scope, key) for key in keys],
+                    "scope": scope,
+                    "keys": keys,
+                },
+                savepoint=True,
+            )
+        except BaseException:
+            tx.close()
+            raise
+        stored = {
+            row[0]: (StoredOutcome(row[1], row[2], results.from_database(row[3]), row[4]), row[5])
+            for row in rows
+        }
+        claims = {}
+        for key, acquired in zip(keys, locks[0][0], strict=True):
+            outcome, age = stored.get(key, (None, None))
+            claims[key] = Claim(bool(acquired), outcome, age)
+        return cls(outbox, scope, tx, claims)
+
+    def claim(self, key: str) -> Claim:
+        """What the claim learned about ``key`` (one of the keys the batch was opened with)."""
+        return self._claims[key]
+
+    def usable(self) -> bool:
+        """True while more units of work can run and the batch can still commit."""
+        return self._tx is not None and self._tx.usable()
+
+    def unit_of_work(self, key: str, scope: str, fingerprint: str | None = None) -> _BatchAttempt:
+        """The unit of work of ``key`` in this batch: the same outcomes as
+        :meth:`Outbox.unit_of_work` (a replay, :class:`~outbox.errors.KeyInProgress`,
+        :class:`~outbox.errors.PreviouslyFailed`, :class:`~outbox.errors.KeyReuseError`)."""
+        return _BatchAttempt(self, [(key, scope, fingerprint)])
+
+    def units_of_work(self, claims: list[tuple[str, str | None]]) -> _BatchGroup:
+        """Units of work of several runnable keys (``(key, fingerprint)``) in ONE savepoint, for
+        one body that serves them all. A failure rolls back all of them and records none."""
+        return _BatchGroup(self, [(key, self.scope, fp) for key, fp in claims])
+
+    # -- the units of work -----------------------------------------------------------------
+
+    def _begin(self, key: str, scope: str, fingerprint: str | None) -> BatchUnitOfWork:
+        if scope != self.scope:
+            raise ConfigurationError(f"this batch claims keys of scope {self.scope!r}")
+        if key in self._used:
+            raise ConfigurationError(f"key {key!r} already had its unit of work in this batch")
+        tx = self._tx
+        if tx is None:
+            raise ConfigurationError("the batch has ended")
+        found = self._claims[key]
+        self._used.add(key)
+        if not found.runnable:
+            claim.verdict(scope, key, fingerprint, found.stored, found.acquired)  # raises, or:
+            assert found.stored is not None
+            ttl = claim.warm_ttl(self._outbox.config.cache_ttl, self._outbox.config.retention,
+                                 found.age)  # fmt: skip
+            if ttl is not None:
+                self._warm.append((key, found.stored, ttl))
+            result = found.stored.result_json
+            return BatchUnitOfWork(
+                self._outbox, scope, key, fingerprint, None, replayed=True,
+                result=json.loads(result) if result is not None else None,
+            )  # fmt: skip
+        return BatchUnitOfWork(self._outbox, scope, key, fingerprint, tx, replayed=False)
+
+    def _end(self, units: list[BatchUnitOfWork], exc: BaseException | None) -> None:
+        """End ``units`` (one savepoint): stage their final rows, or roll them back."""
+        tx = self._tx
+        assert tx is not None
+        touched = any(u.touched for u in units)
+        if exc is None:
+            try:
+                finals = []
+                for uow in units:
+                    if uow._session is not None:
+                        uow._session.flush()
+                    finals.append(_validate.dumps_json(uow._stored, "uow.result"))
+                if touched:
+                    tx.renew(rollback=False)
+            except BaseException:
+                self._roll_back(units, touched)
+                raise
+            _close_sessions(units)
+            for uow, result_json in zip(units, finals, strict=True):
+                self._stage(uow, claim.STATUS_COMPLETED, result_json, None)
+            return
+        self._roll_back(units, touched)
+        if len(units) == 1 and is_permanent(exc, self._outbox.config.permanent_errors):
+            # The key's lock is the transaction's, taken before the savepoint: still held, so
+            # the failure is recorded with no gap in which another attempt could run the key.
+            self._stage(units[0], claim.STATUS_FAILED, None, claim.failure_text(exc))
+
+    def _roll_back(self, units: list[BatchUnitOfWork], touched: bool) -> None:
+        try:
+            _close_sessions(units)
+        finally:
+            tx = self._tx
+            if touched and tx is not None and tx.usable():
+                tx.renew(rollback=True)
+
+    def _stage(
+        self, uow: UnitOfWork, status: str, result_json: str | None, error: str | None
+    ) -> None:
+        self._keys.append(uow.key)
+        self._statuses.append(status)
+        self._fingerprints.append(uow.fingerprint)
+        self._results.append(
+            None if result_json is None else results.for_database(result_json, uow._result)
+        )
+        self._errors.append(error)
+        if status == claim.STATUS_COMPLETED:
+            self._events.extend(uow._events)
+            self.staged_bytes += sum(len(e.value or b"") for e in uow._events)
+        self._outcomes.append(
+            (uow.key, StoredOutcome(status, uow.fingerprint, result_json, error), None)
+        )
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Write every staged row and commit, then put the outcomes in Redis. Raises what the
+        database raised; nothing of the batch is committed then."""
+        tx = self._tx
+        if tx is None:
+            raise ConfigurationError("the batch has ended")
+        if not self._keys:
+            tx.finish()  # nothing to write: no statement, no COMMIT record to wait for
+            self._tx = None
+            self.committed = True
+            self._after(committed=True)
+            return
+        events = self._events
+        schema = self._outbox.config.schema
+        params: dict[str, Any] = {
+            "scope": self.scope,
+            "keys": self._keys,
+            "statuses": self._statuses,
+            "fingerprints": self._fingerprints,
+            "results": self._results,
+            "errors": self._errors,
+            "event_ids": [e.event_id for e in events],
+            "topics": [e.topic for e in events],
+            "event_keys": [e.key for e in events],
+            "values": [e.value for e in events],
+            "headers": [e.headers_json for e in events],
+            "key_hashes": [e.key_hash for e in events],
+            "order_locks": sorted(
+                {order_lock_id(schema, e.key) for e in events if e.key is not None}
+            ),
+        }
+        statement = many_statements(self._outbox.config.schema).idempotency_keys_complete
+        if self.staged_bytes <= _INLINE_LIMIT:
+            tx.commit_with(statement, params)
+        else:
+            # Large values go as binary parameters rather than quoted literals.
+            tx.execute(statement.direct, params)
+            tx.commit()
+        self.committed = True
+        self.close()
+        self._after(committed=True)
+
+    def close(self) -> None:
+        """Return the connection (rolling back whatever was not committed). Idempotent."""
+        tx, self._tx = self._tx, None
+        if tx is not None:
+            tx.close()
+            if not self.committed:
+                self._after(committed=False)
+
+    def _after(self, committed: bool) -> None:
+        cache = self._outbox.cache
+        if cache is not None:
+            cache.put_many(self.scope, self._warm + (self._outcomes if committed else []))
+        self._warm = []
+        if committed and self._events:
+            self._outbox._notify()
+
+
+class MessageBatch:
+    """What a batch handler gets: messages with their units of work, all in one transaction.
+
+    Iterating gives ``(uow, message)`` pairs in partition-offset order. ``connection`` and
+    ``session`` belong to the first unit of work and serve bulk statements for all of them (the
+    units of work share the transaction). Each ``uow`` publishes its own events and holds its
+    own result.
+    """
+
+    def __init__(self, units: list[tuple[UnitOfWork, Any]]) -> None:
+        if not units:
+            raise ConfigurationError("a batch holds at least one message")
+        self._units = units
+
+    def __iter__(self) -> Iterator[tuple[UnitOfWork, Any]]:
+        return iter(self._units)
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def __getitem__(self, index: int) -> tuple[UnitOfWork, Any]:
+        return self._units[index]
+
+    @property
+    def messages(self) -> list[Any]:
+        """The messages, in partition-offset order."""
+        return [message for _, message in self._units]
+
+    @property
+    def connection(self) -> Connection:
+        """The batch's connection, inside its transaction."""
+        return self._units[0][0].connection
+
+    @property
+    def session(self) -> Session:
+        """An ORM session in the batch's transaction (the first unit of work's)."""
+        return self._units[0][0].session
+
+
+class _BatchGroup:
+    """Context manager returned by :meth:`Batch.units_of_work`."""
+
+    __slots__ = ("_batch", "_claims", "_units")
+
+    def __init__(self, batch: Batch, claims: list[tuple[str, str, str | None]]) -> None:
+        self._batch = batch
+        self._claims = claims
+        self._units: list[BatchUnitOfWork] = []
+
+    def __enter__(self) -> list[BatchUnitOfWork]:
+        for key, scope, fingerprint in self._claims:
+            self._units.append(self._batch._begin(key, scope, fingerprint))
+        return self._units
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        live = [u for u in self._units if not u.replayed]
+        if live:
+            self._batch._end(live, exc)
+        return False
+
+
+class _BatchAttempt(_BatchGroup):
+    """Context manager returned by :meth:`Batch.unit_of_work`."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> BatchUnitOfWork:  # type: ignore[override]
+        return (super().__enter__())[0]
+
+
+def _close_sessions(units: list[BatchUnitOfWork]) -> None:
+    for uow in units:
+        if uow._session is not None:
+            session, uow._session = uow._session, None
+            session.close()

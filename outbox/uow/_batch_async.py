@@ -1,0 +1,398 @@
+"""Units of work of many keys in one PostgreSQL transaction: the consumer runner's micro-batches.
+
+::
+
+    batch = await AsyncBatch.open(aob, scope, ["k1", "k2", "k3"])   # BEGIN + every claim
+    try:
+        for key in ("k1", "k2", "k3"):
+            async with batch.unit_of_work(key, scope, fingerprint=None) as uow:
+                ...                          # the same unit of work as AsyncOutbox's
+        await batch.commit()                 # every key's final row, every outbox row, COMMIT
+    finally:
+        await batch.close()
+
+A unit of work costs a transaction of its own two round trips and a commit (an fsync). A batch
+pays them once for all its units of work:
+
+* :meth:`AsyncBatch.open` sends ``BEGIN``, tries the advisory lock of every key (never waiting:
+  a key held elsewhere is :class:`~outbox.errors.KeyInProgress` for its unit of work, which
+  fails fast), reads every committed outcome and sets a savepoint -- one round trip. The read
+  runs after the locks, so it sees the outcome of any attempt that held a lock before.
+* Each unit of work runs in the savepoint; a failure rolls back to it, so only that unit's
+  writes go. The locks stay held (they were taken before the savepoint): a permanent failure is
+  recorded without a gap in which another attempt could run the key. Success releases the
+  savepoint and sets the next one in one round trip -- and only if the body touched the
+  connection or the session at all; a body that only publishes and returns costs none.
+* :meth:`AsyncBatch.commit` writes every key's final row and every outbox row in one statement
+  and commits in the same round trip, after the last unit of work's business writes took their
+  locks (as a single unit of work does); the outcomes go to Redis only after the commit.
+
+Until :meth:`AsyncBatch.commit` returns, nothing of the batch is committed: a caller that acts on
+a unit of work's success (the runner committing a Kafka offset) waits for it.
+
+This asyncio module is the source; ``_batch.py`` (the sync flavour) is generated from it by
+``tools/async_to_sync.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from outbox._core import claim, results, validate as _validate
+from outbox._core.claim import StoredOutcome
+from outbox._core.events import Event, order_lock_id
+from outbox._core.failures import is_permanent
+from outbox._pg.statements import many_statements
+from outbox._pg.transaction_async import AsyncTransaction
+from outbox.errors import ConfigurationError
+from outbox.uow._unit_async import AsyncUnitOfWork
+
+if TYPE_CHECKING:
+    from outbox.uow._outbox_async import AsyncOutbox
+
+log = logging.getLogger("outbox.uow")
+
+# Up to this many bytes of event values, the final statement and COMMIT share one round trip (as
+# in a single unit of work); above it the values go as binary parameters.
+_INLINE_LIMIT = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What a batch's claim learned about one key: whether this transaction holds its lock, and
+    its committed outcome (with its age in seconds) if it has one."""
+
+    acquired: bool
+    stored: StoredOutcome | None
+    age: float | None
+
+    @property
+    def runnable(self) -> bool:
+        """True when the key's work may run here: no outcome yet and the lock is ours."""
+        return self.acquired and self.stored is None
+
+
+class AsyncBatchUnitOfWork(AsyncUnitOfWork):
+    """A unit of work of a batch: the batch's connection, in the savepoint of its message.
+
+    Reaching for ``connection`` or ``session`` marks it *touched*: only then does its savepoint
+    need releasing (or rolling back) when it ends.
+    """
+
+    touched = False
+
+    @property
+    def connection(self) -> AsyncConnection:
+        self.touched = True
+        return super().connection
+
+    @property
+    def session(self) -> AsyncSession:
+        self.touched = True
+        return super().session
+
+
+class AsyncBatch:
+    """Units of work of many keys in one transaction, each in a savepoint (see module)."""
+
+    def __init__(
+        self, outbox: AsyncOutbox, scope: str, tx: AsyncTransaction, claims: dict[str, Claim]
+    ) -> None:
+        self._outbox = outbox
+        self.scope = scope
+        self._tx: AsyncTransaction | None = tx
+        self._claims = claims
+        self._used: set[str] = set()
+        # The final rows, in the order their units of work ended.
+        self._keys: list[str] = []
+        self._statuses: list[str] = []
+        self._fingerprints: list[str | None] = []
+        self._results: list[str | None] = []
+        self._errors: list[str | None] = []
+        self._events: list[Event] = []
+        self.staged_bytes = 0
+        # Outcomes for Redis after the commit; and outcomes read from PostgreSQL, already
+        # committed, to warm it with whatever becomes of the batch.
+        self._outcomes: list[tuple[str, StoredOutcome, float | None]] = []
+        self._warm: list[tuple[str, StoredOutcome, float | None]] = []
+        self.committed = False
+
+    @classmethod
+    async def open(cls, outbox: AsyncOutbox, scope: str, keys: list[str]) -> AsyncBatch:
+        """Begin the batch's transaction and claim ``keys`` (distinct, already validated) in one
+        round trip; raises what the database raised (nothing is held then)."""
+        if len(set(keys)) != len(keys):
+            raise ConfigurationError("a batch claims each key once")
+        sql = many_statements(outbox.config.schema)
+        await outbox._check_sessions()
+        tx = await AsyncTransaction.open(outbox.engine, pooled=outbox._pooled)
+        try:
+            locks, rows = await tx.begin_with_many(
+                [sql.idempotency_keys_lock, sql.idempotency_keys_read],
+                {
+                    "lock_ids": [claim.lock_id(scope, key) for key in keys],
+                    "scope": scope,
+                    "keys": keys,
+                },
+                savepoint=True,
+            )
+        except BaseException:
+            await tx.close()
+            raise
+        stored = {
+            row[0]: (StoredOutcome(row[1], row[2], results.from_database(row[3]), row[4]), row[5])
+            for row in rows
+        }
+        claims = {}
+        for key, acquired in zip(keys, locks[0][0], strict=True):
+            outcome, age = stored.get(key, (None, None))
+            claims[key] = Claim(bool(acquired), outcome, age)
+        return cls(outbox, scope, tx, claims)
+
+    def claim(self, key: str) -> Claim:
+        """What the claim learned about ``key`` (one of the keys the batch was opened with)."""
+        return self._claims[key]
+
+    def usable(self) -> bool:
+        """True while more units of work can run and the batch can still commit."""
+        return self._tx is not None and self._tx.usable()
+
+    def unit_of_work(
+        self, key: str, scope: str, fingerprint: str | None = None
+    ) -> _AsyncBatchAttempt:
+        """The unit of work of ``key`` in this batch: the same outcomes as
+        :meth:`AsyncOutbox.unit_of_work` (a replay, :class:`~outbox.errors.KeyInProgress`,
+        :class:`~outbox.errors.PreviouslyFailed`, :class:`~outbox.errors.KeyReuseError`)."""
+        return _AsyncBatchAttempt(self, [(key, scope, fingerprint)])
+
+    def units_of_work(self, claims: list[tuple[str, str | None]]) -> _AsyncBatchGroup:
+        """Units of work of several runnable keys (``(key, fingerprint)``) in ONE savepoint, for
+        one body that serves them all. A failure rolls back all of them and records none."""
+        return _AsyncBatchGroup(self, [(key, self.scope, fp) for key, fp in claims])
+
+    # -- the units of work -----------------------------------------------------------------
+
+    def _begin(self, key: str, scope: str, fingerprint: str | None) -> AsyncBatchUnitOfWork:
+        if scope != self.scope:
+            raise ConfigurationError(f"this batch claims keys of scope {self.scope!r}")
+        if key in self._used:
+            raise ConfigurationError(f"key {key!r} already had its unit of work in this batch")
+        tx = self._tx
+        if tx is None:
+            raise ConfigurationError("the batch has ended")
+        found = self._claims[key]
+        self._used.add(key)
+        if not found.runnable:
+            claim.verdict(scope, key, fingerprint, found.stored, found.acquired)  # raises, or:
+            assert found.stored is not None
+            ttl = claim.warm_ttl(self._outbox.config.cache_ttl, self._outbox.config.retention,
+                                 found.age)  # fmt: skip
+            if ttl is not None:
+                self._warm.append((key, found.stored, ttl))
+            result = found.stored.result_json
+            return AsyncBatchUnitOfWork(
+                self._outbox, scope, key, fingerprint, None, replayed=True,
+                result=json.loads(result) if result is not None else None,
+            )  # fmt: skip
+        return AsyncBatchUnitOfWork(self._outbox, scope, key, fingerprint, tx, replayed=False)
+
+    async def _end(self, units: list[AsyncBatchUnitOfWork], exc: BaseException | None) -> None:
+        """End ``units`` (one savepoint): stage their final rows, or roll them back."""
+        tx = self._tx
+        assert tx is not None
+        touched = any(u.touched for u in units)
+        if exc is None:
+            try:
+                finals = []
+                for uow in units:
+                    if uow._session is not None:
+                        await uow._session.flush()
+                    finals.append(_validate.dumps_json(uow._stored, "uow.result"))
+                if touched:
+                    await tx.renew(rollback=False)
+            except BaseException:
+                await self._roll_back(units, touched)
+                raise
+            await _close_sessions(units)
+            for uow, result_json in zip(units, finals, strict=True):
+                self._stage(uow, claim.STATUS_COMPLETED, result_json, None)
+            return
+        await self._roll_back(units, touched)
+        if len(units) == 1 and is_permanent(exc, self._outbox.config.permanent_errors):
+            # The key's lock is the transaction's, taken before the savepoint: still held, so
+            # the failure is recorded with no gap in which another attempt could run the key.
+            self._stage(units[0], claim.STATUS_FAILED, None, claim.failure_text(exc))
+
+    async def _roll_back(self, units: list[AsyncBatchUnitOfWork], touched: bool) -> None:
+        try:
+            await _close_sessions(units)
+        finally:
+            tx = self._tx
+            if touched and tx is not None and tx.usable():
+                await tx.renew(rollback=True)
+
+    def _stage(
+        self, uow: AsyncUnitOfWork, status: str, result_json: str | None, error: str | None
+    ) -> None:
+        self._keys.append(uow.key)
+        self._statuses.append(status)
+        self._fingerprints.append(uow.fingerprint)
+        self._results.append(
+            None if result_json is None else results.for_database(result_json, uow._result)
+        )
+        self._errors.append(error)
+        if status == claim.STATUS_COMPLETED:
+            self._events.extend(uow._events)
+            self.staged_bytes += sum(len(e.value or b"") for e in uow._events)
+        self._outcomes.append(
+            (uow.key, StoredOutcome(status, uow.fingerprint, result_json, error), None)
+        )
+
+    # -- the end -----------------------------------------------------------------------------
+
+    async def commit(self) -> None:
+        """Write every staged row and commit, then put the outcomes in Redis. Raises what the
+        database raised; nothing of the batch is committed then."""
+        tx = self._tx
+        if tx is None:
+            raise ConfigurationError("the batch has ended")
+        if not self._keys:
+            await tx.finish()  # nothing to write: no statement, no COMMIT record to wait for
+            self._tx = None
+            self.committed = True
+            await self._after(committed=True)
+            return
+        events = self._events
+        schema = self._outbox.config.schema
+        params: dict[str, Any] = {
+            "scope": self.scope,
+            "keys": self._keys,
+            "statuses": self._statuses,
+            "fingerprints": self._fingerprints,
+            "results": self._results,
+            "errors": self._errors,
+            "event_ids": [e.event_id for e in events],
+            "topics": [e.topic for e in events],
+            "event_keys": [e.key for e in events],
+            "values": [e.value for e in events],
+            "headers": [e.headers_json for e in events],
+            "key_hashes": [e.key_hash for e in events],
+            "order_locks": sorted(
+                {order_lock_id(schema, e.key) for e in events if e.key is not None}
+            ),
+        }
+        statement = many_statements(self._outbox.config.schema).idempotency_keys_complete
+        if self.staged_bytes <= _INLINE_LIMIT:
+            await tx.commit_with(statement, params)
+        else:
+            # Large values go as binary parameters rather than quoted literals.
+            await tx.execute(statement.direct, params)
+            await tx.commit()
+        self.committed = True
+        await self.close()
+        await self._after(committed=True)
+
+    async def close(self) -> None:
+        """Return the connection (rolling back whatever was not committed). Idempotent."""
+        tx, self._tx = self._tx, None
+        if tx is not None:
+            await tx.close()
+            if not self.committed:
+                await self._after(committed=False)
+
+    async def _after(self, committed: bool) -> None:
+        cache = self._outbox.cache
+        if cache is not None:
+            await cache.put_many(self.scope, self._warm + (self._outcomes if committed else []))
+        self._warm = []
+        if committed and self._events:
+            self._outbox._notify()
+
+
+class AsyncMessageBatch:
+    """What a batch handler gets: messages with their units of work, all in one transaction.
+
+    Iterating gives ``(uow, message)`` pairs in partition-offset order. ``connection`` and
+    ``session`` belong to the first unit of work and serve bulk statements for all of them (the
+    units of work share the transaction). Each ``uow`` publishes its own events and holds its
+    own result.
+    """
+
+    def __init__(self, units: list[tuple[AsyncUnitOfWork, Any]]) -> None:
+        if not units:
+            raise ConfigurationError("a batch holds at least one message")
+        self._units = units
+
+    def __iter__(self) -> Iterator[tuple[AsyncUnitOfWork, Any]]:
+        return iter(self._units)
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def __getitem__(self, index: int) -> tuple[AsyncUnitOfWork, Any]:
+        return self._units[index]
+
+    @property
+    def messages(self) -> list[Any]:
+        """The messages, in partition-offset order."""
+        return [message for _, message in self._units]
+
+    @property
+    def connection(self) -> AsyncConnection:
+        """The batch's connection, inside its transaction."""
+        return self._units[0][0].connection
+
+    @property
+    def session(self) -> AsyncSession:
+        """An ORM session in the batch's transaction (the first unit of work's)."""
+        return self._units[0][0].session
+
+
+class _AsyncBatchGroup:
+    """Context manager returned by :meth:`AsyncBatch.units_of_work`."""
+
+    __slots__ = ("_batch", "_claims", "_units")
+
+    def __init__(self, batch: AsyncBatch, claims: list[tuple[str, str, str | None]]) -> None:
+        self._batch = batch
+        self._claims = claims
+        self._units: list[AsyncBatchUnitOfWork] = []
+
+    async def __aenter__(self) -> list[AsyncBatchUnitOfWork]:
+        for key, scope, fingerprint in self._claims:
+            self._units.append(self._batch._begin(key, scope, fingerprint))
+        return self._units
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        live = [u for u in self._units if not u.replayed]
+        if live:
+            await self._batch._end(live, exc)
+        return False
+
+
+class _AsyncBatchAttempt(_AsyncBatchGroup):
+    """Context manager returned by :meth:`AsyncBatch.unit_of_work`."""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> AsyncBatchUnitOfWork:  # type: ignore[override]
+        return (await super().__aenter__())[0]
+
+
+async def _close_sessions(units: list[AsyncBatchUnitOfWork]) -> None:
+    for uow in units:
+        if uow._session is not None:
+            session, uow._session = uow._session, None
+            await session.close()
