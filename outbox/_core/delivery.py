@@ -33,7 +33,7 @@ from typing import Final, Protocol, TypeVar
 
 class DeliveryReport(Protocol):
     """What the decisions need to know of a record's delivery report (the Kafka adapter's
-    ``Outcome`` is one): ``error`` is ``None`` when Kafka confirmed the record."""
+    ``DeliveryReport`` is one): ``error`` is ``None`` when Kafka confirmed the record."""
 
     @property
     def error(self) -> str | None: ...

@@ -88,7 +88,7 @@ PRODUCER_STATE_ERRORS: frozenset[int] = frozenset(
 )
 
 
-def is_permanent(code: int) -> bool:
+def is_undeliverable(code: int) -> bool:
     """True when a record that failed with librdkafka error ``code`` can never be delivered."""
     return code in PERMANENT_ERRORS
 
@@ -111,7 +111,7 @@ class Record(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Outcome:
+class DeliveryReport:
     """The delivery report of one record: ``error`` is ``None`` when Kafka confirmed it."""
 
     error: str | None = None
@@ -124,8 +124,8 @@ class Outcome:
         return self.error is None
 
 
-CONFIRMED = Outcome()
-NOT_SENT = Outcome(error="not sent: the relay stopped before sending this record")
+CONFIRMED = DeliveryReport()
+NOT_SENT = DeliveryReport(error="not sent: the relay stopped before sending this record")
 
 # librdkafka's codes for records failed by purge() (the relay purged them: deadline, fatal
 # producer, stop; they may or may not have reached the broker) or by a fatal error.
@@ -134,12 +134,12 @@ PURGED: frozenset[int] = frozenset(
 )
 
 
-def _outcome(err: KafkaError) -> Outcome:
+def _outcome(err: KafkaError) -> DeliveryReport:
     code = int(err.code())
-    return Outcome(
+    return DeliveryReport(
         error=f"{err.name()}: {err.str()}",
         code=code,
-        permanent=is_permanent(code),
+        permanent=is_undeliverable(code),
         stale_producer=code in PRODUCER_STATE_ERRORS or code in PURGED or err.fatal(),
     )
 
@@ -149,7 +149,7 @@ class Sending:
     """Records handed to :meth:`KafkaProducer.start`, waiting for :meth:`KafkaProducer.finish`."""
 
     records: Sequence[RecordTuple]
-    outcomes: list[Outcome | None]
+    outcomes: list[DeliveryReport | None]
     deadline: float
 
 
@@ -195,7 +195,7 @@ class KafkaProducer:
         records: Sequence[RecordTuple],
         stop: threading.Event,
         grace: float = 5.0,
-    ) -> list[Outcome | None]:
+    ) -> list[DeliveryReport | None]:
         """Produce ``records`` in order and wait until each one's fate is known: :meth:`start`
         then :meth:`finish`."""
         return self.finish(self.start(records), stop, grace)
@@ -208,7 +208,7 @@ class KafkaProducer:
         and no later record of its key is produced.
         """
         self._failures.clear()
-        outcomes: list[Outcome | None] = [CONFIRMED] * len(records)
+        outcomes: list[DeliveryReport | None] = [CONFIRMED] * len(records)
         refused: set[bytes] = set()
         produce = self._producer.produce
         for index, (topic, key, value, headers) in enumerate(records):
@@ -234,10 +234,10 @@ class KafkaProducer:
 
     def finish(
         self, sending: Sending, stop: threading.Event, grace: float = 5.0
-    ) -> list[Outcome | None]:
+    ) -> list[DeliveryReport | None]:
         """Wait until the fate of every record of ``sending`` is known.
 
-        Returns one :class:`Outcome` per record, in order, or ``None`` for a record that was
+        Returns one :class:`DeliveryReport` per record, in order, or ``None`` for a record that was
         not produced because ``produce()`` refused an earlier record of its key. When the send
         has not completed within ``message.timeout.ms`` of :meth:`start`, every outstanding
         record is purged and failed (retriable, and the producer is to be rebuilt). When
@@ -256,8 +256,8 @@ class KafkaProducer:
             outcomes = [unknown if o is CONFIRMED else o for o in outcomes]
         return outcomes
 
-    def _late(self) -> Outcome:
-        return Outcome(
+    def _late(self) -> DeliveryReport:
+        return DeliveryReport(
             error=f"no delivery report within {self.message_timeout:g}s",
             code=int(KafkaError._MSG_TIMED_OUT),
             stale_producer=True,
@@ -265,7 +265,7 @@ class KafkaProducer:
 
     def _wait(
         self, deadline: float, stop: threading.Event, grace: float
-    ) -> tuple[bool, Outcome | None]:
+    ) -> tuple[bool, DeliveryReport | None]:
         """Serve reports until nothing is outstanding. At the deadline, on a fatal error or
         after the stop's grace, purge what is left (see module). Returns whether every record's
         fate is known, and the outcome that purged records get (``None``: their own error)."""
@@ -281,10 +281,10 @@ class KafkaProducer:
                 return True, None
             if self._fatal is not None or time.monotonic() >= limit:
                 break
-        purged_as: Outcome | None
+        purged_as: DeliveryReport | None
         if self._fatal is not None:
             # Records behind the one that broke the producer: not their fault, no attempt.
-            purged_as = Outcome(
+            purged_as = DeliveryReport(
                 error=f"not sent: the producer failed ({self._fatal})", stale_producer=True
             )
         elif stop_deadline is not None and time.monotonic() >= stop_deadline:
@@ -300,8 +300,8 @@ class KafkaProducer:
     def _assign(
         self,
         records: Sequence[RecordTuple],
-        outcomes: list[Outcome | None],
-        purged_as: Outcome | None,
+        outcomes: list[DeliveryReport | None],
+        purged_as: DeliveryReport | None,
     ) -> None:
         """Give each failure report to its record. A report names its record by topic, key and
         value (librdkafka drops the headers of records purged from its queue); records alike in

@@ -64,7 +64,7 @@ from outbox._core.delivery import (
 from outbox._core.lowwater import LowWater
 from outbox._core.redact import one_line, redact_url
 from outbox._core.retry import Backoff
-from outbox._kafka.producer import KafkaProducer, Outcome, RecordTuple
+from outbox._kafka.producer import DeliveryReport, KafkaProducer, RecordTuple
 from outbox._kafka.records import build_records, build_records_checked
 from outbox._otel import spans
 from outbox._pg import health as health_pg, lanes as pg_lanes
@@ -131,18 +131,18 @@ class _Batch:
     claimed: list[ClaimedRow]
     rows: list[ClaimedRow]
     records: Sequence[RecordTuple | None]
-    unsendable: dict[int, Outcome]
+    unsendable: dict[int, DeliveryReport]
 
     @classmethod
     def of(cls, fetched: Sequence[ClaimedRow]) -> _Batch:
         claimed, rows = split_claim(fetched)
         records: Sequence[RecordTuple | None]
-        unsendable: dict[int, Outcome] = {}
+        unsendable: dict[int, DeliveryReport] = {}
         try:
             records = build_records(rows)
         except Exception:
             records, broken = build_records_checked(rows)
-            unsendable = {i: Outcome(error=e, permanent=True) for i, e in broken.items()}
+            unsendable = {i: DeliveryReport(error=e, permanent=True) for i, e in broken.items()}
         return cls(claimed, rows, records, unsendable)
 
 
@@ -415,7 +415,7 @@ class Relay:
         ahead: _Batch | None = None
         optimistic = False
 
-        def send(todo: list[int]) -> list[Outcome | None]:
+        def send(todo: list[int]) -> list[DeliveryReport | None]:
             nonlocal ahead, optimistic
             chosen = records if len(todo) == len(records) else [records[i] for i in todo]
             if not overlap:
@@ -437,7 +437,7 @@ class Relay:
         if spans is not None:
             untraced = send
 
-            def send(todo: list[int]) -> list[Outcome | None]:
+            def send(todo: list[int]) -> list[DeliveryReport | None]:
                 # `send {topic}` spans linked to the rows' stored contexts; the records carry
                 # those stored contexts (their headers), never these spans'.
                 sending = spans.start_send(rows, todo)
@@ -490,7 +490,7 @@ class Relay:
     def _report(
         self,
         rows: Sequence[ClaimedRow],
-        outcomes: Sequence[Outcome | None],
+        outcomes: Sequence[DeliveryReport | None],
         verdict: Settlement,
         result: BatchResult,
         duration: float,

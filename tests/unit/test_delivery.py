@@ -19,7 +19,7 @@ from outbox._core.delivery import (
 
 @dataclass(frozen=True)
 class Report:
-    """A delivery report as the Kafka adapter gives one (``outbox._kafka.producer.Outcome``)."""
+    """A delivery report as the Kafka adapter gives one (``_kafka.producer.DeliveryReport``)."""
 
     error: str | None = None
     code: int | None = None

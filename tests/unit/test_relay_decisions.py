@@ -9,7 +9,7 @@ import pytest
 
 from outbox._core.delivery import ClaimedRow
 from outbox._core.retry import backoff_delay
-from outbox._kafka.producer import NOT_SENT, is_permanent, producer_config
+from outbox._kafka.producer import NOT_SENT, is_undeliverable, producer_config
 from outbox._kafka.records import build_record, build_records, build_records_checked
 from outbox.errors import ConfigurationError
 from outbox.relay import RelayConfig
@@ -55,13 +55,13 @@ def test_producer_config_keeps_the_guarantees() -> None:
     assert producer_config("b", {"acks": "-1"})["acks"] == "all"
 
 
-def test_permanent_error_codes() -> None:
+def test_undeliverable_error_codes() -> None:
     from confluent_kafka import KafkaError
 
-    assert is_permanent(KafkaError.MSG_SIZE_TOO_LARGE)
-    assert is_permanent(KafkaError.TOPIC_AUTHORIZATION_FAILED)
-    assert not is_permanent(KafkaError._MSG_TIMED_OUT)
-    assert not is_permanent(KafkaError.NOT_LEADER_FOR_PARTITION)
+    assert is_undeliverable(KafkaError.MSG_SIZE_TOO_LARGE)
+    assert is_undeliverable(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    assert not is_undeliverable(KafkaError._MSG_TIMED_OUT)
+    assert not is_undeliverable(KafkaError.NOT_LEADER_FOR_PARTITION)
 
 
 @pytest.mark.parametrize(
