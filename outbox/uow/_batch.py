@@ -33,8 +33,8 @@ _INLINE_LIMIT = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
-class Claim:
-    """What a batch's claim learned about one key: whether this transaction holds its lock, and
+class KeyLookup:
+    """What a batch's lookup learned about one key: whether this transaction holds its lock, and
     its committed outcome (with its age in seconds) if it has one."""
 
     acquired: bool
@@ -71,7 +71,7 @@ class Batch:
     """Units of work of many keys in one transaction, each in a savepoint (see module)."""
 
     def __init__(
-        self, outbox: Outbox, scope: str, tx: Transaction, claims: dict[str, Claim]
+        self, outbox: Outbox, scope: str, tx: Transaction, claims: dict[str, KeyLookup]
     ) -> None:
         self._outbox = outbox
         self.scope = scope
@@ -121,10 +121,10 @@ class Batch:
         claims = {}
         for key, acquired in zip(keys, locks[0][0], strict=True):
             outcome, age = stored.get(key, (None, None))
-            claims[key] = Claim(bool(acquired), outcome, age)
+            claims[key] = KeyLookup(bool(acquired), outcome, age)
         return cls(outbox, scope, tx, claims)
 
-    def claim(self, key: str) -> Claim:
+    def claim(self, key: str) -> KeyLookup:
         """What the claim learned about ``key`` (one of the keys the batch was opened with)."""
         return self._claims[key]
 

@@ -65,8 +65,8 @@ _INLINE_LIMIT = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
-class Claim:
-    """What a batch's claim learned about one key: whether this transaction holds its lock, and
+class KeyLookup:
+    """What a batch's lookup learned about one key: whether this transaction holds its lock, and
     its committed outcome (with its age in seconds) if it has one."""
 
     acquired: bool
@@ -103,7 +103,7 @@ class AsyncBatch:
     """Units of work of many keys in one transaction, each in a savepoint (see module)."""
 
     def __init__(
-        self, outbox: AsyncOutbox, scope: str, tx: AsyncTransaction, claims: dict[str, Claim]
+        self, outbox: AsyncOutbox, scope: str, tx: AsyncTransaction, claims: dict[str, KeyLookup]
     ) -> None:
         self._outbox = outbox
         self.scope = scope
@@ -153,10 +153,10 @@ class AsyncBatch:
         claims = {}
         for key, acquired in zip(keys, locks[0][0], strict=True):
             outcome, age = stored.get(key, (None, None))
-            claims[key] = Claim(bool(acquired), outcome, age)
+            claims[key] = KeyLookup(bool(acquired), outcome, age)
         return cls(outbox, scope, tx, claims)
 
-    def claim(self, key: str) -> Claim:
+    def claim(self, key: str) -> KeyLookup:
         """What the claim learned about ``key`` (one of the keys the batch was opened with)."""
         return self._claims[key]
 
