@@ -7,7 +7,6 @@ back through units of work.
 """
 
 from outbox.config import OutboxConfig
-from outbox.default import configure, default_outbox, idempotent, unit_of_work
 from outbox.errors import (
     ConfigurationError,
     KeyInProgress,
@@ -20,6 +19,7 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.uow import AsyncOutbox, AsyncUnitOfWork, Outbox, UnitOfWork
+from outbox.uow._default import configure, default_outbox, idempotent, unit_of_work
 
 __all__ = [
     "AsyncOutbox",

@@ -1,5 +1,5 @@
 """How an ``@idempotent`` decorator reads its function: written once for the unit of work's
-decorator (:mod:`outbox.decorators`) and the guard's (:mod:`outbox.guard`).
+decorator (``outbox/uow/_decorators.py``) and the guard's (:mod:`outbox.guard`).
 
 The decorated function takes the unit of work (or the guard's claim) as its first parameter and
 the caller's arguments after it. ``key`` names one of the caller's parameters, or is a callable

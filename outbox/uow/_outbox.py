@@ -35,9 +35,9 @@ from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache import OutcomeCache, make_client
 from outbox._redis.clients import check_flavour
 from outbox.config import DEFAULT_SCOPE, OutboxConfig
-from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError, KeyInProgress
 from outbox.payloads import CloudEvent, Serializer, encode_publish
+from outbox.uow._decorators import make_idempotent
 from outbox.uow._joined import JoinedUnits, check_joinable
 from outbox.uow._unit import UnitOfWork, close_unit, completion
 

@@ -56,9 +56,9 @@ from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache_async import AsyncOutcomeCache, make_async_client
 from outbox._redis.clients import check_flavour
 from outbox.config import DEFAULT_SCOPE, OutboxConfig
-from outbox.decorators import make_idempotent
 from outbox.errors import ConfigurationError, KeyInProgress
 from outbox.payloads import CloudEvent, Serializer, encode_publish
+from outbox.uow._decorators import make_idempotent
 from outbox.uow._joined_async import AsyncJoinedUnits, check_joinable
 from outbox.uow._unit_async import AsyncUnitOfWork, close_unit, completion
 

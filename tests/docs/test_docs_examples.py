@@ -102,8 +102,8 @@ def _outboxes(namespace: dict[str, Any]) -> dict[int, Any]:
     from outbox import AsyncOutbox, Outbox
 
     found = {id(v): v for v in namespace.values() if isinstance(v, AsyncOutbox | Outbox)}
-    if outbox.default._default is not None:  # outbox.configure() in a block
-        found[id(outbox.default._default)] = outbox.default._default
+    if outbox.uow._default._default is not None:  # outbox.configure() in a block
+        found[id(outbox.uow._default._default)] = outbox.uow._default._default
     return found
 
 
@@ -117,4 +117,4 @@ async def _close(outboxes: Any) -> None:
             await value.close()
         else:
             value.close()
-    outbox.default._default = None
+    outbox.uow._default._default = None

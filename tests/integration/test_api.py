@@ -22,7 +22,7 @@ def default_outbox(
     ob = outbox.configure()
     yield ob
     ob.close()
-    outbox.default._default = None
+    outbox.uow._default._default = None
 
 
 def test_module_level_unit_of_work_uses_the_environment(default_outbox: outbox.Outbox) -> None:
@@ -43,7 +43,7 @@ def test_scope_defaults_to_default(default_outbox: outbox.Outbox) -> None:
 
 def test_configure_without_url_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OUTBOX_DATABASE_URL", raising=False)
-    outbox.default._default = None
+    outbox.uow._default._default = None
     with pytest.raises(ConfigurationError, match="OUTBOX_DATABASE_URL"):
         outbox.unit_of_work("k")
     with pytest.raises(ConfigurationError, match="OUTBOX_DATABASE_URL"):

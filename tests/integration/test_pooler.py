@@ -481,7 +481,7 @@ def test_idempotent_default_outbox_from_the_environment_through_a_transaction_po
             thread.join()
     finally:
         ob.close()
-        outbox.default._default = None
+        outbox.uow._default._default = None
     assert _split_keys(biz) == []
     assert _counts(biz) == {"biz": 160, "idempotency_keys": 160, "outbox": 160}
 
