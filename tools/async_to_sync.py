@@ -68,7 +68,7 @@ RULES: list[Rule] = [
     Rule(r"\bas_async_client\b", "as_client"),
     Rule(r"\brefuse_undeclared_async\b", "refuse_undeclared"),
     Rule(r"\bAsyncConsumerRunner\b", "ConsumerRunner"),
-    Rule(r"\bAsync(Attempts|Rounds|JoinedUnits|Verdicts|GuardedAttempts)\b", r"\1"),
+    Rule(r"\bAsync(Attempts|MicroBatches|JoinedUnits|Verdicts|GuardedAttempts)\b", r"\1"),
     Rule(r"\bAsync(Guarded)?Handler\b", r"\1Handler"),
     Rule(r"\bAsyncKafkaConsumer\b", "KafkaConsumer"),
     Rule(r"\bAsyncDeadLetterProducer\b", "DeadLetterProducer"),

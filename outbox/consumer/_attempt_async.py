@@ -4,9 +4,9 @@
 of a micro-batch's savepoints) around the handler, has :func:`outbox._core.disposition.classify`
 decide what the attempt came to, and carries the verdict out: a replay, a retry after a backoff,
 a dead letter (confirmed by the broker before the message counts as finished). The runner
-(:mod:`outbox.consumer._runner_async`) polls and commits offsets; the micro-batch rounds
-(:mod:`outbox.consumer._rounds_async`) decide which messages share a transaction; both hand each
-message to this.
+(:mod:`outbox.consumer._runner_async`) polls and commits offsets; the micro-batches
+(:mod:`outbox.consumer._micro_batches_async`) decide which messages share a transaction; both
+hand each message to this.
 
 What does not depend on where the key's outcome is kept -- reading the key, one attempt around
 the handler, the verdict carried out, dead letters -- is :class:`AsyncVerdicts`, shared with the

@@ -39,7 +39,7 @@ from outbox.consumer._attempt import (
 )
 from outbox.consumer._guarded import GuardedAttempts
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
-from outbox.consumer._rounds import Rounds
+from outbox.consumer._micro_batches import MicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
 from outbox.guard._guard import Claim, RedisGuard
 from outbox.uow._batch import MessageBatch
@@ -201,7 +201,7 @@ class ConsumerRunner:
         else:
             self.outbox = outbox
             self._attempts = Attempts(outbox, handler, self.config, self._metrics, **rules)
-        self._rounds = Rounds(
+        self._micro_batches = MicroBatches(
             self._attempts,
             self.config,
             self._partitions,
@@ -426,7 +426,7 @@ class ConsumerRunner:
         state.backlog.append(message)
         self._metrics.received(self.config.group, topic)
 
-    # -- the work (outbox.consumer._rounds) -------------------------------------------------
+    # -- the work (outbox.consumer._micro_batches) ---------------------------------------
 
     def _work(self) -> None:
         """Work through what was received, a micro-batch at a time, until every partition's
@@ -437,7 +437,7 @@ class ConsumerRunner:
             plan = self._partitions.take(self.config.batch_size, time.monotonic())
             if not plan:
                 break
-            rnd = self._rounds.round(plan)
+            rnd = self._micro_batches.round(plan)
             if rnd.dead_lettered:
                 # Shrinks the window in which a crash would dead-letter a message again.
                 self._commit(sync=True, only=sorted(rnd.dead_lettered))

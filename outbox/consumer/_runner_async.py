@@ -29,8 +29,8 @@ runs as ``handler(claim, message)`` under ``guard.claim(key, scope=<group>)``, o
 a time, and the offset moves once the guard stored the outcome in Redis
 (:mod:`outbox.consumer._guarded_async`; ``docs/guard.md``, "A guarded consumer").
 
-This module is the loop: poll, hand the received messages to the micro-batch rounds
-(:mod:`outbox.consumer._rounds_async`), which hand each message to an attempt
+This module is the loop: poll, hand the received messages to the micro-batches
+(:mod:`outbox.consumer._micro_batches_async`), which hand each message to an attempt
 (:mod:`outbox.consumer._attempt_async`: unit of work, :func:`outbox._core.disposition.classify`,
 the verdict carried out; or :mod:`outbox.consumer._guarded_async` under the guard), and commit
 offsets behind finished messages. The Kafka clients are in
@@ -80,7 +80,7 @@ from outbox.consumer._attempt_async import (
 )
 from outbox.consumer._guarded_async import AsyncGuardedAttempts
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
-from outbox.consumer._rounds_async import AsyncRounds
+from outbox.consumer._micro_batches_async import AsyncMicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
 from outbox.guard._guard_async import AsyncClaim, AsyncRedisGuard
 from outbox.uow._batch_async import AsyncMessageBatch
@@ -244,7 +244,7 @@ class AsyncConsumerRunner:
         else:
             self.outbox = outbox
             self._attempts = AsyncAttempts(outbox, handler, self.config, self._metrics, **rules)
-        self._rounds = AsyncRounds(
+        self._micro_batches = AsyncMicroBatches(
             self._attempts,
             self.config,
             self._partitions,
@@ -469,7 +469,7 @@ class AsyncConsumerRunner:
         state.backlog.append(message)
         self._metrics.received(self.config.group, topic)
 
-    # -- the work (outbox.consumer._rounds_async) -------------------------------------------------
+    # -- the work (outbox.consumer._micro_batches_async) ---------------------------------------
 
     async def _work(self) -> None:
         """Work through what was received, a micro-batch at a time, until every partition's
@@ -480,7 +480,7 @@ class AsyncConsumerRunner:
             plan = self._partitions.take(self.config.batch_size, time.monotonic())
             if not plan:
                 break
-            rnd = await self._rounds.round(plan)
+            rnd = await self._micro_batches.round(plan)
             if rnd.dead_lettered:
                 # Shrinks the window in which a crash would dead-letter a message again.
                 await self._commit(sync=True, only=sorted(rnd.dead_lettered))

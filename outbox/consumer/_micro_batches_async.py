@@ -1,5 +1,19 @@
-# generated from outbox/consumer/_rounds_async.py by tools/async_to_sync.py; do not edit
-"""Generated from ``outbox/consumer/_rounds_async.py`` by ``tools/async_to_sync.py``."""
+"""The consumer's micro-batches: which messages share one PostgreSQL transaction.
+
+A round is one micro-batch: up to ``batch_size`` messages from the heads of the partitions that
+are not waiting (each partition's in offset order). Duplicates the Redis fast path knows are
+answered without a transaction; the others run in ONE transaction, each in a savepoint
+(:mod:`outbox.uow._batch_async`). A message is *finished* -- its offset may be committed -- once
+everything before it in its partition is finished and it is: replayed, dead-lettered
+(confirmed), or processed in a batch that committed. A message that must be tried again stops
+its partition's share of the round; what its attempts came to is kept (its Tries) until it is
+the head. With ``batch_size=1`` every message is the head and runs in a unit of work of its own
+-- or, for a runner under the Redis guard (which has no batches), in a claim of its own.
+
+The data model (entries, slices, fates) is :mod:`outbox._core.batching`; one attempt at a
+message is :class:`outbox.consumer._attempt_async.AsyncAttempts`. Written for asyncio;
+``outbox/consumer/_micro_batches.py`` is generated from it by ``tools/async_to_sync.py``.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +30,10 @@ from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
 from outbox._pg.errors import database_unavailable
 from outbox.config import ConsumerConfig
-from outbox.consumer._attempt import Attempts, Carried, Verdicts
+from outbox.consumer._attempt_async import AsyncAttempts, AsyncVerdicts, Carried
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.errors import KeyReuseError, PreviouslyFailed
-from outbox.uow._batch import Batch
+from outbox.uow._batch_async import AsyncBatch
 
 log = logging.getLogger("outbox.consumer")
 
@@ -28,12 +42,12 @@ log = logging.getLogger("outbox.consumer")
 _BATCH_BYTES = 4 * 1024 * 1024
 
 
-class Rounds:
+class AsyncMicroBatches:
     """Runs micro-batches over a runner's partitions (:meth:`round`), one at a time."""
 
     def __init__(
         self,
-        attempts: Verdicts,
+        attempts: AsyncVerdicts,
         config: ConsumerConfig,
         partitions: Assignment[Message],
         metrics: ConsumerMetrics,
@@ -49,31 +63,31 @@ class Rounds:
         self._stopping = stopping
         self._beat = beat
 
-    def round(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> Round:
+    async def round(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> Round:
         """One micro-batch. ``rnd.moved`` is False when nothing moved; ``rnd.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
         rnd = Round(time.perf_counter())
         slices = []
         for tp, state, messages in plan:
-            entries = self._read(rnd, tp, state, messages)
+            entries = await self._read(rnd, tp, state, messages)
             if entries:
                 slices.append(Slice(tp, state, entries))
         cache = self._attempts.cache
         looked_up = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
         if cache is not None and looked_up:
-            stored = cache.get_many(self._scope, [e.key for e in looked_up])
+            stored = await cache.get_many(self._scope, [e.key for e in looked_up])
             for entry, outcome in zip(looked_up, stored, strict=True):
                 entry.cached = outcome
         for sl in slices:
-            self._answer_from_cache(rnd, sl)
+            await self._answer_from_cache(rnd, sl)
         if any(e.fate is Fate.OPEN for sl in slices for e in sl.entries):
-            self._run_batch(rnd, slices)
+            await self._run_batch(rnd, slices)
         for sl in slices:
             self._settle(rnd, sl)
         self._record(rnd)
         return rnd
 
-    def _read(
+    async def _read(
         self, rnd: Round, tp: TP, state: Partition[Message], messages: list[Message]
     ) -> list[Entry[Message]]:
         """A partition's messages for the round, keys read, in order. Messages that need no
@@ -90,11 +104,11 @@ class Rounds:
             if not head and tries.retry_at > time.monotonic():
                 break  # tried before in a batch that did not commit: it waits its turn
             if head and (self.config.batch_size == 1 or offset <= state.isolated_to):
-                if self._alone(rnd, tp, state, message):
+                if await self._alone(rnd, tp, state, message):
                     continue
                 break
             entry = Entry(message, offset, "", None)
-            outcome = self._attempts.decided(message, tries)
+            outcome = await self._attempts.decided(message, tries)
             if outcome is None:
                 try:
                     key, fingerprint = self._attempts.read_key(message)
@@ -102,10 +116,14 @@ class Rounds:
                         _validate.check_key(key)
                         _validate.check_fingerprint(fingerprint)
                 except Exception as exc:
-                    outcome = self._attempts.dispose(message, tries, exc, reading=Key.UNREADABLE)
+                    outcome = await self._attempts.dispose(
+                        message, tries, exc, reading=Key.UNREADABLE
+                    )
                 else:
                     if key is None:
-                        outcome = self._attempts.dispose(message, tries, None, reading=Key.MISSING)
+                        outcome = await self._attempts.dispose(
+                            message, tries, None, reading=Key.MISSING
+                        )
                     else:
                         entry.key, entry.fingerprint = key, fingerprint
             if outcome is None:
@@ -116,13 +134,13 @@ class Rounds:
                 entries.append(entry)
         return entries
 
-    def _alone(self, rnd: Round, tp: TP, state: Partition[Message], message: Message) -> bool:
+    async def _alone(self, rnd: Round, tp: TP, state: Partition[Message], message: Message) -> bool:
         """Try the head by itself, in a unit of work of its own; True when it finished."""
         self._beat()
         started = time.perf_counter()
         outcome = None
         try:
-            outcome = self._attempts.apply(message, state)
+            outcome = await self._attempts.apply(message, state)
         finally:
             seconds = time.perf_counter() - started
             rnd.alone_seconds += seconds
@@ -136,7 +154,7 @@ class Rounds:
             rnd.dead_lettered.add(tp)
         return True
 
-    def _answer_from_cache(self, rnd: Round, sl: Slice[Message]) -> None:
+    async def _answer_from_cache(self, rnd: Round, sl: Slice[Message]) -> None:
         """Duplicates the Redis fast path knows: no transaction for them."""
         for i, entry in enumerate(sl.entries):
             if entry.fate is not Fate.OPEN or entry.cached is None:
@@ -144,17 +162,17 @@ class Rounds:
             tries = sl.state.tries(entry.offset, sl.is_head(entry))
             try:
                 claim.verdict(self._scope, entry.key, entry.fingerprint, entry.cached, False)
-                outcome = self._attempts.dispose(
+                outcome = await self._attempts.dispose(
                     entry.message, tries, None, key=entry.key, replayed=True
                 )
             except (KeyReuseError, PreviouslyFailed) as exc:
                 self._beat()
-                outcome = self._attempts.dispose(entry.message, tries, exc, key=entry.key)
+                outcome = await self._attempts.dispose(entry.message, tries, exc, key=entry.key)
             if not self._place(rnd, sl, entry, outcome):
                 del sl.entries[i:]
                 return
 
-    def _run_batch(self, rnd: Round, slices: list[Slice[Message]]) -> None:
+    async def _run_batch(self, rnd: Round, slices: list[Slice[Message]]) -> None:
         """The messages that need the database, in one transaction."""
         seen: set[str] = set()
         for sl in slices:
@@ -171,25 +189,25 @@ class Rounds:
         rnd.moved = True
         attempts = self._batched()
         try:
-            batch = Batch.open(attempts.outbox, self._scope, [e.key for e in todo])
+            batch = await AsyncBatch.open(attempts.outbox, self._scope, [e.key for e in todo])
         except Exception as exc:
-            self._batch_failed(slices, exc)
+            await self._batch_failed(slices, exc)
             return
         try:
             if attempts.batch_form:
-                self._run_group(rnd, batch, slices)
+                await self._run_group(rnd, batch, slices)
             else:
-                self._run_each(rnd, batch, slices)
+                await self._run_each(rnd, batch, slices)
             if batch.usable():
                 try:
-                    batch.commit()
+                    await batch.commit()
                 except Exception as exc:
-                    self._batch_failed(slices, exc)
+                    await self._batch_failed(slices, exc)
         finally:
-            batch.close()
+            await batch.close()
         rnd.committed = batch.committed
 
-    def _run_each(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
+    async def _run_each(self, rnd: Round, batch: AsyncBatch, slices: list[Slice[Message]]) -> None:
         for sl in slices:
             for i, entry in enumerate(sl.entries):
                 if entry.fate is not Fate.OPEN:
@@ -203,18 +221,22 @@ class Rounds:
                     del sl.entries[i:]
                     break
                 self._beat()
-                if not self._run_one(rnd, batch, sl, entry):
+                if not await self._run_one(rnd, batch, sl, entry):
                     del sl.entries[i:]
                     break
 
-    def _run_one(self, rnd: Round, batch: Batch, sl: Slice[Message], entry: Entry[Message]) -> bool:
+    async def _run_one(
+        self, rnd: Round, batch: AsyncBatch, sl: Slice[Message], entry: Entry[Message]
+    ) -> bool:
         """Run one message in a savepoint of ``batch`` and place it; False when its partition
         stops there."""
         tries = sl.state.tries(entry.offset, sl.is_head(entry))
-        outcome = self._batched().run(entry.message, tries, entry.key, entry.fingerprint, batch)
+        outcome = await self._batched().run(
+            entry.message, tries, entry.key, entry.fingerprint, batch
+        )
         return self._place(rnd, sl, entry, outcome)
 
-    def _run_group(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
+    async def _run_group(self, rnd: Round, batch: AsyncBatch, slices: list[Slice[Message]]) -> None:
         """A batch handler: the messages whose work must run go to it together, in one
         savepoint; the others (duplicates, keys held elsewhere...) are decided one by one."""
         group: list[tuple[Slice[Message], Entry[Message]]] = []
@@ -226,21 +248,21 @@ class Rounds:
                     group.append((sl, entry))
                     entry.fate = Fate.PENDING
                     continue
-                if not self._run_one(rnd, batch, sl, entry):
+                if not await self._run_one(rnd, batch, sl, entry):
                     del sl.entries[i:]
                     break
         if len(group) == 1:  # alone, a failure is its own
             sl, entry = group[0]
             entry.fate = Fate.OPEN
-            if not self._run_one(rnd, batch, sl, entry):
+            if not await self._run_one(rnd, batch, sl, entry):
                 del sl.entries[sl.entries.index(entry) :]
             return
         if not group:
             return
         self._beat()
         try:
-            with batch.units_of_work([(e.key, e.fingerprint) for _, e in group]) as units:
-                self._batched().run_group(units, [e.message for _, e in group])
+            async with batch.units_of_work([(e.key, e.fingerprint) for _, e in group]) as units:
+                await self._batched().run_group(units, [e.message for _, e in group])
         except (Exception, Carried) as exc:
             # One failure for them all: which message caused it is not known. Each is tried
             # alone next, where a failure is its own (counted, dead-lettered as usual).
@@ -259,14 +281,14 @@ class Rounds:
                 len(group), one_line(error),
             )  # fmt: skip
 
-    def _batched(self) -> Attempts:
+    def _batched(self) -> AsyncAttempts:
         """The attempts of a runner with micro-batches: only units of work share a transaction
         (a runner under the Redis guard runs with ``batch_size=1``, every message alone)."""
         attempts = self._attempts
-        assert isinstance(attempts, Attempts), "micro-batches need an outbox"
+        assert isinstance(attempts, AsyncAttempts), "micro-batches need an outbox"
         return attempts
 
-    def _batch_failed(self, slices: list[Slice[Message]], error: Exception) -> None:
+    async def _batch_failed(self, slices: list[Slice[Message]], error: Exception) -> None:
         """The batch's transaction failed as a whole (its claim or its commit): nothing of it
         was committed. An outage is waited out by each partition's first message that needs
         it; any other failure cannot be laid at one message's door, so those messages are tried
@@ -276,7 +298,7 @@ class Rounds:
                 entry = next((e for e in sl.entries if e.fate is not Fate.FINISHED), None)
                 if entry is not None and entry.fate in (Fate.OPEN, Fate.PENDING):
                     tries = sl.state.tries(entry.offset, sl.is_head(entry))
-                    self._attempts.dispose(entry.message, tries, error, key=entry.key)
+                    await self._attempts.dispose(entry.message, tries, error, key=entry.key)
                     del sl.entries[sl.entries.index(entry) + 1 :]
             return
         for sl in slices:
