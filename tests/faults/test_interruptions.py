@@ -236,8 +236,14 @@ def test_sync_interrupt_while_waiting_on_an_order_lock_frees_the_key(
         main = threading.main_thread().ident
         assert main is not None
 
+        seen: list[str] = []
+
         def interrupt_when_waiting() -> None:
-            wait_for(lambda: _count(engine, WAITING) == 1, 30, "the victim never waited")
+            try:
+                wait_for(lambda: _count(engine, WAITING) >= 1, 60, "the victim never waited")
+                seen.append("waiting")
+            except BaseException as exc:  # interrupt anyway: never leave the victim hanging
+                seen.append(repr(exc))
             signal.pthread_kill(main, signal.SIGINT)
 
         helper = threading.Thread(target=interrupt_when_waiting, daemon=True)
@@ -245,6 +251,7 @@ def test_sync_interrupt_while_waiting_on_an_order_lock_frees_the_key(
         with pytest.raises(KeyboardInterrupt), ob.unit_of_work("victim") as uow:
             uow.publish("chaos.events", "second", key="hot")
         helper.join(30)
+        assert seen == ["waiting"], f"interrupted before the victim waited on the lock: {seen}"
         # The holder is still open: only a cancelled backend can have let go of the key.
         wait_for(lambda: not _key_held(engine, "victim"), 10, "the victim's backend kept its key")
         with ob.unit_of_work("victim") as uow:
