@@ -223,8 +223,19 @@ def test_interrupted_commit_of_a_joined_connection_is_not_handed_out_again(
     _clean(engine)
 
 
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test: a command run in-process
+    earlier in the session may have installed its graceful-stop handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_sync_interrupt_while_waiting_on_an_order_lock_frees_the_key(
-    engine: sa.Engine, database_url: str, orders: None
+    engine: sa.Engine, database_url: str, orders: None, default_sigint: None
 ) -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.fail("signals reach the main thread only")
