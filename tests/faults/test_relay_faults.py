@@ -18,7 +18,6 @@ import sqlalchemy as sa
 from outbox import lanes
 from tests.fixtures.common import free_port, wait_for
 from tests.fixtures.kafka import Broker
-from tests.fixtures.processes import local_tcp_ports
 from tests.fixtures.proxy import TcpProxy
 from tests.fixtures.relay import (
     assert_delivered,
@@ -28,6 +27,7 @@ from tests.fixtures.relay import (
     read_topic,
     relay_pids,
     start_relay,
+    stop_mid_batch,
 )
 
 pytestmark = pytest.mark.slow
@@ -38,39 +38,6 @@ def _committed(ids: list[uuid.UUID], keys: list[str]) -> dict[bytes, list[str]]:
     for event_id, key in zip(ids, keys, strict=True):
         out.setdefault(key.encode(), []).append(str(event_id))
     return out
-
-
-def _open_claims(engine: sa.Engine, pid: int) -> int:
-    """How many transactions that hold claimed outbox rows relay process ``pid`` has open: its
-    sessions (found by their client ports) with a transaction id, which a row lock assigns."""
-    ports = local_tcp_ports(pid)
-    if not ports:
-        return 0
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND client_port = ANY(:ports) AND backend_xid IS NOT NULL"
-                ),
-                {"ports": sorted(ports)},
-            ).scalar_one()
-        )
-
-
-def _stop_mid_batch(engine: sa.Engine, proc: subprocess.Popen[bytes], tries: int = 200) -> int:
-    """SIGSTOP ``proc`` while it holds claimed rows (watching its sessions for up to ``tries``
-    looks), so that the kill which follows lands mid-batch; returns the claims it holds when
-    stopped (0 if it never was caught with one: the kill then lands on an idle relay)."""
-    for _ in range(tries):
-        if _open_claims(engine, proc.pid):
-            proc.send_signal(signal.SIGSTOP)  # what it holds cannot change any more
-            held = _open_claims(engine, proc.pid)
-            if held or proc.poll() is not None:
-                return held
-            proc.send_signal(signal.SIGCONT)  # it finished the batch in between: again
-    proc.send_signal(signal.SIGSTOP)
-    return _open_claims(engine, proc.pid)
 
 
 def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -127,7 +94,7 @@ def test_sigkill_storm_loses_nothing_and_keeps_key_order(
             index = rng.randrange(len(relays))
             victim = relays[index]
             if victim.poll() is None:
-                in_flight += _stop_mid_batch(engine, victim)
+                in_flight += stop_mid_batch(engine, victim)
                 victim.kill()
                 victim.wait()
                 kills += 1

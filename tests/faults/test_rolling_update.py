@@ -25,7 +25,7 @@ import yaml
 from tests.fixtures.common import REPORTS, free_port, wait_for
 from tests.fixtures.consumer import produce
 from tests.fixtures.kafka import create_topic
-from tests.fixtures.processes import die_with_parent, local_tcp_ports, log_tail, stop_process
+from tests.fixtures.processes import die_with_parent, log_tail, stop_process
 from tests.fixtures.relay import (
     assert_delivered,
     check_key_order,
@@ -33,6 +33,7 @@ from tests.fixtures.relay import (
     outbox_count,
     read_topic,
     start_relay,
+    stop_mid_batch,
 )
 
 pytestmark = pytest.mark.slow
@@ -66,32 +67,6 @@ def counter(port: int, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def open_claims(engine: sa.Engine, pid: int) -> int:
-    """Transactions of relay process ``pid`` that hold claimed rows: its sessions (found by
-    their client ports) with a transaction id, which a row lock assigns."""
-    ports = local_tcp_ports(pid)
-    if not ports:
-        return 0
-    with engine.connect() as conn:
-        return int(conn.execute(sa.text(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND client_port = ANY(:ports) AND backend_xid IS NOT NULL"),
-            {"ports": sorted(ports)}).scalar_one())  # fmt: skip
-
-
-def stop_mid_batch(engine: sa.Engine, proc: subprocess.Popen[bytes]) -> int:
-    """SIGSTOP ``proc`` while it holds claimed rows; returns how many claims it holds then
-    (0: it was never caught with one)."""
-    for _ in range(500):
-        if open_claims(engine, proc.pid):
-            proc.send_signal(signal.SIGSTOP)  # what it holds cannot change any more
-            held = open_claims(engine, proc.pid)
-            if held or proc.poll() is not None:
-                return held
-            proc.send_signal(signal.SIGCONT)  # it finished the batch in between: again
-    return 0
 
 
 def sigterm_and_wait(proc: subprocess.Popen[bytes], grace: float, log: Path) -> int:
@@ -154,7 +129,8 @@ def test_relay_rolling_update_loses_nothing(
         wait_for(lambda: get(new_port, "/readyz")[0] == 200, 60, "new relay never ready")
         assert writes.acquire(timeout=60)  # the writer is still at it
         # SIGTERM lands while the old relay holds a claimed batch.
-        assert stop_mid_batch(engine, old) > 0, "the old relay was never caught mid-batch"
+        held = stop_mid_batch(engine, old, tries=500)
+        assert held > 0, "the old relay was never caught mid-batch"
         assert sigterm_and_wait(old, grace_period("relay"), old_log) == 0
         stop_writing.set()
         thread.join(60)
