@@ -107,7 +107,7 @@ RULES: list[Rule] = [
     # Work after the caller's commit: a task in asyncio, a plain call in the sync flavour.
     Rule(r"^(\s*)spawn\((.+)\)$", r"\1\2"),
     # psycopg.
-    Rule(r"\bpsycopg\.AsyncConnection\b", "psycopg.Connection"),
+    Rule(r"\bpsycopg\.Async(Connection|Cursor)\b", r"psycopg.\1"),
     Rule(r"\bAsyncClientCursor\b", "ClientCursor"),
     # redis-py.
     Rule(r"\bredis\.asyncio\b", "redis"),

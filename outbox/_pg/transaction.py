@@ -282,6 +282,21 @@ def check_caller(session: Any, connection: Connection | None) -> None:
     check_unprepared(raw.driver_connection)
 
 
+def _statement_rows(
+    cursor: psycopg.Cursor[Any], skip: int, count: int
+) -> list[list[tuple[Any, ...]]]:
+    """The rows of ``count`` statements of one message, after its first ``skip`` results (the
+    PREPAREs and the BEGIN sent ahead of them)."""
+    for _ in range(skip):
+        cursor.nextset()
+    rows = []
+    for i in range(count):
+        if i:
+            cursor.nextset()
+        rows.append([tuple(row) for row in cursor.fetchall()])
+    return rows
+
+
 class Transaction:
     """A transaction on a connection checked out of ``engine``.
 
@@ -370,12 +385,7 @@ class Transaction:
                     # No PREPARE, nothing to learn about the session: one attempt.
                     cursor = driver.cursor()
                     cursor.execute(f"{begin}; ".encode() + body)
-                    cursor.nextset()
-                    rows = []
-                    for i in range(len(statements)):
-                        if i:
-                            cursor.nextset()
-                        rows.append([tuple(row) for row in cursor.fetchall()])
+                    rows = _statement_rows(cursor, 1, len(statements))
                     break
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
@@ -403,13 +413,7 @@ class Transaction:
                     continue
                 known.update(p.name for p in missing)
                 wanted.clear()
-                for _ in range(len(missing) + 1):
-                    cursor.nextset()
-                rows = []
-                for i in range(len(statements)):
-                    if i:
-                        cursor.nextset()
-                    rows.append([tuple(row) for row in cursor.fetchall()])
+                rows = _statement_rows(cursor, len(missing) + 1, len(statements))
                 break
             else:  # pragma: no cover - two stale records in a row means a concurrent DEALLOCATE
                 raise psycopg.errors.InvalidSqlStatementName(

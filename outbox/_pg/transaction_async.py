@@ -311,6 +311,21 @@ async def check_caller(session: Any, connection: AsyncConnection | None) -> None
     check_unprepared(raw.driver_connection)
 
 
+async def _statement_rows(
+    cursor: psycopg.AsyncCursor[Any], skip: int, count: int
+) -> list[list[tuple[Any, ...]]]:
+    """The rows of ``count`` statements of one message, after its first ``skip`` results (the
+    PREPAREs and the BEGIN sent ahead of them)."""
+    for _ in range(skip):
+        cursor.nextset()
+    rows = []
+    for i in range(count):
+        if i:
+            cursor.nextset()
+        rows.append([tuple(row) for row in await cursor.fetchall()])
+    return rows
+
+
 class AsyncTransaction:
     """A transaction on a connection checked out of ``engine``.
 
@@ -399,12 +414,7 @@ class AsyncTransaction:
                     # No PREPARE, nothing to learn about the session: one attempt.
                     cursor = driver.cursor()
                     await cursor.execute(f"{begin}; ".encode() + body)
-                    cursor.nextset()
-                    rows = []
-                    for i in range(len(statements)):
-                        if i:
-                            cursor.nextset()
-                        rows.append([tuple(row) for row in await cursor.fetchall()])
+                    rows = await _statement_rows(cursor, 1, len(statements))
                     break
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
@@ -432,13 +442,7 @@ class AsyncTransaction:
                     continue
                 known.update(p.name for p in missing)
                 wanted.clear()
-                for _ in range(len(missing) + 1):
-                    cursor.nextset()
-                rows = []
-                for i in range(len(statements)):
-                    if i:
-                        cursor.nextset()
-                    rows.append([tuple(row) for row in await cursor.fetchall()])
+                rows = await _statement_rows(cursor, len(missing) + 1, len(statements))
                 break
             else:  # pragma: no cover - two stale records in a row means a concurrent DEALLOCATE
                 raise psycopg.errors.InvalidSqlStatementName(
