@@ -6,6 +6,7 @@ PostgreSQL transaction; duplicates replay the stored result (from Redis when it 
 back through units of work.
 """
 
+from outbox import _moved
 from outbox.config import OutboxConfig
 from outbox.errors import (
     ConfigurationError,
@@ -41,3 +42,5 @@ __all__ = [
     "idempotent",
     "unit_of_work",
 ]
+
+_moved.install()  # the import paths of earlier releases (outbox/_moved.py)

@@ -3,8 +3,8 @@
 
 Every statement here is built from the SQLAlchemy Core tables of :mod:`outbox.schema` or from
 constant text with the schema-qualified, quoted table name (:func:`~outbox._pg.statements.
-qualified`); values always travel as bound parameters. The services in :mod:`outbox.admin` and
-:mod:`outbox.parked` call these and hold no SQL of their own.
+qualified`); values always travel as bound parameters. The functions of :mod:`outbox.admin` call
+these and hold no SQL of their own.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from typing import Any
 from outbox._core.dlq import Group, Letter, group_letters, parse_ref
 from outbox._core.validate import check_topic
 from outbox._kafka.dlq import read_letters
+from outbox.admin import redrive
 from outbox.cli._common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -20,7 +21,6 @@ from outbox.cli._common import (
     ranged,
     require,
 )
-from outbox.dlq import redrive
 from outbox.errors import ConfigurationError
 
 MAX_LIMIT = 1_000_000

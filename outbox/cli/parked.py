@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from outbox._core.validate import check_topic, shown
+from outbox.admin import discard_parked, list_parked, retry_parked
 from outbox.cli._common import EXIT_FAILURE, EXIT_OK, add_flags, integer, ranged
 from outbox.cli._database import command_engine
 from outbox.errors import ConfigurationError
-from outbox.parked import discard_parked, list_parked, retry_parked
 
 
 def _event_ids(values: Sequence[str]) -> list[uuid.UUID]:

@@ -42,7 +42,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from outbox import admin, dlq
+from outbox import admin
 from outbox._core.redact import redact_text, redact_url
 from outbox._core.settings import check_bootstrap_servers
 from outbox._core.urls import check_database_url, check_redis_url
@@ -384,13 +384,13 @@ class Console:
 
     def dead_letters(self, request: Request) -> Response:
         topic = request.query_params.get("topic") or ""
-        groups: list[dlq.Group] = []
+        groups: list[admin.Group] = []
         if topic and self.settings.bootstrap_servers is None:
             raise ValidationError(
                 "the dead-letters page reads Kafka: start the console with --bootstrap-servers"
             )
         if topic:
-            groups = dlq.read_groups(
+            groups = admin.read_groups(
                 self.settings.bootstrap_servers or "",
                 data.check_dlq_topic(topic),
                 kafka_config=self.settings.kafka_config,
@@ -433,7 +433,7 @@ class Console:
         confirmed: str | None,
         bootstrap: str,
     ) -> Response:
-        groups = dlq.read_groups(
+        groups = admin.read_groups(
             bootstrap, topic, kafka_config=self.settings.kafka_config, limit=data.MAX_DEAD_LETTERS
         )
         letters = [x for g in groups if g.id in wanted for x in g.letters]
@@ -448,7 +448,7 @@ class Console:
                     "changed": confirmed is not None,
                 },
             )
-        count = dlq.redrive(bootstrap, letters, kafka_config=self.settings.kafka_config)
+        count = admin.redrive(bootstrap, letters, kafka_config=self.settings.kafka_config)
         client = request.client.host if request.client else "unknown"
         log.warning(
             "admin redrive: %d dead letter(s) of %s (groups %s) from %s",

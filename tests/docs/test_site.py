@@ -28,7 +28,6 @@ PUBLIC_NAMES = {
     "outbox.migrate": ["upgrade", "downgrade", "current_revision", "head_revision",
                        "include_name", "include_object", "OUTBOX_TABLES"],
     "outbox.relay": ["Relay"],
-    "outbox.parked": ["ParkedRow", "list_parked", "retry_parked", "discard_parked"],
 }  # fmt: skip
 
 

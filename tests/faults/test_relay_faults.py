@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from outbox import lanes
+from outbox.admin import relay_ownership
 from tests.fixtures.common import free_port, wait_for
 from tests.fixtures.kafka import Broker
 from tests.fixtures.proxy import TcpProxy
@@ -106,7 +106,7 @@ def test_sigkill_storm_loses_nothing_and_keeps_key_order(
 
         def three_registered() -> bool:
             with engine.connect() as conn:
-                return len(lanes.relay_ownership(conn, None)) == 3
+                return len(relay_ownership(conn, None)) == 3
 
         # Past start-up (signal handlers installed), so SIGTERM must end each with exit 0.
         wait_for(three_registered, 30, "the last relays never registered")

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from outbox import Outbox, PermanentError, admin, cli, lanes, migrate
-from outbox._core import environment
+from outbox import Outbox, PermanentError, admin, cli, migrate
+from outbox._core import environment, lanes
+from outbox._pg.lanes import register, try_acquire
 from outbox.relay import RelayConfig
 from tests.fixtures.common import wait_for
 from tests.fixtures.relay import RelayThread, insert_rows, outbox_count
@@ -88,8 +89,8 @@ def test_status_reports_backlog_parked_keys_and_lane_owners(
     )
     try:
         with holder.connect() as conn:
-            pid = lanes.register(conn, None, 4)
-            assert lanes.try_acquire(conn, None, [0, 1]) == [0, 1]
+            pid = register(conn, None, 4)
+            assert try_acquire(conn, None, [0, 1]) == [0, 1]
             conn.commit()
             doc = _status_json(capsys, database_url)
             human_code = cli.main(["status", "--database-url", database_url])

@@ -17,8 +17,8 @@ import sqlalchemy as sa
 
 import outbox
 from outbox._core.recordsize import wire_size
+from outbox.admin import list_parked
 from outbox.errors import PayloadTooLargeError
-from outbox.parked import list_parked
 from outbox.relay import Relay, RelayConfig
 from tests.fixtures.relay import REPO, insert_rows, outbox_count, relay_command, wait_for_records
 from tests.fixtures.uow import count

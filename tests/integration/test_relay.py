@@ -10,10 +10,10 @@ import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from outbox import Outbox, lanes as lanes_mod
+from outbox import Outbox
 from outbox._pg.relay import outbox_delete_confirmed
+from outbox.admin import discard_parked, list_parked, relay_ownership, retry_parked
 from outbox.errors import ConfigurationError
-from outbox.parked import discard_parked, list_parked, retry_parked
 from outbox.relay import Relay, RelayConfig
 from tests.fixtures.common import wait_for
 from tests.fixtures.relay import (
@@ -194,7 +194,7 @@ def test_relays_split_lanes_and_survivor_takes_over(
 
         def split_evenly() -> bool:
             with engine.connect() as conn:
-                relays = lanes_mod.relay_ownership(conn, None)
+                relays = relay_ownership(conn, None)
             held = [lane for r in relays for lane in r.lanes]
             return (
                 len(relays) == 2
@@ -208,7 +208,7 @@ def test_relays_split_lanes_and_survivor_takes_over(
 
         def first_owns_all() -> bool:
             with engine.connect() as conn:
-                relays = lanes_mod.relay_ownership(conn, None)
+                relays = relay_ownership(conn, None)
             return len(relays) == 1 and relays[0].lanes == tuple(range(8))
 
         wait_for(first_owns_all, 20, "the surviving relay did not take every lane")

@@ -10,11 +10,11 @@ from hypothesis import given, strategies as st
 
 from outbox import admin, cli
 from outbox._core import durations as durations_mod, environment
+from outbox.admin import DEFAULT_LANES, RelayInfo
 from outbox.cli import gc as gc_cli
 from outbox.cli._common import FLAGS
 from outbox.config import DEFAULT_CACHE_TTL_SECONDS, OutboxConfig
 from outbox.errors import ConfigurationError
-from outbox.lanes import DEFAULT_LANES, RelayInfo
 
 # ------------------------------------------------------------------------------ durations
 
@@ -166,7 +166,7 @@ def _status(**changes: object) -> admin.Status:
     )
     from dataclasses import replace
 
-    return admin._with_warnings(replace(base, **changes))  # type: ignore[arg-type]
+    return admin._status._with_warnings(replace(base, **changes))  # type: ignore[arg-type]
 
 
 def test_warnings_point_at_the_fix() -> None:

@@ -1,22 +1,27 @@
-"""Dead letters for operators (``outbox dlq`` and the console's dead-letters page): read a
-dead-letter topic, group its records by failure, send chosen ones back to their original topic.
+"""Dead letters for operators (``outbox dlq``, the console): read, group by failure, redrive.
 
-A redriven message carries its original key, value and headers, without the ``outbox.dlq.*``
-headers of its failure and with ``outbox.redrive-count`` raised by one, so a message that keeps
-failing shows how often it came back.
+Invariant: a redriven message carries its original key, value and headers, without the
+``outbox.dlq.*`` headers of its failure and with ``outbox.redrive-count`` raised by one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 from outbox._core.dlq import REDRIVE_HEADER, Group, Letter, group_letters, redrive_headers
 from outbox._core.validate import check_topic
-from outbox._kafka.dlq import produce_all, read_letters
 from outbox.errors import ConfigurationError
 
 __all__ = ["REDRIVE_HEADER", "Group", "Letter", "read_groups", "redrive"]
+
+
+def _kafka() -> ModuleType:
+    """The Kafka side of dead letters, loaded on first use."""
+    from outbox._kafka import dlq  # why: `outbox status`, `gc` and `parked` never load Kafka
+
+    return dlq
 
 
 def read_groups(
@@ -28,7 +33,7 @@ def read_groups(
 ) -> list[Group]:
     """The dead letters of ``topic`` (at most ``limit``) grouped by failure, biggest first."""
     check_topic(topic)
-    return group_letters(read_letters(bootstrap_servers, kafka_config or {}, topic, limit))
+    return group_letters(_kafka().read_letters(bootstrap_servers, kafka_config or {}, topic, limit))
 
 
 def redrive(
@@ -53,5 +58,5 @@ def redrive(
         if x.info is not None
     ]
     if records and not dry_run:
-        produce_all(bootstrap_servers, kafka_config or {}, records)
+        _kafka().produce_all(bootstrap_servers, kafka_config or {}, records)
     return len(records)

@@ -1,10 +1,7 @@
-"""Parked rows: outbox rows the relay gave up on (``outbox parked`` prints these).
+"""Parked rows: outbox rows the relay gave up on (``outbox parked``), listed, retried, discarded.
 
-A row is parked after a permanent Kafka error (record too large, invalid or unknown topic,
-authorization refused) or after ``--max-attempts`` failed deliveries. It stays in the outbox
-with its error and attempt count, and every later row of its key waits behind it (per-key
-order). ``retry`` puts it back in line with a fresh attempt count; ``discard`` deletes it, which
-lets the rows behind it flow.
+Invariant: a parked row holds back every later row of its key (per-key order) until it is
+retried, with a fresh attempt count, or discarded.
 """
 
 from __future__ import annotations
