@@ -199,6 +199,8 @@ def read_status(
         replace(r, client_addr=_host(r.client_addr))
         for r in lanes_pg.relay_ownership(connection, schema)
     )
+    topics, by_lane = ops.outbox_backlog(connection, schema, lanes)
+    ages = [age for *_, age in topics if age is not None]
     status = Status(
         schema=schema,
         revision=revision,
@@ -206,11 +208,9 @@ def read_status(
         lanes=lanes,
         lanes_source=source,
         relay_lane_counts=announced,
-        topics=tuple(TopicBacklog(*row) for row in ops.outbox_backlog_by_topic(connection, schema)),
-        lane_backlog=tuple(
-            LaneBacklog(*row) for row in ops.outbox_backlog_by_lane(connection, schema, lanes)
-        ),
-        oldest_pending_age=ops.outbox_oldest_pending_age(connection, schema),
+        topics=tuple(TopicBacklog(*row) for row in topics),
+        lane_backlog=tuple(LaneBacklog(*row) for row in by_lane),
+        oldest_pending_age=max(ages) if ages else None,  # the oldest of all: the topics' oldest
         keys=tuple(ScopeKeys(*row) for row in ops.idempotency_keys_by_scope(connection, schema)),
         oldest_key_age=ops.idempotency_keys_oldest_update_age(connection, schema),
         relays=relays,
