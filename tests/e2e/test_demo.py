@@ -49,7 +49,7 @@ def test_quick_demo_absorbs_duplicates_survives_a_relay_kill_and_loses_nothing(
 
 
 @pytest.mark.slow
-def test_quick_demo_runs_on_embedded_servers_when_none_answers(tmp_path: Path) -> None:
+def test_quick_demo_runs_on_embedded_servers_when_none_answers(embedded_home: Path) -> None:
     """A machine with Python and nothing else: no URL set, nothing answering where installed
     PostgreSQL and Redis would be; the demo starts both from the dev extra's wheels, says so,
     loses nothing, and stops PostgreSQL when it exits."""
@@ -57,12 +57,12 @@ def test_quick_demo_runs_on_embedded_servers_when_none_answers(tmp_path: Path) -
     closed_pg, closed_redis = free_port(), free_port()  # nothing listens there
     env["OUTBOX_DEMO_LOCAL_POSTGRES"] = f"127.0.0.1:{closed_pg}"
     env["OUTBOX_DEMO_LOCAL_REDIS"] = f"127.0.0.1:{closed_redis}"
-    env["OUTBOX_DEMO_EMBEDDED_DIR"] = str(tmp_path / "embedded")
+    env["OUTBOX_DEMO_EMBEDDED_DIR"] = str(embedded_home)
     done = subprocess.run(
         [sys.executable, "scripts/demo.py", "--quick", "--json", "--seed", "7"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
-    pgdata = tmp_path / "embedded" / "pg"
+    pgdata = embedded_home / "pg"
     server_log = (pgdata / "log").read_text()[-3000:] if (pgdata / "log").exists() else ""
     assert done.returncode == 0, (
         done.stdout[-3000:] + done.stderr[-3000:] + "\n--- server log\n" + server_log

@@ -40,9 +40,11 @@ USER_TESTS = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_user_tests_run_on_one_embedded_server_shared_by_xdist_workers(tmp_path: Path) -> None:
+def test_user_tests_run_on_one_embedded_server_shared_by_xdist_workers(
+    tmp_path: Path, embedded_home: Path
+) -> None:
     (tmp_path / "test_user.py").write_text(USER_TESTS)
-    pgdata = tmp_path / "embedded" / "pg"
+    pgdata = embedded_home / "pg"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env["OUTBOX_TESTING_EMBEDDED_DIR"] = str(pgdata)
     env.pop("PYTEST_ADDOPTS", None)
