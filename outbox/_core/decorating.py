@@ -24,7 +24,7 @@ from typing import Any
 from outbox.errors import ConfigurationError
 
 
-def check_flavour(
+def check_decorated_flavour(
     func: Callable[..., Any], is_async: bool | None, sync_owner: str, async_owner: str
 ) -> bool:
     """Whether ``func`` is a coroutine function; refuses one of the other flavour than the
@@ -45,7 +45,7 @@ def check_flavour(
     return coroutine
 
 
-def key_function(
+def arguments_key(
     func: Callable[..., Any], key: str | Callable[..., str], first: str
 ) -> Callable[..., str]:
     """The function that finds the key among the caller's arguments (see the module).
@@ -144,3 +144,8 @@ def arguments_fingerprint(func: Callable[..., Any]) -> Callable[..., str]:
         return "args:sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     return fingerprint
+
+
+# old names, still used by outbox.uow._decorators
+check_flavour = check_decorated_flavour
+key_function = arguments_key

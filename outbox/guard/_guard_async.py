@@ -110,7 +110,7 @@ class AsyncRedisGuard:
         self._owns_client = isinstance(redis, str)
         self._client: rg.AsyncClient
         if isinstance(redis, str):
-            self._client = rg.make_async_client(redis, cluster)
+            self._client = rg.make_async_guard_client(redis, cluster)
         else:
             self._client = rg.as_async_client(redis)
 
@@ -182,7 +182,7 @@ class AsyncRedisGuard:
             )
 
         def decorate(func: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-            key_of = core.key_function(func, key, _ASYNC)
+            key_of = core.guard_arguments_key(func, key, _ASYNC)
 
             @functools.wraps(func)
             async def wrapper(*args: Any, **kwargs: Any) -> Any:
