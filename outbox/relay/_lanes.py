@@ -17,7 +17,7 @@ from outbox._core.lanes import configured_lane_counts, ownership_from_locks, pla
 from outbox._pg import lanes as pg_lanes
 from outbox.config import RelayConfig
 from outbox.errors import ConfigurationError
-from outbox.metrics import RelayMetrics
+from outbox.relay._metrics import RelayMetrics
 
 log = logging.getLogger("outbox.relay")
 
