@@ -1,11 +1,10 @@
-"""How an ``@idempotent`` decorator reads its function: written once for the unit of work's
-decorator (``outbox/uow/_decorators.py``) and the guard's (:mod:`outbox.guard`).
+"""How an ``@idempotent`` decorator reads its function, for the unit of work and the guard alike.
 
-The decorated function takes the unit of work (or the guard's claim) as its first parameter and
-the caller's arguments after it. ``key`` names one of the caller's parameters, or is a callable
-of the caller's arguments that returns the key. Without a ``fingerprint`` of its own, a decorated
-function's fingerprint covers all of the caller's arguments (:func:`arguments_fingerprint`), so
-the same key with other arguments is a reuse, not a duplicate.
+Invariant: the same key with other arguments is a reuse, not a duplicate. The decorated function
+takes the unit of work (or the guard's claim) first and the caller's arguments after it;
+``key`` names one of the caller's parameters or is a callable of them, and without a
+``fingerprint`` of its own a function's fingerprint covers all of the caller's arguments
+(:func:`arguments_fingerprint`).
 """
 
 from __future__ import annotations

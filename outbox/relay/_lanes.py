@@ -1,9 +1,7 @@
 """The lanes a relay owns: registration among the running relays, and rebalancing.
 
-Every relay of an outbox registers with the same lane count and holds a session-level advisory
-lock per lane it owns (:mod:`outbox._pg.lanes`); :func:`outbox._core.lanes.plan_rebalance` decides
-which lanes to take or give back so that the running relays share them evenly. A relay claims
-rows of its own lanes only, so two relays never send the same key.
+Invariant: a relay claims rows of the lanes whose advisory lock its session holds, and every
+relay of an outbox registers with the same lane count, so two relays never send the same key.
 """
 
 from __future__ import annotations
