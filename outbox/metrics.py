@@ -1,4 +1,4 @@
-"""Old home of the relay's metrics and the metrics server: re-exports them from their modules."""
+"""The relay's metrics and the metrics server under their earlier import path (a re-export)."""
 
 from __future__ import annotations
 

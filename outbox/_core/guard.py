@@ -1,10 +1,8 @@
-"""Pure decisions of the Redis guard (:mod:`outbox.guard`): settings, key layout, verdicts.
+"""Pure decisions of the Redis guard: settings, key layout, and verdicts on the scripts' answers.
 
-The Lua scripts in :mod:`outbox._redis.guard` make the one decision that must be atomic -- is the
-key free, busy, or held by an owner whose lease ran out -- and answer with a short list. This
-module validates settings and input before any I/O, names the Redis key of a claim, and turns
-the scripts' answers into verdicts and exceptions. Any answer it cannot read becomes
-:class:`~outbox.errors.GuardUnavailable`: garbage in Redis never escapes as another exception.
+Invariant: settings and input are refused before any I/O, and any answer of the scripts this
+module cannot read becomes :class:`~outbox.errors.GuardUnavailable`: garbage in Redis never
+escapes as another exception.
 """
 
 from __future__ import annotations
