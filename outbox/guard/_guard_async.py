@@ -1,7 +1,7 @@
 """The Redis idempotency guard on redis.asyncio clients (the source of the sync guard).
 
-Invariant: a claim holds its key for a *lease*, and an outcome is stored only by the owner that
-still holds it: a late outcome after a takeover raises :class:`~outbox.errors.LeaseLost`.
+Invariant: a claim holds its key for a *lease*, and an outcome is stored only by the key's
+current owner: a late outcome after a takeover raises :class:`~outbox.errors.LeaseLost`.
 ``claim.fence`` grows with every owner of a key, so downstream systems can refuse a stale one;
 a lease is a clock, weaker than the unit of work (``docs/guard.md``).
 """
