@@ -36,9 +36,9 @@ lint:
 	$(PYTHON) -m ruff check outbox migrations tests benchmarks scripts examples tools
 	$(PYTHON) -m ruff format --check outbox migrations tests benchmarks scripts examples tools
 
-## typecheck: mypy --strict over the package
+## typecheck: mypy --strict over the package, the twin generator and the test fixtures
 typecheck:
-	$(PYTHON) -m mypy outbox
+	$(PYTHON) -m mypy outbox tools tests/fixtures
 
 # The example service's tests use outbox.testing, which takes its PostgreSQL server from
 # OUTBOX_TESTING_DATABASE_URL: the test suite's server unless set.

@@ -1,9 +1,7 @@
 """Configuration: frozen dataclasses with ``validate()`` and environment helpers.
 
-:class:`OutboxConfig` configures the unit of work, :class:`ConsumerConfig` the consumer runner.
-
-Every setting has a default that is safe in production; ``validate()`` refuses inconsistent
-combinations with a message that says how to fix them.
+Invariant: every setting has a default that is safe in production, and ``validate()`` refuses
+inconsistent combinations with a message that says how to fix them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Apply or revert outbox-kit's migrations from the installed package, and live beside an
-application's own alembic history.
+"""Apply or revert outbox-kit's migrations from the installed package, beside an app's own history.
 
-The migrations ship inside the wheel (``outbox.migrations``), so ``outbox migrate`` works
-without the repository's ``alembic.ini``. They keep their own version table
-(``outbox_alembic_version``); an application's ``env.py`` passes :func:`include_name` (or
-:func:`include_object`) to ``context.configure`` so that its ``alembic revision --autogenerate``
-leaves the toolkit's tables alone.
+Invariant: the toolkit's migrations keep their own version table (``outbox_alembic_version``)
+and ship inside the wheel, so ``outbox migrate`` needs no ``alembic.ini``; an application's
+``env.py`` passes :func:`include_name` (or :func:`include_object`) to ``context.configure`` so
+that its ``alembic revision --autogenerate`` leaves the toolkit's tables alone.
 """
 
 from __future__ import annotations

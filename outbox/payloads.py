@@ -1,22 +1,8 @@
-"""Payload formats: serializers at the door, CloudEvents, tombstones.
+"""Payload formats: serializers at the door, CloudEvents, tombstones (docs/payload-formats.md).
 
-A publish encodes its value in one of three ways (``docs/payload-formats.md``):
-
-* by default, ``bytes`` as they are, ``str`` as UTF-8 text, anything else as JSON, and ``None``
-  as a tombstone (a record with a null value);
-* with a serializer -- ``serializer=`` / ``key_serializer=`` on the call, or per topic in
-  ``OutboxConfig(serializers=..., key_serializers=...)`` -- of confluent-kafka's shape
-  ``serializer(obj, SerializationContext) -> bytes``: ``AvroSerializer``, ``ProtobufSerializer``,
-  ``JSONSchemaSerializer`` with a ``SchemaRegistryClient``, or any function alike. It runs inside
-  the unit of work, so a value its schema refuses, a schema the registry does not know and a
-  registry out of reach raise :class:`~outbox.errors.SerializerError` before anything is
-  written;
-* as a CloudEvent in binary content mode: ``cloudevent=CloudEvent(type=..., source=...)`` adds
-  the ``ce_*`` headers of the CloudEvents Kafka protocol binding, with the event id as ``ce_id``.
-
-The consumer runner decodes with deserializers of the same shape
-(``ConsumerRunner(..., value_deserializer=..., key_deserializer=...)``), and
-:func:`read_cloudevent` reads a record's CloudEvents attributes.
+Invariant: a value is encoded inside the unit of work, so a value its serializer refuses, an
+unknown schema or a registry out of reach raises :class:`~outbox.errors.SerializerError` before
+anything is written.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""How an ``@idempotent`` decorator reads its function: written once for the unit of work's
-decorator (``outbox/uow/_decorators.py``) and the guard's (:mod:`outbox.guard`).
+"""How an ``@idempotent`` decorator reads its function, for the unit of work and the guard alike.
 
-The decorated function takes the unit of work (or the guard's claim) as its first parameter and
-the caller's arguments after it. ``key`` names one of the caller's parameters, or is a callable
-of the caller's arguments that returns the key. Without a ``fingerprint`` of its own, a decorated
-function's fingerprint covers all of the caller's arguments (:func:`arguments_fingerprint`), so
-the same key with other arguments is a reuse, not a duplicate.
+Invariant: the same key with other arguments is a reuse, not a duplicate. The decorated function
+takes the unit of work (or the guard's claim) first and the caller's arguments after it;
+``key`` names one of the caller's parameters or is a callable of them, and without a
+``fingerprint`` of its own a function's fingerprint covers all of the caller's arguments
+(:func:`arguments_fingerprint`).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from typing import Any
 from outbox.errors import ConfigurationError
 
 
-def check_flavour(
+def check_decorated_flavour(
     func: Callable[..., Any], is_async: bool | None, sync_owner: str, async_owner: str
 ) -> bool:
     """Whether ``func`` is a coroutine function; refuses one of the other flavour than the
@@ -45,7 +44,7 @@ def check_flavour(
     return coroutine
 
 
-def key_function(
+def arguments_key(
     func: Callable[..., Any], key: str | Callable[..., str], first: str
 ) -> Callable[..., str]:
     """The function that finds the key among the caller's arguments (see the module).
@@ -144,3 +143,8 @@ def arguments_fingerprint(func: Callable[..., Any]) -> Callable[..., str]:
         return "args:sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     return fingerprint
+
+
+# old names, still used by outbox.uow._decorators
+check_flavour = check_decorated_flavour
+key_function = arguments_key

@@ -1,26 +1,25 @@
 """The relay's decisions about one batch, written once and tested without services.
 
-* :func:`split_claim` and :func:`drop_blocked` -- the second half of the **claim rule**: a row
-  is sent only when no earlier row of its key is left in the table outside this relay's claim
-  (the first half is the claim query, :mod:`outbox._pg.relay`).
-* :func:`delivery_rounds` and :func:`deliver_in_rounds` -- the **round rule**: within a batch
-  a key's rows for one topic go out together, in id order, in one round; a row for another
-  topic than the key's previous row waits for the next round (after Kafka confirmed the rows
-  before it), and a row that failed stops its key for the rest of the batch.
+Invariant (DESIGN.md I7): a failed or parked row is never overtaken by a later row of its key.
+Two rules keep it:
+
+* the second half of the **claim rule**: a row is sent only when no earlier row of its key is
+  left in the table outside this relay's claim (the first half is the claim query);
+* the **round rule**: within a batch a key's rows for one topic go out together, in id order,
+  in one round; a row for another topic than the key's previous row waits for the next round
+  (after Kafka confirmed the rows before it), and a row that failed stops its key for the rest
+  of the batch.
 
 Why rows of one key and topic may share a round: they go to one partition (the partitioner maps a
 key to a partition), and the idempotent producer writes a partition's records in the order they
 were produced, retrying without reordering. What it does not promise by itself is that a
 record that *fails* is not followed by a later one that succeeds (a gap); the Kafka adapter
-closes that door (:mod:`outbox._kafka.producer`: a gap-less producer, records refused on the
-spot stop their key at once, and a delivery deadline that fails every outstanding record
-together). So the barrier between rounds is needed only where order could cross partitions --
-the same key in two topics -- and a failure costs its key the rest of the batch, while a hot key
-costs nothing extra: its rows travel in one round however many there are.
-* :func:`settle` -- what to write back: confirmed rows are deleted, failures recorded, rows
-  parked after bounded attempts; a batch in which nothing got through is an outage.
-
-Together they keep I7: a failed or parked row is never overtaken by a later row of its key.
+closes that door (a gap-less producer, records refused on the spot stop their key at once, and a
+delivery deadline that fails every outstanding record together). So the barrier between rounds
+is needed only where order could cross partitions -- the same key in two topics -- and a failure
+costs its key the rest of the batch, while a hot key costs nothing extra: its rows travel in one
+round however many there are. Settlement then deletes confirmed rows, records failures, parks
+rows after bounded attempts, and calls a batch in which nothing got through an outage.
 """
 
 from __future__ import annotations

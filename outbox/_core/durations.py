@@ -1,8 +1,6 @@
-"""Durations and the retention rule: pure, shared by ``outbox gc``, ``outbox status`` and logs.
+"""Durations as operators type them (``7d``, ``36h``, ``1d12h``, seconds), and the retention rule.
 
-``parse_duration`` reads what operators type (``7d``, ``36h``, ``1d12h``, a bare number of
-seconds); ``format_duration`` writes it back compactly; ``check_retention`` is the rule that a
-retention never lets a duplicate run twice; ``format_ranges`` writes lane lists as ``0-3,7``.
+Invariant: a retention never lets a duplicate run twice (:func:`check_retention`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Every ``OUTBOX_*`` environment variable, in one table.
 
-The CLI reads each flag's variable from here (flag first, then the variable, then the default)
-and ``--help`` names it; the library reads the few it uses (``OUTBOX_DATABASE_URL`` ...) from
-here too.
+Invariant: a variable is named once, here: the CLI reads each flag's variable from this table
+(flag first, then the variable, then the default) and ``--help`` names it.
 """
 
 ENV_DATABASE_URL = "OUTBOX_DATABASE_URL"

@@ -1,10 +1,8 @@
-"""Pure decisions of the Redis guard (:mod:`outbox.guard`): settings, key layout, verdicts.
+"""Pure decisions of the Redis guard: settings, key layout, and verdicts on the scripts' answers.
 
-The Lua scripts in :mod:`outbox._redis.guard` make the one decision that must be atomic -- is the
-key free, busy, or held by an owner whose lease ran out -- and answer with a short list. This
-module validates settings and input before any I/O, names the Redis key of a claim, and turns
-the scripts' answers into verdicts and exceptions. Any answer it cannot read becomes
-:class:`~outbox.errors.GuardUnavailable`: garbage in Redis never escapes as another exception.
+Invariant: settings and input are refused before any I/O, and any answer of the scripts this
+module cannot read becomes :class:`~outbox.errors.GuardUnavailable`: garbage in Redis never
+escapes as another exception.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox._core import decorating
-from outbox._core.decorating import check_flavour
+from outbox._core.decorating import check_decorated_flavour
 from outbox._core.settings import check_exception_classes
 from outbox.errors import (
     ConfigurationError,
@@ -230,7 +228,7 @@ def verify_outcome(
 
 
 @dataclass(frozen=True)
-class Claimed:
+class Owned:
     """This owner holds the key: run the body. ``takeover``: a previous owner's lease ran out."""
 
     fence: int
@@ -343,10 +341,10 @@ def decode_claim(
     redis_key: str,
     signing_key: bytes | None = None,
     now_ms: int = 0,
-) -> Claimed | Replay:
+) -> Owned | Replay:
     """The verdict of the claim script for ``(scope, key)``.
 
-    Returns :class:`Claimed` or :class:`Replay`; raises ``KeyInProgress`` (a live owner),
+    Returns :class:`Owned` or :class:`Replay`; raises ``KeyInProgress`` (a live owner),
     ``PreviouslyFailed``, ``KeyReuseError`` (another fingerprint) or ``GuardUnavailable`` (an
     answer or record the guard cannot read). With a ``signing_key``, a stored outcome is
     trusted only when :func:`verify_outcome` accepts it at ``now_ms``.
@@ -357,7 +355,7 @@ def decode_claim(
             fence = _int(rest[0])
             if not 0 < fence <= MAX_FENCE:
                 raise _Unreadable(f"answered fence {fence}")
-            return Claimed(fence, bool(_int(rest[1])))
+            return Owned(fence, bool(_int(rest[1])))
         if kind == "busy":
             raise KeyInProgress(scope, key)
         stored = _text(rest[1])
@@ -387,10 +385,10 @@ def decode_transition(reply: object, scope: str, key: str, redis_key: str) -> Tr
 # ------------------------------------------------------------------------------- decorator
 
 
-def key_function(
+def guard_arguments_key(
     func: Callable[..., Any], key: str | Callable[..., str], is_async: bool
 ) -> Callable[..., str]:
     """How ``@guard.idempotent`` finds the key among the caller's arguments (the function
     takes the claim first, the caller's arguments after it)."""
-    check_flavour(func, is_async, "RedisGuard", "AsyncRedisGuard")
-    return decorating.key_function(func, key, "claim")
+    check_decorated_flavour(func, is_async, "RedisGuard", "AsyncRedisGuard")
+    return decorating.arguments_key(func, key, "claim")

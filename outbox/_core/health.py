@@ -1,13 +1,9 @@
-"""Table health: what ``outbox status`` and the relay's ``/metrics`` say about the toolkit's
-tables and about whatever holds PostgreSQL's xmin horizon back.
+"""Table health: what ``outbox status`` and ``/metrics`` say about the tables and the xmin horizon.
 
-VACUUM may remove a deleted row only once no snapshot can still see it. The oldest snapshot or
-transaction id anyone still holds (an open transaction, ``pg_dump``, a prepared transaction, a
-replication slot, a standby with ``hot_standby_feedback``) is the *horizon*: while it stays put,
-every row the relay deletes and every key ``outbox gc`` removes stays behind as a dead tuple.
-The relay's claim does not slow down for them (see :mod:`outbox._core.lowwater`), but the tables
-and their indexes grow until the holder lets go. Only who holds it is reported -- process id,
-application name, state and start time -- never the text of its query, which can hold secrets.
+Invariant: only who holds the horizon back is reported -- process id, application name, state
+and start time -- never the text of its query, which can hold secrets. (While the horizon stays
+put, every row the relay deletes and every key ``outbox gc`` removes stays behind as a dead
+tuple, and the tables grow until the holder lets go.)
 """
 
 from __future__ import annotations

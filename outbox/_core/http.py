@@ -1,19 +1,8 @@
-"""The HTTP door's decisions, written once for the ASGI and the WSGI middleware.
+"""The HTTP door's decisions, written once for the ASGI and the WSGI middleware, without I/O.
 
-An HTTP request with an ``Idempotency-Key`` header runs its handler inside a unit of work, and
-the response is the unit of work's stored result. What is decided here, without I/O:
-
-* which requests are covered (:func:`admit`): the method, the key -- a bare header value or an
-  RFC 8941 structured-field string (:func:`parse_key`) -- and the scope;
-* the request fingerprint that a reused key must match (:func:`fingerprint`), which covers
-  the caller (:meth:`Admission.caller_of`): a stored response is only for its own caller;
-* which responses are stored and replayed (:func:`is_stored`) and how (:func:`encode_response`,
-  :func:`decode_response`, :func:`replay_headers`);
-* when a response counts as streaming (:func:`is_streaming`);
-* the ``application/problem+json`` answers (RFC 9457) of every refusal (:class:`Problem`).
-
-The middlewares own the I/O: reading the body, running the application, the unit of work and
-sending.
+Invariant: a stored response is replayed only for a request with the same fingerprint, which
+covers the caller (:meth:`Admission.caller_of`): a stored response is only for its own caller.
+Every refusal is an ``application/problem+json`` answer (RFC 9457, :class:`Problem`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Retry timing, written once: capped exponential backoff with equal jitter.
 
-Used by the relay (broker and database outages), the consumer runner (failed messages, busy
-keys, outages) and the relays' wake-up listener (reconnects). Attempt ``n`` (1-based) waits a
-delay drawn uniformly from ``[d/2, d]`` with ``d = min(maximum, initial * 2**(n-1))``: the
-jitter keeps processes that failed together (a database blip) from retrying in lockstep, and
-keeping half of ``d`` means a retry never comes sooner than half the nominal backoff. Callers
-sleep with ``stop_event.wait(delay)`` so that a stop request cancels the sleep.
+Invariant: attempt ``n`` (1-based) waits a delay drawn uniformly from ``[d/2, d]`` with
+``d = min(maximum, initial * 2**(n-1))``: the jitter keeps processes that failed together (a
+database blip) from retrying in lockstep, and a retry never comes sooner than half the nominal
+backoff. Callers sleep with ``stop_event.wait(delay)`` so that a stop request cancels the sleep.
 """
 
 from __future__ import annotations

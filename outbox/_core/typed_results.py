@@ -1,10 +1,9 @@
-"""Typed results: the values ``uow.result`` and ``@idempotent`` functions may return beyond
-plain JSON, given a declared type, and the same value -- of the same type -- on every replay.
+"""Typed results: ``uow.result`` values beyond plain JSON, given a declared type.
 
-The layer sits on top of the JSON encoding of results: :meth:`TypedResult.encode` turns a value
-into plain JSON data before it is stored (in PostgreSQL and Redis alike), and
-:meth:`TypedResult.decode` turns the stored data back into the declared type after it was read
--- so both replay paths give the same answer, whatever the JSON layer does with numbers.
+Invariant: every replay gives the same value, of the same type, whether it was read from
+PostgreSQL or Redis: :meth:`TypedResult.encode` turns a value into plain JSON data before it is
+stored, and :meth:`TypedResult.decode` turns the stored data back into the declared type after
+it was read, whatever the JSON layer does with numbers.
 
 Supported: pydantic models (``model_dump(mode="json")`` / ``model_validate``, by duck typing:
 pydantic is not imported here), dataclasses (field by field, by their type hints),

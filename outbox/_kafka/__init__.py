@@ -1,2 +1,4 @@
-"""The Kafka adapter: the only importer of ``confluent_kafka`` (producers, consumer settings,
-dead letters)."""
+"""The Kafka adapter: producers, consumer settings, dead letters.
+
+Invariant: no other part of the package imports ``confluent_kafka``.
+"""

@@ -1,9 +1,8 @@
 """librdkafka configuration, built in one place for every client the package creates.
 
-:func:`producer_config` builds both producers: the relay's (``purpose="relay"``) and the consumer
-runner's dead-letter producer (``purpose="dead-letter"``). Both are idempotent with
-``acks=all``; they differ in what they do with a setting that would weaken that and in their
-defaults. :func:`consumer_config` builds the runner's consumer.
+Invariant: both producers -- the relay's and the consumer runner's dead-letter producer -- are
+idempotent with ``acks=all``; they differ in what they do with a setting that would weaken that
+and in their defaults.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The consumer runner's Kafka side: a confluent-kafka consumer and what a message carries.
 
-Partitions cross this boundary as ``(topic, partition)`` pairs and offsets to commit as
-``(topic, partition, offset)`` triples; client errors become :class:`~outbox.errors.ConsumerError`
-(a configuration the client refuses, :class:`~outbox.errors.ConfigurationError`). Messages are
-confluent-kafka's own: handlers get them unchanged.
-
-:class:`KafkaConsumer` serves the sync runner; :class:`AsyncKafkaConsumer` is the same consumer
-for the asyncio runner, its blocking calls made on the client's own thread. The runner is written
-once against the asyncio face, and its sync twin generated (``tools/async_to_sync.py`` renames
-one class to the other and drops the ``await``).
+Invariant: partitions cross this boundary as ``(topic, partition)`` pairs and offsets to commit
+as ``(topic, partition, offset)`` triples; client errors become
+:class:`~outbox.errors.ConsumerError` (a configuration the client refuses,
+:class:`~outbox.errors.ConfigurationError`). Messages are confluent-kafka's own: handlers get
+them unchanged. The asyncio consumer makes its blocking calls on the client's own thread.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The dead-letter producer: produces a dead letter and waits until the broker confirmed it.
 
-What a dead letter holds and why it is written is decided in :mod:`outbox._core.deadletter`;
-this module only talks to Kafka. :class:`AsyncDeadLetterProducer` is the same producer for the
-asyncio runner: the wait for the broker's confirmation runs on the producer's own thread.
+Invariant: this module only talks to Kafka (what a dead letter holds is decided in the core);
+the asyncio producer waits for the confirmation on the producer's own thread.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """OpenTelemetry tracing, on when ``opentelemetry`` can be imported.
 
-``spans`` is :mod:`outbox._otel.spans` -- the only module of the package that imports
-``opentelemetry`` -- or ``None`` when that import fails (the library is not installed, or any
-other ``ImportError``). Callers test ``spans is not None`` and skip every tracing step
-otherwise: without opentelemetry, tracing costs one comparison and loads nothing.
-
-There is no configuration: spans go to the global tracer provider, which the application sets
-up (or not: with the API alone, spans are not recorded, but a context that came in with a
-request or a message is still passed on). See ``docs/tracing.md``.
+Invariant: without opentelemetry, tracing costs one comparison and loads nothing. ``spans`` is
+:mod:`outbox._otel.spans` -- the only module that imports ``opentelemetry`` -- or ``None`` when
+that import fails (for any ``ImportError``), and callers skip every tracing step on ``None``.
 """
 
 from __future__ import annotations

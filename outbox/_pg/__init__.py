@@ -1,6 +1,5 @@
-"""The PostgreSQL adapter: the only home of SQL text and of psycopg.
+"""The PostgreSQL adapter: statements, transactions, driver errors, locks and wake-ups.
 
-Statements (entity-first names), the unit of work's transaction, the translation of driver
-errors, lane locks and the relays' wake-up live here; services above call them and never import
-the driver.
+Invariant: the only home of SQL text and of psycopg; services call it and never import the
+driver.
 """

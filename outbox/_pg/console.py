@@ -1,9 +1,7 @@
-"""The web console's SQL: parked rows searched by topic, key and error text, one parked row
-whole, an idempotency key with the outbox rows that name it.
+"""The web console's SQL: parked rows by topic, key and error text, one row whole, a key's rows.
 
-Built from the SQLAlchemy Core tables of :mod:`outbox.schema`; every filter value travels as a
-bound parameter (a ``LIKE`` pattern's wildcards are escaped, so a filter is matched literally).
-The services in :mod:`outbox.console.data` call these and hold no SQL of their own.
+Invariant: every filter value travels as a bound parameter, and a ``LIKE`` pattern's wildcards
+are escaped, so a filter is matched literally.
 """
 
 from __future__ import annotations

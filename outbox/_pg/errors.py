@@ -1,18 +1,8 @@
 """What a database error means, decided in one place from SQLSTATEs and connection state.
 
-Services ask these questions of any exception (a SQLAlchemy wrapper or psycopg's own) and never
-import the driver themselves:
-
-* :func:`database_unavailable` -- PostgreSQL could not be reached or dropped the connection (an
-  outage, a restart, a failover, a full pool): retry later without counting an attempt. The relay
-  and the consumer runner both use it.
-* :func:`unique_violation_of` -- a unique constraint refused a row (the unit of work's key race).
-* :func:`transaction_conflict` -- the transaction lost to a concurrent one (a serialization
-  failure under REPEATABLE READ or SERIALIZABLE, a deadlock): the same work may succeed again.
-* :func:`split_refused` -- a final statement found itself outside the transaction that claimed
-  its keys, and refused to run (invariant I13); :func:`split_error` says so to the caller.
-* :func:`undefined_table` -- a table is missing: the database was never migrated, or the
-  toolkit looks in another schema than the one its tables are in.
+Invariant: services ask these questions of any exception (a SQLAlchemy wrapper or psycopg's own)
+and never import the driver themselves; the relay and the consumer runner retry an unreachable
+or dropped database (:func:`database_unavailable`) without counting an attempt.
 """
 
 from __future__ import annotations

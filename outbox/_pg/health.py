@@ -1,7 +1,6 @@
-"""The SQL of table health (:mod:`outbox._core.health`): the toolkit's tables' statistics and
-the oldest holder of the xmin horizon.
+"""The SQL of table health: the toolkit's tables' statistics and the xmin horizon's oldest holder.
 
-Reads PostgreSQL's statistics views only. A role without ``pg_read_all_stats`` (or
+Invariant: reads PostgreSQL's statistics views only. A role without ``pg_read_all_stats`` (or
 ``pg_monitor``) sees other roles' sessions without their transaction ids and start times, so
 it cannot name them: grant it to the role that runs ``outbox status`` and the relays.
 """

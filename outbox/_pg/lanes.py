@@ -1,8 +1,8 @@
-"""The advisory locks behind lanes: register a relay, take and give back lanes, read who holds
-what (the lock layout and the arithmetic are in :mod:`outbox._core.lanes`).
+"""The advisory locks behind lanes: register a relay, take and give back lanes, read who holds what.
 
-Every lock here is session-level and lives on the relay's own session connection: it survives
-transaction ends and vanishes with the session, so a relay that dies frees its lanes at once.
+Invariant: every lock here is session-level and lives on the relay's own session connection: it
+survives transaction ends and vanishes with the session, so a relay that dies frees its lanes
+at once.
 """
 
 from __future__ import annotations

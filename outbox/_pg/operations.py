@@ -1,10 +1,8 @@
-"""The operators' SQL: what ``outbox status`` reads, what ``outbox gc`` deletes, and what
-``outbox parked`` lists, retries and discards.
+"""The operators' SQL: ``outbox status`` reads, ``outbox gc`` deletes, ``outbox parked`` manages.
 
-Every statement here is built from the SQLAlchemy Core tables of :mod:`outbox.schema` or from
-constant text with the schema-qualified, quoted table name (:func:`~outbox._pg.statements.
-qualified`); values always travel as bound parameters. The functions of :mod:`outbox.admin` call
-these and hold no SQL of their own.
+Invariant: every statement is built from the SQLAlchemy Core tables of :mod:`outbox.schema` or
+from constant text with the schema-qualified, quoted table name; values always travel as bound
+parameters.
 """
 
 from __future__ import annotations

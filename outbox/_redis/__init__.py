@@ -1,1 +1,4 @@
-"""The Redis adapter: the only importer of ``redis`` (the outcome cache, the guard's scripts)."""
+"""The Redis adapter: the outcome cache and the guard's scripts.
+
+Invariant: no other part of the package imports ``redis``.
+"""

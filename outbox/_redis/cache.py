@@ -26,7 +26,7 @@ log = logging.getLogger("outbox.cache")
 CachedOutcome = StoredOutcome
 
 
-def make_client(url: str, config: OutboxConfig) -> Redis:
+def make_cache_client(url: str, config: OutboxConfig) -> Redis:
     """A redis-py client with bounded timeouts and no retries (a miss is cheaper than a wait).
 
     The URL is checked first (:func:`outbox._core.urls.check_redis_url`); no connection is
@@ -227,3 +227,7 @@ class OutcomeCache:
 
     def close(self) -> None:
         self._client.close()
+
+
+# old name, still used by outbox.uow._outbox
+make_client = make_cache_client

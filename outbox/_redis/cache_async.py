@@ -40,7 +40,7 @@ log = logging.getLogger("outbox.cache")
 CachedOutcome = StoredOutcome
 
 
-def make_async_client(url: str, config: OutboxConfig) -> Redis:
+def make_async_cache_client(url: str, config: OutboxConfig) -> Redis:
     """A redis-py client with bounded timeouts and no retries (a miss is cheaper than a wait).
 
     The URL is checked first (:func:`outbox._core.urls.check_redis_url`); no connection is
@@ -245,3 +245,7 @@ class AsyncOutcomeCache:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+# old name, still used by outbox.uow._outbox_async
+make_async_client = make_async_cache_client

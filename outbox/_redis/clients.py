@@ -10,7 +10,7 @@ import redis.cluster
 from outbox.errors import ConfigurationError
 
 
-def check_flavour(client: object, want_async: bool) -> None:
+def check_redis_flavour(client: object, want_async: bool) -> None:
     """Refuse a Redis client of the other flavour (a sync client in ``AsyncOutbox`` would block
     the event loop; an asyncio client in ``Outbox`` would hand back coroutines)."""
     sync_types = (redis.Redis, redis.cluster.RedisCluster)
@@ -22,3 +22,7 @@ def check_flavour(client: object, want_async: bool) -> None:
             f"{'a redis.asyncio client' if want_async else 'a sync redis client'}, got "
             f"{type(client).__module__}.{type(client).__name__}"
         )
+
+
+# old name, still used by outbox.uow._outbox_async and its twin
+check_flavour = check_redis_flavour

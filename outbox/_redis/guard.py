@@ -51,8 +51,8 @@ __all__ = [
     "as_async_client",
     "as_client",
     "check_url",
-    "make_async_client",
-    "make_client",
+    "make_async_guard_client",
+    "make_guard_client",
 ]
 
 # A "Redis is down" answer within a second: a refused connection fails at once; a host that
@@ -242,7 +242,7 @@ def _options() -> dict[str, Any]:
     }
 
 
-def make_client(url: str, cluster: bool) -> Client:
+def make_guard_client(url: str, cluster: bool) -> Client:
     """A client with bounded timeouts and one retry (the scripts are safe to send twice).
 
     A Cluster client is built at its first use: redis-py's sync ``RedisCluster`` asks the
@@ -255,8 +255,8 @@ def make_client(url: str, cluster: bool) -> Client:
     return cast(Client, redis.Redis.from_url(url, retry=retry, **_options()))
 
 
-def make_async_client(url: str, cluster: bool) -> AsyncClient:
-    """The asyncio twin of :func:`make_client` (a Cluster client connects at its first use)."""
+def make_async_guard_client(url: str, cluster: bool) -> AsyncClient:
+    """The asyncio twin of :func:`make_guard_client` (a Cluster client connects when first used)."""
     check_url(url, cluster)
     retry = AsyncRetry(ConstantBackoff(RETRY_BACKOFF), RETRIES)
     if cluster:

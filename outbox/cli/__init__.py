@@ -1,8 +1,8 @@
 """The ``outbox`` command: ``migrate``, ``status``, ``gc``, ``parked``, ``consume``, ``console``.
 
-Each command lives in a module of its own. Only the module of the command being run is
-imported, so ``outbox migrate --help`` loads neither the Kafka client nor the runner; the
-others are listed in ``outbox --help`` from :data:`COMMANDS`.
+Invariant: only the module of the command being run is imported, so ``outbox migrate --help``
+loads neither the Kafka client nor the runner; ``outbox --help`` lists the others from
+:data:`COMMANDS`.
 """
 
 from __future__ import annotations

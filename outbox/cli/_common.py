@@ -1,14 +1,9 @@
 """What every command shares: flags with their ``OUTBOX_*`` variables, exit codes, errors.
 
-Every flag that an environment variable can set is declared once in :data:`FLAGS`. A command
-adds the flags it takes with :func:`add_flags`; after parsing, :func:`resolve_flags` fills each
-flag the command line left out from its variable (converted like the flag, with an error that
-names the variable when it is malformed), then from its default, and checks every value with
-the flag's check from :mod:`outbox._core` -- before the command opens any connection.
-``--help`` names the variable.
-
-Bad usage of any kind -- an unknown flag, a malformed value, a setting the core refuses --
-exits with :data:`EXIT_USAGE` and one line on stderr, secrets redacted.
+Invariant: every value -- from a flag, its variable or its default -- is checked by the core
+before the command opens any connection; bad usage of any kind exits with :data:`EXIT_USAGE`
+and one line on stderr, secrets redacted. Each flag is declared once, in :data:`FLAGS`, and
+``--help`` names its variable.
 """
 
 from __future__ import annotations

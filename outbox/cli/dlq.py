@@ -1,5 +1,4 @@
-"""``outbox dlq list|redrive``: a consumer's dead letters, grouped by failure, and sent back to
-their original topic (original key, value and headers, plus a redrive count)."""
+"""``outbox dlq list|redrive``: a consumer's dead letters, grouped, and sent back to their topic."""
 
 from __future__ import annotations
 

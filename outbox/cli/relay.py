@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import producer_config
+from outbox._metrics_server import MetricsServer
 from outbox.cli._common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -26,7 +27,6 @@ from outbox.cli._common import (
     tune_collector,
 )
 from outbox.config import RelayConfig
-from outbox.metrics import MetricsServer
 from outbox.relay import Relay, RunResult, relay_max_silence
 
 log = logging.getLogger("outbox.relay")

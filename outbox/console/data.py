@@ -1,8 +1,7 @@
-"""What the console's pages show, without the web framework: filters checked before any I/O,
-parked rows and idempotency keys read and shaped for display, retry and discard.
+"""What the console's pages show, without the web framework, and the admin actions.
 
-A filter or an id an operator typed is checked here and refused with a
-:class:`~outbox.errors.ValidationError` that says what is wrong; the pages turn it into a 400.
+Invariant: a filter or an id an operator typed is checked here, before any I/O, and refused with
+a :class:`~outbox.errors.ValidationError` that says what is wrong; the pages turn it into a 400.
 """
 
 from __future__ import annotations

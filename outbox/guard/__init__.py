@@ -1,9 +1,7 @@
-"""The Redis guard: at most one run per ``(scope, key)`` for work whose effects live outside
-PostgreSQL.
+"""The Redis guard: at most one run per ``(scope, key)`` for effects outside PostgreSQL.
 
-:class:`RedisGuard` (and :class:`AsyncRedisGuard`) hand out a :class:`Claim` (an
-:class:`AsyncClaim`) per key. The modules in this folder are private; the sync guard is
-generated from its ``_async`` source by ``tools/async_to_sync.py``.
+Invariant: a key has at most one owner whose lease has not run out; every transition checks the
+owner's token, and the fence grows with every owner.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class RedisGuard:
         self._owns_client = isinstance(redis, str)
         self._client: rg.Client
         if isinstance(redis, str):
-            self._client = rg.make_client(redis, cluster)
+            self._client = rg.make_guard_client(redis, cluster)
         else:
             self._client = rg.as_client(redis)
 
@@ -161,7 +161,7 @@ class RedisGuard:
             )
 
         def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
-            key_of = core.key_function(func, key, _ASYNC)
+            key_of = core.guard_arguments_key(func, key, _ASYNC)
 
             @functools.wraps(func)
             def wrapper(*args: Any, **kwargs: Any) -> Any:

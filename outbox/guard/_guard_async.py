@@ -1,23 +1,9 @@
-"""The Redis idempotency guard, for effects outside PostgreSQL, on redis.asyncio clients.
+"""The Redis idempotency guard on redis.asyncio clients (the source of the sync guard).
 
-For a body whose effects are not rows in PostgreSQL -- a payment provider's API, an e-mail --
-the unit of work cannot make them atomic with the key. The guard keeps the key's state in Redis
-instead: a claim holds the key for a *lease*, the outcome is stored when the body ends, and a
-duplicate gets the stored result without running anything::
-
-    guard = AsyncRedisGuard("redis://cache:6379/0", lease=30)
-
-    async with guard.claim(request_id, scope="payments") as claim:
-        if claim.replayed:
-            return claim.result
-        receipt = await provider.charge(amount, idempotency_key=request_id)
-        await ledger.record(request_id, receipt.id, fence=claim.fence)
-        claim.result = {"receipt": receipt.id}
-
-This is a weaker mode than the unit of work: a lease is a clock, and an owner paused longer
-than its lease can still act after another owner took over. ``claim.fence`` grows with every
-owner of a key, so downstream systems (the ledger above) can refuse a stale one.
-``docs/guard.md`` says when to use which, and what a lease cannot promise.
+Invariant: a claim holds its key for a *lease*, and an outcome is stored only by the key's
+current owner: a late outcome after a takeover raises :class:`~outbox.errors.LeaseLost`.
+``claim.fence`` grows with every owner of a key, so downstream systems can refuse a stale one;
+a lease is a clock, weaker than the unit of work (``docs/guard.md``).
 """
 
 from __future__ import annotations
@@ -110,7 +96,7 @@ class AsyncRedisGuard:
         self._owns_client = isinstance(redis, str)
         self._client: rg.AsyncClient
         if isinstance(redis, str):
-            self._client = rg.make_async_client(redis, cluster)
+            self._client = rg.make_async_guard_client(redis, cluster)
         else:
             self._client = rg.as_async_client(redis)
 
@@ -182,7 +168,7 @@ class AsyncRedisGuard:
             )
 
         def decorate(func: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-            key_of = core.key_function(func, key, _ASYNC)
+            key_of = core.guard_arguments_key(func, key, _ASYNC)
 
             @functools.wraps(func)
             async def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -1,18 +1,8 @@
-"""The HTTP door: ``Idempotency-Key`` middlewares for ASGI and WSGI applications.
+"""The HTTP door: ``Idempotency-Key`` middlewares for ASGI and WSGI applications (docs/http.md).
 
-A ``POST`` (or ``PATCH``) with an ``Idempotency-Key`` header runs its handler inside a unit of
-work; the handler reaches it with :func:`current_unit_of_work` (``.session``, ``.connection``,
-``.publish(...)``). Its rows, its events and the response commit in one transaction before the
+Invariant: a handler's rows, its events and its response commit in one transaction before the
 response is sent; a duplicate gets the stored response back, byte for byte, with
 ``Idempotent-Replayed: true``, and the handler does not run again.
-
-* :class:`outbox.http.asgi.IdempotencyMiddleware` -- for FastAPI, Starlette and any ASGI app,
-  on an :class:`~outbox.AsyncOutbox`;
-* :class:`outbox.http.wsgi.IdempotencyMiddleware` -- for Flask and any WSGI app, on an
-  :class:`~outbox.Outbox`.
-
-Neither needs a web framework; the decisions they share live in :mod:`outbox._core.http`.
-The full semantics are in ``docs/http.md``.
 """
 
 from __future__ import annotations

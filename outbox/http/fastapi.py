@@ -1,33 +1,11 @@
 """FastAPI integration: a unit of work per request, committed before the response is sent.
 
-::
-
-    from outbox.http.fastapi import add_exception_handlers, unit_of_work
-
-    app = FastAPI()
-    add_exception_handlers(app)
-
-    Uow = Annotated[AsyncUnitOfWork, unit_of_work(aob, scope="orders")]
-
-    @app.post("/orders", status_code=201)
-    async def create(order: OrderIn, uow: Uow):
-        if uow.replayed:
-            return uow.result
-        uow.session.add(Order(...))
-        uow.result = {"order_id": order.id}
-        return uow.result
-
-:func:`unit_of_work` is a dependency (``Depends(..., scope="function")``): it claims the
-request's ``Idempotency-Key`` in the request's session, hands the handler the unit of work and,
-once the handler has returned, **commits the session before FastAPI sends the response**. A
-commit that fails (a deferred constraint, a lost connection) therefore reaches the client as a
-500, never as a 2xx for work that did not commit. A plain ``yield`` dependency would not do:
-FastAPI finishes those after the response has been sent.
-
-:func:`add_exception_handlers` answers the toolkit's refusals as the middlewares do
-(``application/problem+json``): a concurrent duplicate 409 with ``Retry-After``, a reused key
-422, a key that failed permanently 422, a missing or malformed key 400.
-Needs the ``fastapi`` extra (``pip install 'outbox-kit[fastapi]'``).
+Invariant: :func:`unit_of_work` (a ``Depends(..., scope="function")`` dependency) commits the
+request's session once the handler has returned and **before FastAPI sends the response**, so a
+commit that fails (a deferred constraint, a lost connection) reaches the client as a 500, never
+as a 2xx for work that did not commit; a plain ``yield`` dependency would finish after the
+response. :func:`add_exception_handlers` answers the toolkit's refusals as the middlewares do.
+Needs the ``fastapi`` extra; ``docs/http.md`` shows it in use.
 """
 
 from __future__ import annotations

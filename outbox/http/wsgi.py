@@ -4,8 +4,7 @@
 
     app.wsgi_app = IdempotencyMiddleware(app.wsgi_app, ob, scope=tenant_of, require_key=True)
 
-See :mod:`outbox.http` and ``docs/http.md``; the ASGI twin is :mod:`outbox.http.asgi`, and
-both take every decision from :mod:`outbox._core.http`.
+Invariant: the same decisions as the ASGI middleware, taken from the same core (``docs/http.md``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The relay: moves committed outbox rows to Kafka, in order per key, and deletes them once the
-brokers acknowledged them.
+"""The relay: moves committed outbox rows to Kafka, in order per key, and deletes them once sent.
 
-The loop and its invariants are in the private ``_relay`` module, the lanes it owns in
-``_lanes``; :class:`Relay` and :class:`RelayConfig` are the public face.
+Invariant: a row is sent only when no earlier row of its key is left in the table outside the
+relay's own claim, and deleted only after the brokers acknowledged it.
 """
 
 from __future__ import annotations

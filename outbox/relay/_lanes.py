@@ -1,9 +1,7 @@
 """The lanes a relay owns: registration among the running relays, and rebalancing.
 
-Every relay of an outbox registers with the same lane count and holds a session-level advisory
-lock per lane it owns (:mod:`outbox._pg.lanes`); :func:`outbox._core.lanes.plan_rebalance` decides
-which lanes to take or give back so that the running relays share them evenly. A relay claims
-rows of its own lanes only, so two relays never send the same key.
+Invariant: a relay claims rows of the lanes whose advisory lock its session holds, and every
+relay of an outbox registers with the same lane count, so two relays never send the same key.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from outbox._core.lanes import configured_lane_counts, ownership_from_locks, pla
 from outbox._pg import lanes as pg_lanes
 from outbox.config import RelayConfig
 from outbox.errors import ConfigurationError
-from outbox.metrics import RelayMetrics
+from outbox.relay._metrics import RelayMetrics
 
 log = logging.getLogger("outbox.relay")
 

@@ -87,8 +87,8 @@ from outbox._pg.relay import (
 from outbox._pg.wakeup import Listener
 from outbox.config import RelayConfig as RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError, PublishError
-from outbox.metrics import RelayMetrics
 from outbox.relay._lanes import LaneOwnership
+from outbox.relay._metrics import RelayMetrics
 
 log = logging.getLogger("outbox.relay")
 

@@ -1,32 +1,8 @@
 """Test your own handlers against the real unit of work: a pytest plugin and its helpers.
 
-The plugin adds fixtures and nothing else: no hook changes a run, and no fixture does anything
-until a test asks for it. Installed with ``outbox-kit``, pytest loads it through its ``pytest11``
-entry point (``-p no:outbox.testing`` leaves it out); with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``
-set, load it with ``-p outbox.testing`` or ``pytest_plugins = ["outbox.testing"]`` in a
-``conftest.py``.
-
-Fixtures (a PostgreSQL server is needed; Kafka only for :func:`relay_once`):
-
-* ``outbox_database_url`` -- a database of the test's own, migrated by the package's alembic
-  migrations: a copy (``CREATE DATABASE ... TEMPLATE``) of a template migrated once per
-  session, dropped after the test. The server comes from ``OUTBOX_TESTING_DATABASE_URL``, else
-  ``OUTBOX_DATABASE_URL`` (a URL of any database there; the role must be allowed to create
-  databases). Override ``outbox_template_setup`` to add your own tables to the template.
-* ``sync_outbox`` -- an :class:`~outbox.Outbox` on that database (with Redis when
-  ``OUTBOX_TESTING_REDIS_URL`` is set); ``outbox`` is the same fixture under its first name,
-  which hides the ``outbox`` module inside a test that takes it.
-* ``async_outbox`` -- an :class:`~outbox.AsyncOutbox` on that database, usable from any event
-  loop (``asyncio.run``, pytest-asyncio, anyio).
-* ``published`` -- the events the code under test wrote to the outbox (:class:`Published`).
-* ``deliver`` -- runs a consumer handler for one message as the consumer runner would, through
-  the real unit of work, without a broker (:class:`Deliverer`): duplicates are replayed,
-  permanent failures dead-lettered, transient ones retried.
-* ``relay_once`` -- drains the outbox to a real broker (``OUTBOX_TESTING_KAFKA_BOOTSTRAP_SERVERS``,
-  else ``OUTBOX_KAFKA_BOOTSTRAP_SERVERS``, or the argument).
-
-:func:`assert_one_effect_per_key` checks the outcome of redeliveries
-(:meth:`Deliverer.deliver_many`). See ``docs/testing.md``.
+Invariant: the plugin adds fixtures and nothing else -- no hook changes a run, and no fixture
+does anything until a test asks for it. ``docs/testing.md`` lists the fixtures and how the
+plugin is loaded.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Consumer handlers run for one message as the runner would, without a broker; redeliveries;
-draining the outbox to a real broker once."""
+"""Consumer handlers run for a message as the runner would (no broker), and one relay run."""
 
 from __future__ import annotations
 

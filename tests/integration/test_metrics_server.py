@@ -11,9 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from outbox._metrics_server import MAX_CONNECTIONS, MetricsServer
 from outbox.cli import relay as relay_cli
 from outbox.errors import ConfigurationError
-from outbox.metrics import MAX_CONNECTIONS, MetricsServer, RelayMetrics
+from outbox.relay._metrics import RelayMetrics
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry
 
 import outbox
 from outbox import OutboxConfig, PermanentError
+from outbox._metrics_server import MetricsServer
 from outbox.config import RelayConfig
 from outbox.consumer import ConsumerRunner, serve_metrics
 from outbox.errors import ConfigurationError, PreviouslyFailed
-from outbox.metrics import MetricsServer
 from outbox.relay import Relay
 from tests.fixtures.common import free_port, wait_for
 from tests.fixtures.consumer import (

@@ -60,9 +60,9 @@ def ob_pg(engine: sa.Engine) -> Iterator[outbox.Outbox]:
 
 
 def _redis(url: str) -> object:
-    from outbox._redis.cache import make_client
+    from outbox._redis.cache import make_cache_client
 
-    return make_client(url, OutboxConfig())
+    return make_cache_client(url, OutboxConfig())
 
 
 def place(ob: outbox.Outbox, key: str, amount: int = 10, **kw: object) -> tuple[bool, object]:

@@ -133,8 +133,8 @@ def decode(reply: object, fingerprint: str | None = None) -> object:
 
 
 def test_claim_answers() -> None:
-    assert decode([b"new", 3, 0]) == core.Claimed(3, False)
-    assert decode(["new", 4, 1]) == core.Claimed(4, True)  # decode_responses=True clients
+    assert decode([b"new", 3, 0]) == core.Owned(3, False)
+    assert decode(["new", 4, 1]) == core.Owned(4, True)  # decode_responses=True clients
     assert decode([b"done", b'{"a":[1]}', b""]) == core.Replay({"a": [1]})
     assert decode([b"done", b"null", b"fp"], "fp") == core.Replay(None)
     with pytest.raises(KeyInProgress):
@@ -188,7 +188,7 @@ def test_any_claim_answer_is_a_verdict_or_an_outbox_error(
         verdict = decode(reply, fingerprint)
     except OutboxError:
         return
-    assert isinstance(verdict, core.Claimed | core.Replay)
+    assert isinstance(verdict, core.Owned | core.Replay)
 
 
 @given(reply=replies)
@@ -210,21 +210,24 @@ def test_transition_answers() -> None:
 # ------------------------------------------------------------------------------ decorator
 
 
-def test_key_function() -> None:
+def test_guard_arguments_key() -> None:
     def handler(claim: object, order_id: str, amount: int = 1) -> None: ...
 
-    key_of = core.key_function(handler, "order_id", is_async=False)
+    key_of = core.guard_arguments_key(handler, "order_id", is_async=False)
     assert key_of("o-1") == "o-1"
     assert key_of(amount=2, order_id="o-2") == "o-2"
-    assert core.key_function(handler, lambda order_id, amount=1: f"x{order_id}", False)("1") == "x1"
+    by_callable = core.guard_arguments_key(
+        handler, lambda order_id, amount=1: f"x{order_id}", False
+    )
+    assert by_callable("1") == "x1"
     with pytest.raises(ConfigurationError, match="no parameter 'claim'"):
-        core.key_function(handler, "claim", is_async=False)  # the claim is not the caller's
+        core.guard_arguments_key(handler, "claim", is_async=False)  # the claim is not the caller's
     with pytest.raises(ConfigurationError, match="first parameter"):
-        core.key_function(lambda: None, "k", is_async=False)
+        core.guard_arguments_key(lambda: None, "k", is_async=False)
     with pytest.raises(ConfigurationError, match=r"a plain function needs RedisGuard\.idempotent"):
-        core.key_function(handler, "order_id", is_async=True)
+        core.guard_arguments_key(handler, "order_id", is_async=True)
     with pytest.raises(ConfigurationError, match="no parameter 3"):
-        core.key_function(handler, 3, is_async=False)  # type: ignore[arg-type]
+        core.guard_arguments_key(handler, 3, is_async=False)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------ input

@@ -8,7 +8,8 @@ import urllib.request
 
 import pytest
 
-from outbox.metrics import MetricsServer, RelayMetrics
+from outbox._metrics_server import MetricsServer
+from outbox.relay._metrics import RelayMetrics
 
 
 @pytest.mark.parametrize(
