@@ -15,9 +15,9 @@ from outbox._core.validate import shown
 from outbox.errors import ConfigurationError, RetentionError
 
 _UNITS = {"w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
-_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?[wdhms])+$")
+_DURATION = re.compile(r"(?:\d+(?:\.\d+)?[wdhms])+")  # used with fullmatch
 _PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
-_NUMBER = re.compile(r"^\d+(?:\.\d+)?$")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
 def parse_duration(text: str) -> float:
@@ -28,9 +28,9 @@ def parse_duration(text: str) -> float:
     positive. Raises :class:`ConfigurationError` with the accepted forms otherwise.
     """
     cleaned = text.strip().lower().replace(" ", "") if isinstance(text, str) else ""
-    if _NUMBER.match(cleaned):
+    if _NUMBER.fullmatch(cleaned):
         seconds = float(cleaned)
-    elif _DURATION.match(cleaned):
+    elif _DURATION.fullmatch(cleaned):
         seconds = sum(float(n) * _UNITS[u] for n, u in _PART.findall(cleaned))
     else:
         raise ConfigurationError(

@@ -42,7 +42,7 @@ MAX_ERROR_TEXT = 4000
 # Lua numbers are doubles: fences stay far below 2**53, where integers are still exact.
 MAX_FENCE = 10**15
 
-_PREFIX = re.compile(r"^[A-Za-z0-9._:-]+$")
+_PREFIX = re.compile(r"[A-Za-z0-9._:-]+")  # fullmatch: `$` would let a final newline in
 MIN_SECRET_BYTES = 16
 _GUARD_PERSON = b"outbox-guard-v1"
 SIGNED = "s1:"  # how a signed outcome starts: s1:<expiry ms>:<MAC>:<value>
@@ -113,7 +113,7 @@ class GuardSettings:
         if (
             not isinstance(self.prefix, str)
             or not 0 < len(self.prefix) <= MAX_PREFIX_LENGTH
-            or not _PREFIX.match(self.prefix)
+            or not _PREFIX.fullmatch(self.prefix)
         ):
             raise ConfigurationError(
                 f"prefix must be 1-{MAX_PREFIX_LENGTH} letters, digits or '._:-' (no braces: "

@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from outbox._core import guard as core
 from outbox.errors import (
@@ -58,6 +58,7 @@ def test_only_two_policies(policy: object) -> None:
         st.text(min_size=1, max_size=20).filter(lambda s: any(c in s for c in "{} \n\x00é/")),
     )
 )
+@example(prefix="outbox-guard\n")  # a final newline: what a `$`-anchored match lets through
 def test_bad_prefixes(prefix: object) -> None:
     with pytest.raises(ConfigurationError, match="prefix"):
         core.GuardSettings(prefix=prefix).validate()  # type: ignore[arg-type]
