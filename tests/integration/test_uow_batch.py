@@ -147,7 +147,7 @@ def test_claims_answer_like_single_units_of_work(
         assert held.wait(10)
         batch = Batch.open(ob, SCOPE, ["done", "failed", "busy", "new", "reused"])
         try:
-            assert [batch.claim(k).runnable for k in ("done", "failed", "busy", "new")] == [
+            assert [batch.lookup(k).runnable for k in ("done", "failed", "busy", "new")] == [
                 False, False, False, True,
             ]  # fmt: skip
             with batch.unit_of_work("done", SCOPE, fingerprint="f1") as uow:
