@@ -34,7 +34,17 @@ log = logging.getLogger("outbox.uow")
 
 
 class JoinedUnits:
-    """The joined units of work's sequences: begin, commit, abort, and the after-commit hook."""
+    """The joined units of work's sequences: begin, commit, abort, and the after-commit hook.
+
+    What the caller does with its transaction cannot be known for sure from SQLAlchemy's events:
+    a savepoint of its own rolled back around the unit of work, a session closed without a
+    commit and used again, a COMMIT that failed, a session whose "commit" only released a
+    savepoint of an outer transaction that is rolled back later. So the after-commit hook never
+    writes what the unit of work produced: it reads the key's row back on a connection of its
+    own, in a new snapshot, and caches the row only if PostgreSQL shows it committed. A commit
+    that did not contain the row writes nothing (and a miss only costs the next attempt one
+    claim in PostgreSQL).
+    """
 
     def __init__(
         self,

@@ -4,14 +4,6 @@ Invariant: a joined unit of work claims its key in a savepoint of the caller's t
 writes its key and outbox rows there; it never commits or rolls back the caller's transaction.
 Its Redis write and the relays' wake-up run only after the caller commits
 (:mod:`outbox._pg.after_commit`), and the Redis write caches only what PostgreSQL shows committed.
-
-What the caller does with its transaction cannot be known for sure from SQLAlchemy's events: a
-savepoint of its own rolled back around the unit of work, a session closed without a commit and
-used again, a COMMIT that failed, a session whose "commit" only released a savepoint of an outer
-transaction that is rolled back later. So the after-commit hook never writes what the unit of
-work produced: it reads the key's row back on a connection of its own, in a new snapshot, and
-caches the row only if PostgreSQL shows it committed. A commit that did not contain the row
-writes nothing (and a miss only costs the next attempt one claim in PostgreSQL).
 """
 
 from __future__ import annotations
@@ -46,7 +38,17 @@ log = logging.getLogger("outbox.uow")
 
 
 class AsyncJoinedUnits:
-    """The joined units of work's sequences: begin, commit, abort, and the after-commit hook."""
+    """The joined units of work's sequences: begin, commit, abort, and the after-commit hook.
+
+    What the caller does with its transaction cannot be known for sure from SQLAlchemy's events:
+    a savepoint of its own rolled back around the unit of work, a session closed without a
+    commit and used again, a COMMIT that failed, a session whose "commit" only released a
+    savepoint of an outer transaction that is rolled back later. So the after-commit hook never
+    writes what the unit of work produced: it reads the key's row back on a connection of its
+    own, in a new snapshot, and caches the row only if PostgreSQL shows it committed. A commit
+    that did not contain the row writes nothing (and a miss only costs the next attempt one
+    claim in PostgreSQL).
+    """
 
     def __init__(
         self,

@@ -1,14 +1,5 @@
 """The unit of work: business rows, the idempotency key and outbox rows in one transaction.
 
-::
-
-    async with aob.unit_of_work("order-42", scope="payments") as uow:
-        if uow.replayed:
-            return uow.result
-        uow.session.add(Order(...))
-        uow.publish("orders.created", {"id": 42}, key="42")
-        uow.result = {"order_id": 42}
-
 How a key is claimed: the first statement tries a transaction-scoped advisory lock derived from
 ``(scope, key)`` (``pg_try_advisory_xact_lock``, which never waits) and reads any committed outcome
 in the same round trip. Holding that lock is the claim: a concurrent attempt fails at once with
