@@ -222,7 +222,7 @@ class MicroBatches:
             for i, entry in enumerate(sl.entries):
                 if entry.fate is not Fate.OPEN:
                     continue
-                if batch.claim(entry.key).runnable:
+                if batch.lookup(entry.key).runnable:
                     group.append((sl, entry))
                     entry.fate = Fate.PENDING
                     continue

@@ -1,10 +1,7 @@
 """Units of work: a handler's writes, its outbox rows and its key's result in one transaction.
 
-:class:`Outbox` (and :class:`AsyncOutbox`) opens a unit of work per idempotency key, in a
-transaction of its own or joined to the caller's; :class:`Batch` (and :class:`AsyncBatch`) runs
-many keys in one transaction; the default outbox behind ``outbox.unit_of_work`` and the
-``@idempotent`` decorator live here too. The modules in this folder are private; each sync
-module is generated from its ``_async`` source by ``tools/async_to_sync.py``.
+Invariant: the names in ``__all__`` are the folder's public face; every module beside this one
+is private.
 """
 
 from __future__ import annotations

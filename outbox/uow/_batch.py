@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from outbox._core import claim, results, validate as _validate
+from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import Event, order_lock_id
 from outbox._core.failures import is_permanent
 from outbox._pg.statements import many_statements
 from outbox._pg.transaction import Transaction
 from outbox.errors import ConfigurationError
-from outbox.uow._unit import UnitOfWork
+from outbox.uow._unit import Completion, UnitOfWork
 
 if TYPE_CHECKING:
     from outbox.uow._outbox import Outbox
@@ -68,15 +68,45 @@ class BatchUnitOfWork(UnitOfWork):
 
 
 class Batch:
-    """Units of work of many keys in one transaction, each in a savepoint (see module)."""
+    """Units of work of many keys in one transaction, each in a savepoint.
+
+    ::
+
+        batch = Batch.open(ob, scope, ["k1", "k2", "k3"])   # BEGIN + every lookup
+        try:
+            for key in ("k1", "k2", "k3"):
+                with batch.unit_of_work(key, scope, fingerprint=None) as uow:
+                    ...                          # the same unit of work as Outbox's
+            batch.commit()                 # every key's final row, every outbox row, COMMIT
+        finally:
+            batch.close()
+
+    A unit of work costs a transaction of its own two round trips and a commit (an fsync). A
+    batch pays them once for all its units of work:
+
+    * :meth:`open` sends ``BEGIN``, tries the advisory lock of every key (never waiting: a key
+      held elsewhere is :class:`~outbox.errors.KeyInProgress` for its unit of work, which fails
+      fast), reads every committed outcome and sets a savepoint -- one round trip. The read runs
+      after the locks, so it sees the outcome of any attempt that held a lock before.
+    * Each unit of work runs in the savepoint; a failure rolls back to it, so only that unit's
+      writes go. The locks stay held (they were taken before the savepoint). Success releases
+      the savepoint and sets the next one in one round trip -- and only if the body touched the
+      connection or the session at all; a body that only publishes and returns costs none.
+    * :meth:`commit` writes every key's final row and every outbox row in one statement and
+      commits in the same round trip, after the last unit of work's business writes took their
+      locks (as a single unit of work does); the outcomes go to Redis only after the commit.
+
+    A caller that acts on a unit of work's success (the runner committing a Kafka offset) waits
+    for :meth:`commit` to return.
+    """
 
     def __init__(
-        self, outbox: Outbox, scope: str, tx: Transaction, claims: dict[str, KeyLookup]
+        self, outbox: Outbox, scope: str, tx: Transaction, lookups: dict[str, KeyLookup]
     ) -> None:
         self._outbox = outbox
         self.scope = scope
         self._tx: Transaction | None = tx
-        self._claims = claims
+        self._lookups = lookups
         self._used: set[str] = set()
         # The final rows, in the order their units of work ended.
         self._keys: list[str] = []
@@ -94,8 +124,9 @@ class Batch:
 
     @classmethod
     def open(cls, outbox: Outbox, scope: str, keys: list[str]) -> Batch:
-        """Begin the batch's transaction and claim ``keys`` (distinct, already validated) in one
-        round trip; raises what the database raised (nothing is held then)."""
+        """Begin the batch's transaction, take every key's lock and read every key's outcome
+        (``keys``: distinct, already validated) in one round trip; raises what the database
+        raised (nothing is held then)."""
         if len(set(keys)) != len(keys):
             raise ConfigurationError("a batch claims each key once")
         sql = many_statements(outbox.config.schema)
@@ -118,15 +149,15 @@ class Batch:
             row[0]: (StoredOutcome(row[1], row[2], results.from_database(row[3]), row[4]), row[5])
             for row in rows
         }
-        claims = {}
+        lookups = {}
         for key, acquired in zip(keys, locks[0][0], strict=True):
             outcome, age = stored.get(key, (None, None))
-            claims[key] = KeyLookup(bool(acquired), outcome, age)
-        return cls(outbox, scope, tx, claims)
+            lookups[key] = KeyLookup(bool(acquired), outcome, age)
+        return cls(outbox, scope, tx, lookups)
 
-    def claim(self, key: str) -> KeyLookup:
-        """What the claim learned about ``key`` (one of the keys the batch was opened with)."""
-        return self._claims[key]
+    def lookup(self, key: str) -> KeyLookup:
+        """What the batch's lookup learned about ``key`` (one of the keys it was opened with)."""
+        return self._lookups[key]
 
     def usable(self) -> bool:
         """True while more units of work can run and the batch can still commit."""
@@ -138,10 +169,10 @@ class Batch:
         :class:`~outbox.errors.PreviouslyFailed`, :class:`~outbox.errors.KeyReuseError`)."""
         return _BatchAttempt(self, [(key, scope, fingerprint)])
 
-    def units_of_work(self, claims: list[tuple[str, str | None]]) -> _BatchGroup:
+    def units_of_work(self, keys: list[tuple[str, str | None]]) -> _BatchGroup:
         """Units of work of several runnable keys (``(key, fingerprint)``) in ONE savepoint, for
         one body that serves them all. A failure rolls back all of them and records none."""
-        return _BatchGroup(self, [(key, self.scope, fp) for key, fp in claims])
+        return _BatchGroup(self, [(key, self.scope, fp) for key, fp in keys])
 
     # -- the units of work -----------------------------------------------------------------
 
@@ -153,7 +184,7 @@ class Batch:
         tx = self._tx
         if tx is None:
             raise ConfigurationError("the batch has ended")
-        found = self._claims[key]
+        found = self._lookups[key]
         self._used.add(key)
         if not found.runnable:
             claim.verdict(scope, key, fingerprint, found.stored, found.acquired)  # raises, or:
@@ -167,7 +198,9 @@ class Batch:
                 self._outbox, scope, key, fingerprint, None, replayed=True,
                 result=json.loads(result) if result is not None else None,
             )  # fmt: skip
-        return BatchUnitOfWork(self._outbox, scope, key, fingerprint, tx, replayed=False)
+        return BatchUnitOfWork(
+            self._outbox, scope, key, fingerprint, tx, replayed=False, shared=True
+        )
 
     def _end(self, units: list[BatchUnitOfWork], exc: BaseException | None) -> None:
         """End ``units`` (one savepoint): stage their final rows, or roll them back."""
@@ -176,50 +209,53 @@ class Batch:
         touched = any(u.touched for u in units)
         if exc is None:
             try:
-                finals = []
-                for uow in units:
-                    if uow._session is not None:
-                        uow._session.flush()
-                    finals.append(_validate.dumps_json(uow._stored, "uow.result"))
+                done = [uow.complete() for uow in units]
                 if touched:
                     tx.renew(rollback=False)
             except BaseException:
                 self._roll_back(units, touched)
                 raise
-            _close_sessions(units)
-            for uow, result_json in zip(units, finals, strict=True):
-                self._stage(uow, claim.STATUS_COMPLETED, result_json, None)
+            _close(units)
+            for completion in done:
+                self._stage_completed(completion)
             return
         self._roll_back(units, touched)
         if len(units) == 1 and is_permanent(exc, self._outbox.config.permanent_errors):
             # The key's lock is the transaction's, taken before the savepoint: still held, so
             # the failure is recorded with no gap in which another attempt could run the key.
-            self._stage(units[0], claim.STATUS_FAILED, None, claim.failure_text(exc))
+            uow = units[0]
+            self._stage(uow.key, claim.STATUS_FAILED, uow.fingerprint, None, None,
+                        claim.failure_text(exc))  # fmt: skip
 
     def _roll_back(self, units: list[BatchUnitOfWork], touched: bool) -> None:
         try:
-            _close_sessions(units)
+            _close(units)
         finally:
             tx = self._tx
             if touched and tx is not None and tx.usable():
                 tx.renew(rollback=True)
 
+    def _stage_completed(self, done: Completion) -> None:
+        self._stage(done.key, claim.STATUS_COMPLETED, done.fingerprint, done.result_json,
+                    done.result, None)  # fmt: skip
+        self._events.extend(done.events)
+        self.staged_bytes += sum(len(e.value or b"") for e in done.events)
+
     def _stage(
-        self, uow: UnitOfWork, status: str, result_json: str | None, error: str | None
+        self,
+        key: str,
+        status: str,
+        fingerprint: str | None,
+        result_json: str | None,
+        result: Any,
+        error: str | None,
     ) -> None:
-        self._keys.append(uow.key)
+        self._keys.append(key)
         self._statuses.append(status)
-        self._fingerprints.append(uow.fingerprint)
-        self._results.append(
-            None if result_json is None else results.for_database(result_json, uow._result)
-        )
+        self._fingerprints.append(fingerprint)
+        self._results.append(result)
         self._errors.append(error)
-        if status == claim.STATUS_COMPLETED:
-            self._events.extend(uow._events)
-            self.staged_bytes += sum(len(e.value or b"") for e in uow._events)
-        self._outcomes.append(
-            (uow.key, StoredOutcome(status, uow.fingerprint, result_json, error), None)
-        )
+        self._outcomes.append((key, StoredOutcome(status, fingerprint, result_json, error), None))
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -324,15 +360,15 @@ class MessageBatch:
 class _BatchGroup:
     """Context manager returned by :meth:`Batch.units_of_work`."""
 
-    __slots__ = ("_batch", "_claims", "_units")
+    __slots__ = ("_batch", "_keys", "_units")
 
-    def __init__(self, batch: Batch, claims: list[tuple[str, str, str | None]]) -> None:
+    def __init__(self, batch: Batch, keys: list[tuple[str, str, str | None]]) -> None:
         self._batch = batch
-        self._claims = claims
+        self._keys = keys
         self._units: list[BatchUnitOfWork] = []
 
     def __enter__(self) -> list[BatchUnitOfWork]:
-        for key, scope, fingerprint in self._claims:
+        for key, scope, fingerprint in self._keys:
             self._units.append(self._batch._begin(key, scope, fingerprint))
         return self._units
 
@@ -357,8 +393,7 @@ class _BatchAttempt(_BatchGroup):
         return (super().__enter__())[0]
 
 
-def _close_sessions(units: list[BatchUnitOfWork]) -> None:
+def _close(units: list[BatchUnitOfWork]) -> None:
+    """Close the units' own sessions; the batch's transaction stays open."""
     for uow in units:
-        if uow._session is not None:
-            session, uow._session = uow._session, None
-            session.close()
+        uow.close()

@@ -1,37 +1,8 @@
 """Units of work of many keys in one PostgreSQL transaction: the consumer runner's micro-batches.
 
-::
-
-    batch = await AsyncBatch.open(aob, scope, ["k1", "k2", "k3"])   # BEGIN + every claim
-    try:
-        for key in ("k1", "k2", "k3"):
-            async with batch.unit_of_work(key, scope, fingerprint=None) as uow:
-                ...                          # the same unit of work as AsyncOutbox's
-        await batch.commit()                 # every key's final row, every outbox row, COMMIT
-    finally:
-        await batch.close()
-
-A unit of work costs a transaction of its own two round trips and a commit (an fsync). A batch
-pays them once for all its units of work:
-
-* :meth:`AsyncBatch.open` sends ``BEGIN``, tries the advisory lock of every key (never waiting:
-  a key held elsewhere is :class:`~outbox.errors.KeyInProgress` for its unit of work, which
-  fails fast), reads every committed outcome and sets a savepoint -- one round trip. The read
-  runs after the locks, so it sees the outcome of any attempt that held a lock before.
-* Each unit of work runs in the savepoint; a failure rolls back to it, so only that unit's
-  writes go. The locks stay held (they were taken before the savepoint): a permanent failure is
-  recorded without a gap in which another attempt could run the key. Success releases the
-  savepoint and sets the next one in one round trip -- and only if the body touched the
-  connection or the session at all; a body that only publishes and returns costs none.
-* :meth:`AsyncBatch.commit` writes every key's final row and every outbox row in one statement
-  and commits in the same round trip, after the last unit of work's business writes took their
-  locks (as a single unit of work does); the outcomes go to Redis only after the commit.
-
-Until :meth:`AsyncBatch.commit` returns, nothing of the batch is committed: a caller that acts on
-a unit of work's success (the runner committing a Kafka offset) waits for it.
-
-This asyncio module is the source; ``_batch.py`` (the sync flavour) is generated from it by
-``tools/async_to_sync.py``.
+Invariant: until :meth:`AsyncBatch.commit` returns, nothing of the batch is committed, and every
+key's advisory lock is taken before the first savepoint, so it stays held across a unit's
+failure: a permanent failure is recorded with no gap in which another attempt could run the key.
 """
 
 from __future__ import annotations
@@ -45,14 +16,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from outbox._core import claim, results, validate as _validate
+from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.events import Event, order_lock_id
 from outbox._core.failures import is_permanent
 from outbox._pg.statements import many_statements
 from outbox._pg.transaction_async import AsyncTransaction
 from outbox.errors import ConfigurationError
-from outbox.uow._unit_async import AsyncUnitOfWork
+from outbox.uow._unit_async import AsyncUnitOfWork, Completion
 
 if TYPE_CHECKING:
     from outbox.uow._outbox_async import AsyncOutbox
@@ -100,15 +71,45 @@ class AsyncBatchUnitOfWork(AsyncUnitOfWork):
 
 
 class AsyncBatch:
-    """Units of work of many keys in one transaction, each in a savepoint (see module)."""
+    """Units of work of many keys in one transaction, each in a savepoint.
+
+    ::
+
+        batch = await AsyncBatch.open(aob, scope, ["k1", "k2", "k3"])   # BEGIN + every lookup
+        try:
+            for key in ("k1", "k2", "k3"):
+                async with batch.unit_of_work(key, scope, fingerprint=None) as uow:
+                    ...                          # the same unit of work as AsyncOutbox's
+            await batch.commit()                 # every key's final row, every outbox row, COMMIT
+        finally:
+            await batch.close()
+
+    A unit of work costs a transaction of its own two round trips and a commit (an fsync). A
+    batch pays them once for all its units of work:
+
+    * :meth:`open` sends ``BEGIN``, tries the advisory lock of every key (never waiting: a key
+      held elsewhere is :class:`~outbox.errors.KeyInProgress` for its unit of work, which fails
+      fast), reads every committed outcome and sets a savepoint -- one round trip. The read runs
+      after the locks, so it sees the outcome of any attempt that held a lock before.
+    * Each unit of work runs in the savepoint; a failure rolls back to it, so only that unit's
+      writes go. The locks stay held (they were taken before the savepoint). Success releases
+      the savepoint and sets the next one in one round trip -- and only if the body touched the
+      connection or the session at all; a body that only publishes and returns costs none.
+    * :meth:`commit` writes every key's final row and every outbox row in one statement and
+      commits in the same round trip, after the last unit of work's business writes took their
+      locks (as a single unit of work does); the outcomes go to Redis only after the commit.
+
+    A caller that acts on a unit of work's success (the runner committing a Kafka offset) waits
+    for :meth:`commit` to return.
+    """
 
     def __init__(
-        self, outbox: AsyncOutbox, scope: str, tx: AsyncTransaction, claims: dict[str, KeyLookup]
+        self, outbox: AsyncOutbox, scope: str, tx: AsyncTransaction, lookups: dict[str, KeyLookup]
     ) -> None:
         self._outbox = outbox
         self.scope = scope
         self._tx: AsyncTransaction | None = tx
-        self._claims = claims
+        self._lookups = lookups
         self._used: set[str] = set()
         # The final rows, in the order their units of work ended.
         self._keys: list[str] = []
@@ -126,8 +127,9 @@ class AsyncBatch:
 
     @classmethod
     async def open(cls, outbox: AsyncOutbox, scope: str, keys: list[str]) -> AsyncBatch:
-        """Begin the batch's transaction and claim ``keys`` (distinct, already validated) in one
-        round trip; raises what the database raised (nothing is held then)."""
+        """Begin the batch's transaction, take every key's lock and read every key's outcome
+        (``keys``: distinct, already validated) in one round trip; raises what the database
+        raised (nothing is held then)."""
         if len(set(keys)) != len(keys):
             raise ConfigurationError("a batch claims each key once")
         sql = many_statements(outbox.config.schema)
@@ -150,15 +152,15 @@ class AsyncBatch:
             row[0]: (StoredOutcome(row[1], row[2], results.from_database(row[3]), row[4]), row[5])
             for row in rows
         }
-        claims = {}
+        lookups = {}
         for key, acquired in zip(keys, locks[0][0], strict=True):
             outcome, age = stored.get(key, (None, None))
-            claims[key] = KeyLookup(bool(acquired), outcome, age)
-        return cls(outbox, scope, tx, claims)
+            lookups[key] = KeyLookup(bool(acquired), outcome, age)
+        return cls(outbox, scope, tx, lookups)
 
-    def claim(self, key: str) -> KeyLookup:
-        """What the claim learned about ``key`` (one of the keys the batch was opened with)."""
-        return self._claims[key]
+    def lookup(self, key: str) -> KeyLookup:
+        """What the batch's lookup learned about ``key`` (one of the keys it was opened with)."""
+        return self._lookups[key]
 
     def usable(self) -> bool:
         """True while more units of work can run and the batch can still commit."""
@@ -172,10 +174,10 @@ class AsyncBatch:
         :class:`~outbox.errors.PreviouslyFailed`, :class:`~outbox.errors.KeyReuseError`)."""
         return _AsyncBatchAttempt(self, [(key, scope, fingerprint)])
 
-    def units_of_work(self, claims: list[tuple[str, str | None]]) -> _AsyncBatchGroup:
+    def units_of_work(self, keys: list[tuple[str, str | None]]) -> _AsyncBatchGroup:
         """Units of work of several runnable keys (``(key, fingerprint)``) in ONE savepoint, for
         one body that serves them all. A failure rolls back all of them and records none."""
-        return _AsyncBatchGroup(self, [(key, self.scope, fp) for key, fp in claims])
+        return _AsyncBatchGroup(self, [(key, self.scope, fp) for key, fp in keys])
 
     # -- the units of work -----------------------------------------------------------------
 
@@ -187,7 +189,7 @@ class AsyncBatch:
         tx = self._tx
         if tx is None:
             raise ConfigurationError("the batch has ended")
-        found = self._claims[key]
+        found = self._lookups[key]
         self._used.add(key)
         if not found.runnable:
             claim.verdict(scope, key, fingerprint, found.stored, found.acquired)  # raises, or:
@@ -201,7 +203,9 @@ class AsyncBatch:
                 self._outbox, scope, key, fingerprint, None, replayed=True,
                 result=json.loads(result) if result is not None else None,
             )  # fmt: skip
-        return AsyncBatchUnitOfWork(self._outbox, scope, key, fingerprint, tx, replayed=False)
+        return AsyncBatchUnitOfWork(
+            self._outbox, scope, key, fingerprint, tx, replayed=False, shared=True
+        )
 
     async def _end(self, units: list[AsyncBatchUnitOfWork], exc: BaseException | None) -> None:
         """End ``units`` (one savepoint): stage their final rows, or roll them back."""
@@ -210,50 +214,53 @@ class AsyncBatch:
         touched = any(u.touched for u in units)
         if exc is None:
             try:
-                finals = []
-                for uow in units:
-                    if uow._session is not None:
-                        await uow._session.flush()
-                    finals.append(_validate.dumps_json(uow._stored, "uow.result"))
+                done = [await uow.complete() for uow in units]
                 if touched:
                     await tx.renew(rollback=False)
             except BaseException:
                 await self._roll_back(units, touched)
                 raise
-            await _close_sessions(units)
-            for uow, result_json in zip(units, finals, strict=True):
-                self._stage(uow, claim.STATUS_COMPLETED, result_json, None)
+            await _close(units)
+            for completion in done:
+                self._stage_completed(completion)
             return
         await self._roll_back(units, touched)
         if len(units) == 1 and is_permanent(exc, self._outbox.config.permanent_errors):
             # The key's lock is the transaction's, taken before the savepoint: still held, so
             # the failure is recorded with no gap in which another attempt could run the key.
-            self._stage(units[0], claim.STATUS_FAILED, None, claim.failure_text(exc))
+            uow = units[0]
+            self._stage(uow.key, claim.STATUS_FAILED, uow.fingerprint, None, None,
+                        claim.failure_text(exc))  # fmt: skip
 
     async def _roll_back(self, units: list[AsyncBatchUnitOfWork], touched: bool) -> None:
         try:
-            await _close_sessions(units)
+            await _close(units)
         finally:
             tx = self._tx
             if touched and tx is not None and tx.usable():
                 await tx.renew(rollback=True)
 
+    def _stage_completed(self, done: Completion) -> None:
+        self._stage(done.key, claim.STATUS_COMPLETED, done.fingerprint, done.result_json,
+                    done.result, None)  # fmt: skip
+        self._events.extend(done.events)
+        self.staged_bytes += sum(len(e.value or b"") for e in done.events)
+
     def _stage(
-        self, uow: AsyncUnitOfWork, status: str, result_json: str | None, error: str | None
+        self,
+        key: str,
+        status: str,
+        fingerprint: str | None,
+        result_json: str | None,
+        result: Any,
+        error: str | None,
     ) -> None:
-        self._keys.append(uow.key)
+        self._keys.append(key)
         self._statuses.append(status)
-        self._fingerprints.append(uow.fingerprint)
-        self._results.append(
-            None if result_json is None else results.for_database(result_json, uow._result)
-        )
+        self._fingerprints.append(fingerprint)
+        self._results.append(result)
         self._errors.append(error)
-        if status == claim.STATUS_COMPLETED:
-            self._events.extend(uow._events)
-            self.staged_bytes += sum(len(e.value or b"") for e in uow._events)
-        self._outcomes.append(
-            (uow.key, StoredOutcome(status, uow.fingerprint, result_json, error), None)
-        )
+        self._outcomes.append((key, StoredOutcome(status, fingerprint, result_json, error), None))
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -358,15 +365,15 @@ class AsyncMessageBatch:
 class _AsyncBatchGroup:
     """Context manager returned by :meth:`AsyncBatch.units_of_work`."""
 
-    __slots__ = ("_batch", "_claims", "_units")
+    __slots__ = ("_batch", "_keys", "_units")
 
-    def __init__(self, batch: AsyncBatch, claims: list[tuple[str, str, str | None]]) -> None:
+    def __init__(self, batch: AsyncBatch, keys: list[tuple[str, str, str | None]]) -> None:
         self._batch = batch
-        self._claims = claims
+        self._keys = keys
         self._units: list[AsyncBatchUnitOfWork] = []
 
     async def __aenter__(self) -> list[AsyncBatchUnitOfWork]:
-        for key, scope, fingerprint in self._claims:
+        for key, scope, fingerprint in self._keys:
             self._units.append(self._batch._begin(key, scope, fingerprint))
         return self._units
 
@@ -391,8 +398,7 @@ class _AsyncBatchAttempt(_AsyncBatchGroup):
         return (await super().__aenter__())[0]
 
 
-async def _close_sessions(units: list[AsyncBatchUnitOfWork]) -> None:
+async def _close(units: list[AsyncBatchUnitOfWork]) -> None:
+    """Close the units' own sessions; the batch's transaction stays open."""
     for uow in units:
-        if uow._session is not None:
-            session, uow._session = uow._session, None
-            await session.close()
+        await uow.close()

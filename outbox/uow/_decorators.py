@@ -1,7 +1,8 @@
 """``@idempotent``: run a function inside a unit of work, replay its result to duplicates.
 
-The wrapping is written here once; :func:`outbox.idempotent` and :meth:`outbox.Outbox.idempotent`
-(in :mod:`outbox.uow`) supply the outbox it runs on.
+Invariant: the wrapped function runs only inside the unit of work of the key its arguments
+name, and its return value is that unit of work's result; a duplicate returns the stored result
+without calling it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The default :class:`~outbox.Outbox` behind the module-level functions.
+"""The default :class:`~outbox.Outbox` behind ``outbox.unit_of_work`` and ``@outbox.idempotent``.
 
-``outbox.unit_of_work(key)`` and ``@outbox.idempotent(...)`` use an ``Outbox`` built from
-``OUTBOX_DATABASE_URL`` (and ``OUTBOX_REDIS_URL``) on first use, or the one set with
-:func:`configure`.
+Invariant: one default outbox per process, built once (under a lock) on first use from
+``OUTBOX_DATABASE_URL`` / ``OUTBOX_REDIS_URL``, or the one set with :func:`configure`.
 """
 
 from __future__ import annotations

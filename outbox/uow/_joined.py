@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import secrets
 from collections.abc import Callable
@@ -16,93 +15,69 @@ from sqlalchemy.orm import Session
 from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.failures import is_permanent
+from outbox._core.typed_results import TypedResult
 from outbox._pg.after_commit import defer, holds, release, take
 from outbox._pg.errors import split_error, split_refused, unique_violation_of
-from outbox._pg.identity import identity_of
-from outbox._pg.statements import JoinedStatements, idempotency_key_complete_joined
+from outbox._pg.statements import (
+    JoinedStatements,
+    idempotency_key_complete_joined,
+    joined_statements,
+)
 from outbox._pg.transaction import cancel_key, check_caller, stop_abandoned
 from outbox._redis.cache import OutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
-from outbox.uow._unit import Joined, UnitOfWork, completion, end_joined
+from outbox.uow._outcomes import Outcomes
+from outbox.uow._unit import Joined, UnitOfWork
 
 log = logging.getLogger("outbox.uow")
 
 
 class JoinedUnits:
-    """The claim's cache read and replay, and the joined units of work's sequences."""
+    """The joined units of work's sequences: begin, commit, abort, and the after-commit hook.
 
-    config: OutboxConfig
-    engine: Engine
-    cache: OutcomeCache | None
-    _reader: Engine
-    _identity: tuple[str, Any]
-    _joined_sql: JoinedStatements
-    _notify: Callable[[], None]
-    _pooled: bool
+    What the caller does with its transaction cannot be known for sure from SQLAlchemy's events:
+    a savepoint of its own rolled back around the unit of work, a session closed without a
+    commit and used again, a COMMIT that failed, a session whose "commit" only released a
+    savepoint of an outer transaction that is rolled back later. So the after-commit hook never
+    writes what the unit of work produced: it reads the key's row back on a connection of its
+    own, in a new snapshot, and caches the row only if PostgreSQL shows it committed. A commit
+    that did not contain the row writes nothing (and a miss only costs the next attempt one
+    claim in PostgreSQL).
+    """
 
-    def _cached(self, cache: OutcomeCache, scope: str, key: str) -> StoredOutcome | None:
-        """The outcome Redis holds for the key, if the cache can vouch for it."""
-        if not cache.trusted and cache.available():
-            # Once per process: the key of this database's entries (outbox._pg.identity).
-            statement, params = self._identity
-            try:
-                with self.engine.connect() as conn:
-                    generation = cache.generation
-                    result = conn.exec_driver_sql(statement, params)
-                    identity = identity_of(result.first())
-            except Exception as exc:  # the database decides without the cache
-                cache.untrusted(exc)
-                return None
-            cache.trust(generation, *identity)
-        return cache.get(scope, key)
-
-    def _replay(
-        self, scope: str, key: str, fingerprint: str | None, stored: StoredOutcome
-    ) -> UnitOfWork:
-        claim.verdict(scope, key, fingerprint, stored, acquired=False)  # raises unless REPLAY
-        result = json.loads(stored.result_json) if stored.result_json is not None else None
-        return UnitOfWork(self, scope, key, fingerprint, None, replayed=True, result=result)
-
-    def _replay_claimed(
+    def __init__(
         self,
-        scope: str,
-        key: str,
-        fingerprint: str | None,
-        acquired: bool,
-        status: str | None,
-        stored_fp: str | None,
-        result_json: str | None,
-        error: str | None,
-        age: float | None,
-    ) -> UnitOfWork:
-        """The claim found the key decided or held elsewhere: raise what the verdict says, or
-        replay the stored outcome (and warm the cache with it: an earlier transaction committed
-        it)."""
-        exact = results.from_database(result_json)
-        stored = None if status is None else StoredOutcome(status, stored_fp, exact, error)
-        claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
-        assert stored is not None
-        cache = self.cache
-        if cache is not None:
-            ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
-            if ttl is not None:
-                cache.put(scope, key, stored, ttl)
-        return self._replay(scope, key, fingerprint, stored)
+        config: OutboxConfig,
+        outcomes: Outcomes,
+        reader: Engine,
+        cache: OutcomeCache | None,
+        notify: Callable[[], None],
+        *,
+        pooled: bool,
+    ) -> None:
+        self.config = config
+        self._outcomes = outcomes
+        self._reader = reader
+        self._cache = cache
+        self._notify = notify
+        self._pooled = pooled
+        self._sql: JoinedStatements = joined_statements(config.schema)
 
-    def _begin_joined(
+    def begin(
         self,
         key: str,
         scope: str,
         fingerprint: str | None,
+        typed: TypedResult | None,
         session: Session | None,
         connection: Connection | None,
-    ) -> UnitOfWork:
-        cache = self.cache
-        if cache is not None:
-            cached = self._cached(cache, scope, key)
-            if cached is not None:
-                return self._replay(scope, key, fingerprint, cached)
+    ) -> tuple[UnitOfWork, Joined | None]:
+        """The unit of work of ``key`` in the caller's transaction, and where it runs (``None``
+        for a replay)."""
+        cached = self._outcomes.cached(scope, key)
+        if cached is not None:
+            return self._outcomes.replay(scope, key, fingerprint, typed, cached), None
         # The claim runs in the savepoint: its advisory lock is released if the savepoint is
         # rolled back (the body failed) and passes to the caller's transaction when it is
         # released (the body succeeded), to be held until the caller commits or rolls back.
@@ -121,11 +96,11 @@ class JoinedUnits:
             # The key's lock is re-entrant within one server session: a unit of work for the
             # same key already open in this transaction would be let in and run the body twice.
             if holds(_sync(conn), lock_id):
-                held = conn.execute(self._joined_sql.idempotency_key_held, {"lock_id": lock_id})
+                held = conn.execute(self._sql.idempotency_key_held, {"lock_id": lock_id})
                 if held.scalar():
                     raise KeyInProgress(scope, key)
             result = conn.execute(
-                self._joined_sql.idempotency_key_claim,
+                self._sql.idempotency_key_claim,
                 {"lock_id": lock_id, "scope": scope, "key": key, "unit": unit},
             )
             acquired, status, stored_fp, result_json, error, age = result.one()
@@ -135,13 +110,17 @@ class JoinedUnits:
         if status is None and acquired:
             take(_sync(conn), lock_id)
             joined = Joined(conn, savepoint, session, server=cancel_key(_sync(conn)), unit=unit)
-            return UnitOfWork(self, scope, key, fingerprint, None, replayed=False, joined=joined)
+            uow = UnitOfWork(
+                self, scope, key, fingerprint, None, replayed=False, joined=joined, typed=typed
+            )
+            return uow, joined
         savepoint.rollback()  # nothing was written
         row = (status, stored_fp, result_json, error, age)
-        return self._replay_claimed(scope, key, fingerprint, acquired, *row)
+        replay = self._outcomes.replay_claimed(scope, key, fingerprint, typed, acquired, *row)
+        return replay, None
 
     def _after_commit(self, scope: str, key: str, wake: bool) -> Callable[[], None]:
-        cache = self.cache
+        cache = self._cache
 
         def run() -> None:
             if cache is not None:
@@ -161,9 +140,7 @@ class JoinedUnits:
         """
         try:
             with self._reader.connect() as conn:
-                result = conn.execute(
-                    self._joined_sql.idempotency_key_read, {"scope": scope, "key": key}
-                )
+                result = conn.execute(self._sql.idempotency_key_read, {"scope": scope, "key": key})
                 row = result.first()
         except Exception:  # the cache is only a cache: the next attempt asks PostgreSQL
             log.warning("event=joined_cache_write_skipped scope=%r key=%r", scope, key)
@@ -184,14 +161,14 @@ class JoinedUnits:
             assert sync_connection is not None
             defer(sync_connection, callback)
 
-    def _commit_joined(self, uow: UnitOfWork, joined: Joined) -> None:
-        events = uow._events
+    def commit(self, uow: UnitOfWork, joined: Joined) -> None:
+        """Write the key's final row and the outbox rows in the savepoint and release it; the
+        cache and the relays hear of it after the caller commits."""
         try:
-            if joined.session is not None:
-                joined.session.flush()
-            _result_json, params, _size, locks = completion(uow, self.config.schema)
+            done = uow.complete()
+            params, _size, locks = done.bind(self.config.schema)
             params["unit"] = joined.unit
-            statement = idempotency_key_complete_joined(self.config.schema, len(events), locks)
+            statement = idempotency_key_complete_joined(self.config.schema, len(done.events), locks)
             joined.connection.execute(statement, params)
             joined.savepoint.commit()
         except BaseException as exc:
@@ -202,19 +179,20 @@ class JoinedUnits:
             if split_refused(exc):
                 # The savepoint went with the lost transaction: rolling back to it fails too.
                 with contextlib.suppress(Exception):
-                    end_joined(uow, joined, rollback=True)
+                    uow.close()
                 raise split_error() from exc
-            end_joined(uow, joined, rollback=True)
+            uow.close()
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc
             raise
-        end_joined(uow, joined, rollback=False)
-        self._defer(joined, self._after_commit(uow.scope, uow.key, bool(events)))
+        uow.close()  # the savepoint is released: only the unit's own session closes
+        self._defer(joined, self._after_commit(uow.scope, uow.key, bool(done.events)))
 
-    def _abort_joined(self, uow: UnitOfWork, joined: Joined, exc: BaseException) -> None:
+    def abort(self, uow: UnitOfWork, joined: Joined, exc: BaseException) -> None:
+        """Roll back to the savepoint; record a permanent failure in the caller's transaction."""
         # Roll back to the savepoint: the body's writes go, the caller's other writes stay,
         # and so does the key's lock.
-        end_joined(uow, joined, rollback=True)
+        uow.close()
         lock_id = claim.lock_id(uow.scope, uow.key)
         release(_sync(joined.connection), lock_id)
         permanent = is_permanent(exc, self.config.permanent_errors)
@@ -224,9 +202,7 @@ class JoinedUnits:
         # The savepoint's rollback released the key's lock: take it again in the caller's
         # transaction, never waiting. Another attempt that took it in between decides the
         # outcome instead (as in an owned unit of work).
-        result = joined.connection.execute(
-            self._joined_sql.idempotency_key_relock, {"lock_id": lock_id}
-        )
+        result = joined.connection.execute(self._sql.idempotency_key_relock, {"lock_id": lock_id})
         if not result.scalar():
             log.warning(
                 "key %r in scope %r failed permanently but another attempt holds it now; "
@@ -237,7 +213,7 @@ class JoinedUnits:
             return
         take(_sync(joined.connection), lock_id)
         recorded = joined.connection.execute(
-            self._joined_sql.idempotency_key_fail,
+            self._sql.idempotency_key_fail,
             {"scope": uow.scope, "key": uow.key, "fingerprint": uow.fingerprint, "error": error},
         )
         if recorded.rowcount == 1:

@@ -26,7 +26,6 @@ from outbox._pg.pooler import refuse_undeclared
 from outbox._pg.statements import (
     Statements,
     idempotency_key_complete,
-    joined_statements,
     outbox_insert,
     statements,
 )
@@ -39,7 +38,8 @@ from outbox.errors import ConfigurationError, KeyInProgress
 from outbox.payloads import CloudEvent, Serializer, encode_publish
 from outbox.uow._decorators import make_idempotent
 from outbox.uow._joined import JoinedUnits, check_joinable
-from outbox.uow._unit import UnitOfWork, close_unit, completion
+from outbox.uow._outcomes import Outcomes
+from outbox.uow._unit import Joined, UnitOfWork
 
 __all__ = ["Outbox", "UnitOfWork"]
 
@@ -66,7 +66,8 @@ class _Attempt:
     """Context manager returned by :meth:`Outbox.unit_of_work`."""
 
     __slots__ = (
-        "_connection", "_fingerprint", "_key", "_outbox", "_scope", "_session", "_typed", "_uow",
+        "_connection", "_fingerprint", "_joined", "_key", "_outbox", "_scope", "_session",
+        "_tx", "_typed", "_uow",
     )  # fmt: skip
 
     def __init__(
@@ -87,16 +88,19 @@ class _Attempt:
         self._session = session
         self._connection = connection
         self._uow: UnitOfWork | None = None
+        # Where the unit of work runs: its own transaction, or a savepoint of the caller's.
+        self._tx: Transaction | None = None
+        self._joined: Joined | None = None
 
     def __enter__(self) -> UnitOfWork:
+        outbox, key, scope, fingerprint = self._outbox, self._key, self._scope, self._fingerprint
         if self._session is not None or self._connection is not None:
-            self._outbox._check_sessions()
-            self._uow = self._outbox._begin_joined(
-                self._key, self._scope, self._fingerprint, self._session, self._connection
+            outbox._check_sessions()
+            self._uow, self._joined = outbox._joined.begin(
+                key, scope, fingerprint, self._typed, self._session, self._connection
             )
         else:
-            self._uow = self._outbox._begin(self._key, self._scope, self._fingerprint)
-        self._uow._typed = self._typed
+            self._uow, self._tx = outbox._begin(key, scope, fingerprint, self._typed)
         return self._uow
 
     def __exit__(
@@ -108,19 +112,20 @@ class _Attempt:
         uow = self._uow
         if uow is None or uow.replayed:
             return False
-        if uow._joined is not None:
+        if self._joined is not None:
             if exc is None:
-                self._outbox._commit_joined(uow, uow._joined)
+                self._outbox._joined.commit(uow, self._joined)
             else:
-                self._outbox._abort_joined(uow, uow._joined, exc)
-        elif exc is None:
-            self._outbox._commit(uow)
-        else:
-            self._outbox._abort(uow, exc)
+                self._outbox._joined.abort(uow, self._joined, exc)
+        elif self._tx is not None:
+            if exc is None:
+                self._outbox._commit(uow, self._tx)
+            else:
+                self._outbox._abort(uow, self._tx, exc)
         return False
 
 
-class Outbox(JoinedUnits):
+class Outbox:
     """Entry point: owns the engine, the optional Redis fast path and the configuration.
 
     ``Outbox("postgresql+psycopg://...", redis_url="redis://...")`` builds its own engine and
@@ -176,7 +181,6 @@ class Outbox(JoinedUnits):
             # A new connection may lead to a recreated or restored database: read its key again.
             event.listen(self.engine.pool, "connect", self._on_connect)
         self._sql: Statements = statements(self.config.schema)
-        self._joined_sql = joined_statements(self.config.schema)
         install_guard(self.engine)
         self._wakes = self.config.wake_relays
         self._notify = (
@@ -184,6 +188,11 @@ class Outbox(JoinedUnits):
             if self._wakes
             else noop
         )
+        self._outcomes = Outcomes(self.config, self.engine, self.cache, self._identity)
+        self._joined = JoinedUnits(
+            self.config, self._outcomes, self._reader, self.cache, self._notify,
+            pooled=self._pooled,
+        )  # fmt: skip
 
     # -- public API -------------------------------------------------------------------------
 
@@ -332,12 +341,14 @@ class Outbox(JoinedUnits):
             return
         self.cache.reidentify(*identity)
 
-    def _begin(self, key: str, scope: str, fingerprint: str | None) -> UnitOfWork:
-        cache = self.cache
-        if cache is not None:
-            cached = self._cached(cache, scope, key)
-            if cached is not None:
-                return self._replay(scope, key, fingerprint, cached)
+    def _begin(
+        self, key: str, scope: str, fingerprint: str | None, typed: TypedResult | None
+    ) -> tuple[UnitOfWork, Transaction | None]:
+        """The unit of work of ``key`` in a transaction of its own, and that transaction
+        (``None`` for a replay)."""
+        cached = self._outcomes.cached(scope, key)
+        if cached is not None:
+            return self._outcomes.replay(scope, key, fingerprint, typed, cached), None
         self._check_sessions()
         tx = Transaction.open(self.engine, pooled=self._pooled)
         lock_id = claim.lock_id(scope, key)
@@ -349,7 +360,8 @@ class Outbox(JoinedUnits):
             if status is None and acquired:
                 # A unit of work joined to this one's connection for the same key is refused.
                 take(tx.connection, lock_id)
-                return UnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
+                uow = UnitOfWork(self, scope, key, fingerprint, tx, replayed=False, typed=typed)
+                return uow, tx
         except BaseException as exc:
             tx.close()
             if undefined_table(exc):
@@ -357,15 +369,15 @@ class Outbox(JoinedUnits):
             raise
         tx.finish()  # nothing was written
         row = (status, stored_fp, result_json, error, age)
-        return self._replay_claimed(scope, key, fingerprint, acquired, *row)
+        replay = self._outcomes.replay_claimed(scope, key, fingerprint, typed, acquired, *row)
+        return replay, None
 
-    def _commit(self, uow: UnitOfWork) -> None:
-        tx = uow._tx
-        assert tx is not None
-        events = uow._events
+    def _commit(self, uow: UnitOfWork, tx: Transaction) -> None:
         relay_idle = None
         try:
-            result_json, params, size, locks = completion(uow, self.config.schema)
+            done = uow.complete()
+            params, size, locks = done.bind(self.config.schema)
+            events = done.events
             statement = idempotency_key_complete(self.config.schema, len(events), locks)
             if size <= _INLINE_LIMIT and len(events) <= _INLINE_EVENTS:
                 probe = self._sql.relay_idle_probe if events and self._wakes else None
@@ -375,7 +387,7 @@ class Outbox(JoinedUnits):
                 tx.execute(statement.direct, params)
                 tx.commit()
         except BaseException as exc:
-            close_unit(uow)
+            uow.close()
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 # Another attempt committed the key between our read and our lock: a race
                 # of microseconds. Its effects stand; ours were rolled back.
@@ -383,21 +395,20 @@ class Outbox(JoinedUnits):
             if split_refused(exc):
                 raise split_error() from exc
             raise
-        close_unit(uow)
+        uow.close()
         if self.cache is not None:
             self.cache.put(
                 uow.scope,
                 uow.key,
-                StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None),
+                StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, done.result_json, None),
             )
         if events and relay_idle is not False:  # a relay waits, or no probe was made
             self._notify()
 
-    def _abort(self, uow: UnitOfWork, exc: BaseException) -> None:
+    def _abort(self, uow: UnitOfWork, tx: Transaction, exc: BaseException) -> None:
         permanent = is_permanent(exc, self.config.permanent_errors)
-        tx = uow._tx
-        if not permanent or tx is None:
-            close_unit(uow)  # rolls back the business writes and the outbox rows
+        if not permanent:
+            uow.close()  # rolls back the business writes and the outbox rows
             return
         error = claim.failure_text(exc)
         key_lock = claim.lock_id(uow.scope, uow.key)
@@ -406,9 +417,7 @@ class Outbox(JoinedUnits):
             # must see either the running attempt (KeyInProgress) or the failure, never a gap
             # in which it would run the body again.
             held = tx.hold(key_lock)
-            if uow._session is not None:
-                uow._session.close()
-                uow._session = None
+            uow.close_session()
             locked, recorded = tx.roll_back_and_record(
                 held,
                 key_lock,
@@ -421,7 +430,7 @@ class Outbox(JoinedUnits):
                 },
             )
         finally:
-            close_unit(uow)
+            uow.close()
         if not locked:
             log.warning(
                 "key %r in scope %r failed permanently but another attempt holds it now; "

@@ -1,14 +1,5 @@
 """The unit of work: business rows, the idempotency key and outbox rows in one transaction.
 
-::
-
-    async with aob.unit_of_work("order-42", scope="payments") as uow:
-        if uow.replayed:
-            return uow.result
-        uow.session.add(Order(...))
-        uow.publish("orders.created", {"id": 42}, key="42")
-        uow.result = {"order_id": 42}
-
 How a key is claimed: the first statement tries a transaction-scoped advisory lock derived from
 ``(scope, key)`` (``pg_try_advisory_xact_lock``, which never waits) and reads any committed outcome
 in the same round trip. Holding that lock is the claim: a concurrent attempt fails at once with
@@ -16,10 +7,6 @@ in the same round trip. Holding that lock is the claim: a concurrent attempt fai
 and a crashed attempt's lock vanishes with its connection. The key row itself is inserted in
 its final state at the end, in the same statement as the outbox rows, so PostgreSQL never
 holds a row in a "started" state that another writer would have to wait for.
-
-This asyncio module is the source of both flavours: ``_outbox.py`` (``Outbox``, ``UnitOfWork``) is
-generated from it by ``tools/async_to_sync.py``, so each I/O sequence is written once. The
-decisions (the claim's verdict, permanence, event encoding) live in :mod:`outbox._core`.
 """
 
 from __future__ import annotations
@@ -47,7 +34,6 @@ from outbox._pg.pooler import refuse_undeclared_async
 from outbox._pg.statements import (
     Statements,
     idempotency_key_complete,
-    joined_statements,
     outbox_insert,
     statements,
 )
@@ -60,7 +46,8 @@ from outbox.errors import ConfigurationError, KeyInProgress
 from outbox.payloads import CloudEvent, Serializer, encode_publish
 from outbox.uow._decorators import make_idempotent
 from outbox.uow._joined_async import AsyncJoinedUnits, check_joinable
-from outbox.uow._unit_async import AsyncUnitOfWork, close_unit, completion
+from outbox.uow._outcomes_async import AsyncOutcomes
+from outbox.uow._unit_async import AsyncUnitOfWork, Joined
 
 __all__ = ["AsyncOutbox", "AsyncUnitOfWork"]
 
@@ -87,7 +74,8 @@ class _AsyncAttempt:
     """Context manager returned by :meth:`AsyncOutbox.unit_of_work`."""
 
     __slots__ = (
-        "_connection", "_fingerprint", "_key", "_outbox", "_scope", "_session", "_typed", "_uow",
+        "_connection", "_fingerprint", "_joined", "_key", "_outbox", "_scope", "_session",
+        "_tx", "_typed", "_uow",
     )  # fmt: skip
 
     def __init__(
@@ -108,16 +96,19 @@ class _AsyncAttempt:
         self._session = session
         self._connection = connection
         self._uow: AsyncUnitOfWork | None = None
+        # Where the unit of work runs: its own transaction, or a savepoint of the caller's.
+        self._tx: AsyncTransaction | None = None
+        self._joined: Joined | None = None
 
     async def __aenter__(self) -> AsyncUnitOfWork:
+        outbox, key, scope, fingerprint = self._outbox, self._key, self._scope, self._fingerprint
         if self._session is not None or self._connection is not None:
-            await self._outbox._check_sessions()
-            self._uow = await self._outbox._begin_joined(
-                self._key, self._scope, self._fingerprint, self._session, self._connection
+            await outbox._check_sessions()
+            self._uow, self._joined = await outbox._joined.begin(
+                key, scope, fingerprint, self._typed, self._session, self._connection
             )
         else:
-            self._uow = await self._outbox._begin(self._key, self._scope, self._fingerprint)
-        self._uow._typed = self._typed
+            self._uow, self._tx = await outbox._begin(key, scope, fingerprint, self._typed)
         return self._uow
 
     async def __aexit__(
@@ -129,19 +120,20 @@ class _AsyncAttempt:
         uow = self._uow
         if uow is None or uow.replayed:
             return False
-        if uow._joined is not None:
+        if self._joined is not None:
             if exc is None:
-                await self._outbox._commit_joined(uow, uow._joined)
+                await self._outbox._joined.commit(uow, self._joined)
             else:
-                await self._outbox._abort_joined(uow, uow._joined, exc)
-        elif exc is None:
-            await self._outbox._commit(uow)
-        else:
-            await self._outbox._abort(uow, exc)
+                await self._outbox._joined.abort(uow, self._joined, exc)
+        elif self._tx is not None:
+            if exc is None:
+                await self._outbox._commit(uow, self._tx)
+            else:
+                await self._outbox._abort(uow, self._tx, exc)
         return False
 
 
-class AsyncOutbox(AsyncJoinedUnits):
+class AsyncOutbox:
     """Entry point: owns the engine, the optional Redis fast path and the configuration.
 
     ``AsyncOutbox("postgresql+psycopg://...", redis_url="redis://...")`` builds its own engine and
@@ -199,7 +191,6 @@ class AsyncOutbox(AsyncJoinedUnits):
             # A new connection may lead to a recreated or restored database: read its key again.
             event.listen(self.engine.sync_engine.pool, "connect", self._on_connect)
         self._sql: Statements = statements(self.config.schema)
-        self._joined_sql = joined_statements(self.config.schema)
         install_guard(self.engine)
         self._wakes = self.config.wake_relays
         self._notify = (
@@ -207,6 +198,11 @@ class AsyncOutbox(AsyncJoinedUnits):
             if self._wakes
             else noop
         )
+        self._outcomes = AsyncOutcomes(self.config, self.engine, self.cache, self._identity)
+        self._joined = AsyncJoinedUnits(
+            self.config, self._outcomes, self._reader, self.cache, self._notify,
+            pooled=self._pooled,
+        )  # fmt: skip
 
     # -- public API -------------------------------------------------------------------------
 
@@ -355,12 +351,14 @@ class AsyncOutbox(AsyncJoinedUnits):
             return
         self.cache.reidentify(*identity)
 
-    async def _begin(self, key: str, scope: str, fingerprint: str | None) -> AsyncUnitOfWork:
-        cache = self.cache
-        if cache is not None:
-            cached = await self._cached(cache, scope, key)
-            if cached is not None:
-                return self._replay(scope, key, fingerprint, cached)
+    async def _begin(
+        self, key: str, scope: str, fingerprint: str | None, typed: TypedResult | None
+    ) -> tuple[AsyncUnitOfWork, AsyncTransaction | None]:
+        """The unit of work of ``key`` in a transaction of its own, and that transaction
+        (``None`` for a replay)."""
+        cached = await self._outcomes.cached(scope, key)
+        if cached is not None:
+            return self._outcomes.replay(scope, key, fingerprint, typed, cached), None
         await self._check_sessions()
         tx = await AsyncTransaction.open(self.engine, pooled=self._pooled)
         lock_id = claim.lock_id(scope, key)
@@ -372,7 +370,10 @@ class AsyncOutbox(AsyncJoinedUnits):
             if status is None and acquired:
                 # A unit of work joined to this one's connection for the same key is refused.
                 take(tx.connection.sync_connection, lock_id)
-                return AsyncUnitOfWork(self, scope, key, fingerprint, tx, replayed=False)
+                uow = AsyncUnitOfWork(
+                    self, scope, key, fingerprint, tx, replayed=False, typed=typed
+                )
+                return uow, tx
         except BaseException as exc:
             await tx.close()
             if undefined_table(exc):
@@ -380,15 +381,15 @@ class AsyncOutbox(AsyncJoinedUnits):
             raise
         await tx.finish()  # nothing was written
         row = (status, stored_fp, result_json, error, age)
-        return await self._replay_claimed(scope, key, fingerprint, acquired, *row)
+        replay = await self._outcomes.replay_claimed(scope, key, fingerprint, typed, acquired, *row)
+        return replay, None
 
-    async def _commit(self, uow: AsyncUnitOfWork) -> None:
-        tx = uow._tx
-        assert tx is not None
-        events = uow._events
+    async def _commit(self, uow: AsyncUnitOfWork, tx: AsyncTransaction) -> None:
         relay_idle = None
         try:
-            result_json, params, size, locks = await completion(uow, self.config.schema)
+            done = await uow.complete()
+            params, size, locks = done.bind(self.config.schema)
+            events = done.events
             statement = idempotency_key_complete(self.config.schema, len(events), locks)
             if size <= _INLINE_LIMIT and len(events) <= _INLINE_EVENTS:
                 probe = self._sql.relay_idle_probe if events and self._wakes else None
@@ -398,7 +399,7 @@ class AsyncOutbox(AsyncJoinedUnits):
                 await tx.execute(statement.direct, params)
                 await tx.commit()
         except BaseException as exc:
-            await close_unit(uow)
+            await uow.close()
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 # Another attempt committed the key between our read and our lock: a race
                 # of microseconds. Its effects stand; ours were rolled back.
@@ -406,21 +407,20 @@ class AsyncOutbox(AsyncJoinedUnits):
             if split_refused(exc):
                 raise split_error() from exc
             raise
-        await close_unit(uow)
+        await uow.close()
         if self.cache is not None:
             await self.cache.put(
                 uow.scope,
                 uow.key,
-                StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, result_json, None),
+                StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, done.result_json, None),
             )
         if events and relay_idle is not False:  # a relay waits, or no probe was made
             self._notify()
 
-    async def _abort(self, uow: AsyncUnitOfWork, exc: BaseException) -> None:
+    async def _abort(self, uow: AsyncUnitOfWork, tx: AsyncTransaction, exc: BaseException) -> None:
         permanent = is_permanent(exc, self.config.permanent_errors)
-        tx = uow._tx
-        if not permanent or tx is None:
-            await close_unit(uow)  # rolls back the business writes and the outbox rows
+        if not permanent:
+            await uow.close()  # rolls back the business writes and the outbox rows
             return
         error = claim.failure_text(exc)
         key_lock = claim.lock_id(uow.scope, uow.key)
@@ -429,9 +429,7 @@ class AsyncOutbox(AsyncJoinedUnits):
             # must see either the running attempt (KeyInProgress) or the failure, never a gap
             # in which it would run the body again.
             held = await tx.hold(key_lock)
-            if uow._session is not None:
-                await uow._session.close()
-                uow._session = None
+            await uow.close_session()
             locked, recorded = await tx.roll_back_and_record(
                 held,
                 key_lock,
@@ -444,7 +442,7 @@ class AsyncOutbox(AsyncJoinedUnits):
                 },
             )
         finally:
-            await close_unit(uow)
+            await uow.close()
         if not locked:
             log.warning(
                 "key %r in scope %r failed permanently but another attempt holds it now; "

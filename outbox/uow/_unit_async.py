@@ -1,12 +1,8 @@
-"""The unit of work a caller holds: its connection, session, result and buffered events.
+"""The unit of work a caller holds: the handle its body writes through, which also ends itself.
 
-:class:`AsyncUnitOfWork` is what ``async with outbox.unit_of_work(key) as uow`` gives: it buffers
-``publish()`` calls and the result, and hands out the transaction's connection and session. It
-does no I/O of its own; the sequences that begin, commit and abort it are in
-:mod:`outbox.uow._outbox_async` (a transaction of its own) and :mod:`outbox.uow._joined_async` (the
-caller's transaction).
-
-Written for asyncio; ``outbox/uow/_unit.py`` is generated from it by ``tools/async_to_sync.py``.
+Invariant: a replayed unit of work writes nothing, and a unit of work ends by closing what it
+opened -- its own session, the savepoint it runs in, its own transaction -- never the caller's
+session or transaction, nor a batch's.
 """
 
 from __future__ import annotations
@@ -63,9 +59,13 @@ class AsyncUnitOfWork:
         replayed: bool,
         result: Any = None,
         joined: Joined | None = None,
+        typed: TypedResult | None = None,
+        *,
+        shared: bool = False,
     ) -> None:
         self._outbox = outbox
         self._joined = joined
+        self._shared = shared  # ``tx`` is a batch's: closing the unit of work leaves it open
         self.scope = scope
         self.key = key
         self.fingerprint = fingerprint
@@ -76,7 +76,7 @@ class AsyncUnitOfWork:
         self._events: list[Event] = []
         # A declared result type (outbox._core.typed_results): the result is stored as JSON data
         # it encodes to, and a replay's stored data is decoded on first read.
-        self._typed: TypedResult | None = None
+        self._typed = typed
         self._stored: Any = result
 
     def _refuse(self, what: str) -> ReplayedWriteError:
@@ -185,6 +185,65 @@ class AsyncUnitOfWork:
         self._events.append(event)
         return event.event_id
 
+    # -- the end of the unit of work: called by the with-block's end, not by the body -------
+
+    async def complete(self) -> Completion:
+        """Flush the body's session and take what the key's final row stores: the result's
+        exact JSON text and the buffered events. Raises
+        :class:`~outbox.errors.SerializationError` for a result that cannot be stored."""
+        result_json = _validate.dumps_json(self._stored, "uow.result")
+        joined = self._joined
+        if joined is not None and joined.session is not None:
+            await joined.session.flush()
+        if self._session is not None:
+            await self._session.flush()
+        stored = results.for_database(result_json, self._result)
+        return Completion(self.scope, self.key, self.fingerprint, result_json, stored, self._events)
+
+    async def close_session(self) -> None:
+        """Close the unit of work's own session (never the caller's)."""
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def close(self) -> None:
+        """End the unit of work: roll back to its savepoint if that is still open, close its own
+        session, and close its own transaction (rolling back what is not committed) -- a batch's
+        stays open."""
+        joined = self._joined
+        try:
+            if joined is not None and joined.savepoint.is_active:
+                await joined.savepoint.rollback()
+        finally:
+            await self.close_session()
+        if self._tx is not None and not self._shared:
+            tx, self._tx = self._tx, None
+            await tx.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What a completed unit of work's key row and outbox rows hold."""
+
+    scope: str
+    key: str
+    fingerprint: str | None
+    result_json: str  # the result's exact JSON text, as Redis keeps it
+    result: Any  # the result as the key's row stores it
+    events: list[Event]
+
+    def bind(self, schema: str | None) -> tuple[dict[str, Any], int, int]:
+        """The final statement's parameters (key, result, events), the events' total size and
+        their number of order locks."""
+        params: dict[str, Any] = {
+            "scope": self.scope,
+            "key": self.key,
+            "fingerprint": self.fingerprint,
+            "result": self.result,
+        }
+        size, locks = event_params(self.events, params, schema)
+        return params, size, locks
+
 
 def _refuse_session_commit(session: Any) -> None:
     raise TransactionEndedError(
@@ -192,45 +251,3 @@ def _refuse_session_commit(session: Any) -> None:
         "with-block ends, together with its idempotency key and outbox rows (use "
         "uow.session.flush() to send pending rows now, begin_nested() for a savepoint)"
     )
-
-
-async def close_unit(uow: AsyncUnitOfWork) -> None:
-    """Close the unit of work's session and transaction (rolling back what is not committed)."""
-    if uow._session is not None:
-        await uow._session.close()
-        uow._session = None
-    if uow._tx is not None:
-        await uow._tx.close()
-        uow._tx = None
-
-
-async def end_joined(uow: AsyncUnitOfWork, joined: Joined, *, rollback: bool) -> None:
-    """Close the unit of work's own session (never the caller's) and, on ``rollback``, roll
-    back to the savepoint if it is still open."""
-    try:
-        if rollback and joined.savepoint.is_active:
-            await joined.savepoint.rollback()
-    finally:
-        if uow._session is not None:
-            await uow._session.close()
-            uow._session = None
-
-
-async def completion(
-    uow: AsyncUnitOfWork, schema: str | None
-) -> tuple[str, dict[str, Any], int, int]:
-    """Flush the unit of work's session and bind what its final statement writes: returns the
-    result's exact JSON text (as Redis keeps it), the statement's parameters (key, result,
-    events), the events' total size and their number of order locks. Raises
-    :class:`~outbox.errors.SerializationError` for a result that cannot be stored."""
-    result_json = _validate.dumps_json(uow._stored, "uow.result")
-    if uow._session is not None:
-        await uow._session.flush()
-    params: dict[str, Any] = {
-        "scope": uow.scope,
-        "key": uow.key,
-        "fingerprint": uow.fingerprint,
-        "result": results.for_database(result_json, uow._result),
-    }
-    size, locks = event_params(uow._events, params, schema)
-    return result_json, params, size, locks

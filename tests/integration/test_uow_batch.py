@@ -125,7 +125,7 @@ def test_a_failing_unit_rolls_back_alone_and_a_permanent_one_is_recorded(
         pass
 
 
-def test_claims_answer_like_single_units_of_work(
+def test_lookups_answer_like_single_units_of_work(
     ob: outbox.Outbox, database_url: str, engine: sa.Engine
 ) -> None:
     with ob.unit_of_work("done", scope=SCOPE, fingerprint="f1") as uow:
@@ -147,7 +147,7 @@ def test_claims_answer_like_single_units_of_work(
         assert held.wait(10)
         batch = Batch.open(ob, SCOPE, ["done", "failed", "busy", "new", "reused"])
         try:
-            assert [batch.claim(k).runnable for k in ("done", "failed", "busy", "new")] == [
+            assert [batch.lookup(k).runnable for k in ("done", "failed", "busy", "new")] == [
                 False, False, False, True,
             ]  # fmt: skip
             with batch.unit_of_work("done", SCOPE, fingerprint="f1") as uow:
