@@ -59,7 +59,6 @@ RULES: list[Rule] = [
     Rule(r"\bAsyncTransaction\b", "Transaction"),
     Rule(r"\bAsyncOutcomeCache\b", "OutcomeCache"),
     Rule(r"\bmake_async_(cache|guard)_client\b", r"make_\1_client"),
-    Rule(r"\bmake_async_client\b", "make_client"),
     Rule(r"\bdatabase_answers_async\b", "database_answers"),
     Rule(r"\bAsyncRedisGuard\b", "RedisGuard"),
     Rule(r"\bAsyncClaim\b", "Claim"),

@@ -143,8 +143,3 @@ def arguments_fingerprint(func: Callable[..., Any]) -> Callable[..., str]:
         return "args:sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     return fingerprint
-
-
-# old names, still used by outbox.uow._decorators
-check_flavour = check_decorated_flavour
-key_function = arguments_key

@@ -227,7 +227,3 @@ class OutcomeCache:
 
     def close(self) -> None:
         self._client.close()
-
-
-# old name, still used by outbox.uow._outbox
-make_client = make_cache_client

@@ -245,7 +245,3 @@ class AsyncOutcomeCache:
 
     async def close(self) -> None:
         await self._client.aclose()
-
-
-# old name, still used by outbox.uow._outbox_async
-make_async_client = make_async_cache_client

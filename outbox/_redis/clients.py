@@ -22,7 +22,3 @@ def check_redis_flavour(client: object, want_async: bool) -> None:
             f"{'a redis.asyncio client' if want_async else 'a sync redis client'}, got "
             f"{type(client).__module__}.{type(client).__name__}"
         )
-
-
-# old name, still used by outbox.uow._outbox_async and its twin
-check_flavour = check_redis_flavour

@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
-from outbox._core.decorating import arguments_fingerprint, check_flavour, key_function
+from outbox._core.decorating import arguments_fingerprint, arguments_key, check_decorated_flavour
 from outbox._core.typed_results import ResultCodec, typed_result
 from outbox._core.validate import check_scope
 from outbox.errors import ConfigurationError
@@ -59,8 +59,8 @@ def make_idempotent(
         )
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
-        coroutine = check_flavour(func, is_async, "Outbox", "AsyncOutbox")
-        key_of = key_function(func, key, "uow")
+        coroutine = check_decorated_flavour(func, is_async, "Outbox", "AsyncOutbox")
+        key_of = arguments_key(func, key, "uow")
         fingerprint_of = (
             arguments_fingerprint(func) if fingerprint is None else (fingerprint or None)
         )

@@ -31,8 +31,8 @@ from outbox._pg.statements import (
 )
 from outbox._pg.transaction import Transaction, check_caller, install_guard
 from outbox._pg.wakeup import make_notifier, noop
-from outbox._redis.cache import OutcomeCache, make_client
-from outbox._redis.clients import check_flavour
+from outbox._redis.cache import OutcomeCache, make_cache_client
+from outbox._redis.clients import check_redis_flavour
 from outbox.config import DEFAULT_SCOPE, OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
 from outbox.payloads import CloudEvent, Serializer, encode_publish
@@ -159,7 +159,7 @@ class Outbox:
         if redis_url is not None:
             check_redis_url(redis_url)
         if redis is not None:
-            check_flavour(redis, want_async=_ASYNC)
+            check_redis_flavour(redis, want_async=_ASYNC)
         # Behind a transaction pooler nothing may rely on the session (see Transaction).
         self._pooled = self.config.pooler == "transaction"
         engine, self._owns_engine = engine_for(
@@ -171,7 +171,7 @@ class Outbox:
         self._sessions_refused: ConfigurationError | None = None
         self.engine: Engine = engine
         self._owns_redis = redis_url is not None
-        client = make_client(redis_url, self.config) if redis_url is not None else redis
+        client = make_cache_client(redis_url, self.config) if redis_url is not None else redis
         self.cache: OutcomeCache | None = (
             OutcomeCache(client, self.config) if client is not None else None
         )
