@@ -38,6 +38,7 @@ from outbox.consumer._runner_async import (
     AsyncGuardedHandler,
     AsyncHandler,
     AsyncMessageBatch,
+    consume as consume_async,
 )
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "backoff_delay",
     "batch_handler",
     "consume",
+    "consume_async",
     "database_unavailable",
     "header_key",
     "message_fingerprint",
