@@ -73,12 +73,11 @@ from outbox.config import (
 from outbox.consumer._attempt_async import (
     BATCH_HANDLER,
     AsyncAttempts,
-    AsyncVerdicts,
+    AsyncGuardedAttempts,
     FingerprintFunc,
     KeyFunc,
     batch_handler,
 )
-from outbox.consumer._guarded_async import AsyncGuardedAttempts
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches_async import AsyncMicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
@@ -219,7 +218,6 @@ class AsyncConsumerRunner:
         self._broker_up = False
         self._database_up = False
         self._next_check = 0.0
-        self._attempts: AsyncVerdicts
         for name, given in (
             ("key_deserializer", key_deserializer),
             ("value_deserializer", value_deserializer),
@@ -228,30 +226,23 @@ class AsyncConsumerRunner:
                 raise ConfigurationError(
                     f"{name} must be callable as deserializer(data, ctx), got {given!r}"
                 )
-        rules = {
+        if isinstance(outbox, AsyncRedisGuard):
+            _check_guarded(self.config, handler)
+            self.guard = outbox
+        else:
+            self.outbox = outbox
+        self._store = outbox  # where each key's outcome is kept
+        self._handler = handler
+        self._rules: dict[str, Any] = {
             "key_func": key_func,
             "fingerprint_func": fingerprint_func,
             "beat": self._beat,
             "key_deserializer": key_deserializer,
             "value_deserializer": value_deserializer,
         }
-        if isinstance(outbox, AsyncRedisGuard):
-            _check_guarded(self.config, handler)
-            self.guard = outbox
-            self._attempts = AsyncGuardedAttempts(
-                outbox, handler, self.config, self._metrics, **rules
-            )
-        else:
-            self.outbox = outbox
-            self._attempts = AsyncAttempts(outbox, handler, self.config, self._metrics, **rules)
-        self._micro_batches = AsyncMicroBatches(
-            self._attempts,
-            self.config,
-            self._partitions,
-            self._metrics,
-            stopping=self._stopping,
-            beat=self._beat,
-        )
+        # Made by run(): the dead-letter producer and the micro-batches that send to it.
+        self._dlq: AsyncDeadLetterProducer | None = None
+        self._micro_batches: AsyncMicroBatches | None = None
         # Readiness checks of the database use a connection of their own (see _check_if_due).
         self._ready_engine = (
             readiness_engine(self.outbox.engine) if self.outbox is not None else None
@@ -275,11 +266,19 @@ class AsyncConsumerRunner:
                 on_error=self._on_client_error,
                 on_commit=self._on_commit,
             )
-            self._attempts.dlq = AsyncDeadLetterProducer(
+            self._dlq = AsyncDeadLetterProducer(
                 producer_config(bootstrap, self.config.kafka_config, purpose="dead-letter"),
                 group=self.config.group,
                 suffix=self.config.dlq_topic_suffix,
                 timeout=self.config.dlq_timeout,
+            )
+            self._micro_batches = AsyncMicroBatches(
+                self._attempts(self._dlq),
+                self.config,
+                self._partitions,
+                self._metrics,
+                stopping=self._stopping,
+                beat=self._beat,
             )
             self._consumer.subscribe(
                 self.config.topics,
@@ -345,6 +344,17 @@ class AsyncConsumerRunner:
         ``READY_CHECK_INTERVAL`` seconds) reached the broker and, for a runner with an outbox,
         PostgreSQL: what ``/readyz`` answers."""
         return self._broker_up and self._database_up and self.healthy(max_silence)
+
+    def _attempts(self, dlq: AsyncDeadLetterProducer) -> AsyncAttempts | AsyncGuardedAttempts:
+        """The attempts at this runner's messages, sending dead letters to ``dlq``."""
+        store = self._store
+        if isinstance(store, AsyncRedisGuard):
+            return AsyncGuardedAttempts(
+                store, self._handler, self.config, self._metrics, dlq=dlq, **self._rules
+            )
+        return AsyncAttempts(
+            store, self._handler, self.config, self._metrics, dlq=dlq, **self._rules
+        )
 
     def _beat(self) -> None:
         self._heartbeat = time.monotonic()
@@ -474,13 +484,13 @@ class AsyncConsumerRunner:
     async def _work(self) -> None:
         """Work through what was received, a micro-batch at a time, until every partition's
         backlog is empty or waiting for a retry."""
-        consumer = self._consumer
-        assert consumer is not None
+        consumer, micro_batches = self._consumer, self._micro_batches
+        assert consumer is not None and micro_batches is not None
         while not self._stopping.is_set():
             plan = self._partitions.take(self.config.batch_size, time.monotonic())
             if not plan:
                 break
-            rnd = await self._micro_batches.round(plan)
+            rnd = await micro_batches.round(plan)
             if rnd.dead_lettered:
                 # Shrinks the window in which a crash would dead-letter a message again.
                 await self._commit(sync=True, only=sorted(rnd.dead_lettered))
@@ -506,9 +516,10 @@ class AsyncConsumerRunner:
                 except ConsumerError as exc:
                     log.warning("closing the Kafka consumer failed: %s", exc)
                 self._consumer = None
-        if self._attempts.dlq is not None:
-            await self._attempts.dlq.close()
-            self._attempts.dlq = None
+        self._micro_batches = None
+        if self._dlq is not None:
+            await self._dlq.close()
+            self._dlq = None
         if self._ready_engine is not None:
             await self._ready_engine.dispose()
         self._partitions.clear()
