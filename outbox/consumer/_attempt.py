@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from outbox._core import validate as _validate
 from outbox._core.deadletter import DeadLetter, Reason
 from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
 from outbox._core.failures import is_permanent
@@ -115,18 +116,34 @@ class Verdicts(ABC):
         fingerprint = self._fingerprint_func(message) if self._fingerprint_func else None
         return key, fingerprint
 
-    def apply(self, message: Message, tries: Tries) -> Outcome:
-        """One attempt at ``message`` by itself: read its key, run the handler in the key's
-        unit (:meth:`alone`), carry out the verdict."""
+    def read(
+        self, message: Message, tries: Tries, *, validate: bool = False
+    ) -> Outcome | tuple[str, str | None]:
+        """What is known of ``message`` before its unit runs: its outcome when that is decided
+        already (a dead letter, no usable key), else its key and fingerprint. ``validate``
+        refuses here a key or fingerprint the unit would refuse (a message joining a
+        micro-batch: alone, its unit refuses it)."""
         decided = self.decided(message, tries)
         if decided is not None:
             return decided
         try:
             key, fingerprint = self.read_key(message)
+            if validate and key is not None:
+                _validate.check_key(key)
+                _validate.check_fingerprint(fingerprint)
         except Exception as exc:
             return self.dispose(message, tries, exc, reading=Key.UNREADABLE)
         if key is None:
             return self.dispose(message, tries, None, reading=Key.MISSING)
+        return key, fingerprint
+
+    def apply(self, message: Message, tries: Tries) -> Outcome:
+        """One attempt at ``message`` by itself: read its key (:meth:`read`), run the handler
+        in the key's unit (:meth:`alone`), carry out the verdict."""
+        read = self.read(message, tries)
+        if isinstance(read, Outcome):
+            return read
+        key, fingerprint = read
         return self.alone(message, tries, key, fingerprint)
 
     @abstractmethod

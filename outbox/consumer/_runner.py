@@ -436,7 +436,7 @@ class ConsumerRunner:
         state.backlog.append(message)
         self._metrics.received(self.config.group, topic)
 
-    # -- the work (outbox.consumer._micro_batches) ---------------------------------------
+    # -- the work --------------------------------------------------------------------------------
 
     def _work(self) -> None:
         """Work through what was received, a micro-batch at a time, until every partition's
@@ -447,11 +447,11 @@ class ConsumerRunner:
             plan = self._partitions.take(self.config.batch_size, time.monotonic())
             if not plan:
                 break
-            rnd = micro_batches.round(plan)
-            if rnd.dead_lettered:
+            mb = micro_batches.run(plan)
+            if mb.dead_lettered:
                 # Shrinks the window in which a crash would dead-letter a message again.
-                self._commit(sync=True, only=sorted(rnd.dead_lettered))
-            if not rnd.moved:
+                self._commit(sync=True, only=sorted(mb.dead_lettered))
+            if not mb.moved:
                 break
             self._commit_if_due()
         now = time.monotonic()

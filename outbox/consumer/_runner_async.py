@@ -1,45 +1,10 @@
-"""Idempotent Kafka consumer runner: exactly-once effects from at-least-once delivery.
+"""The consumer runner: poll, hand what arrived to micro-batches, commit offsets behind finished
+messages.
 
-Each message is run through ``unit_of_work(key, scope=<group>)`` keyed by its
-``X-Idempotency-Key`` header, and its offset is committed only once the unit of work committed,
-replayed a stored result, or the message was dead-lettered (and the broker confirmed the dead
-letter). Redelivery after a crash or a rebalance is absorbed by the idempotency key::
-
-    from outbox import AsyncOutbox
-    from outbox.consumer import AsyncConsumerRunner
-
-    async def handle(uow, message):
-        order = json.loads(message.value())
-        uow.session.add(Order(id=order["id"]))
-        uow.publish("order.accepted", {"id": order["id"]}, key=str(order["id"]))
-        return {"accepted": order["id"]}          # stored, replayed to duplicates
-
-    runner = AsyncConsumerRunner(
-        AsyncOutbox(url), handle, topics=["orders"], group="billing",
-        bootstrap_servers="kafka:9092",
-    )
-    await runner.run()        # returns after runner.stop() (e.g. from a signal handler)
-
-or ``outbox consume app:handle --topic orders --group billing``. The delivery semantics
-(offsets, retries, dead letters, rebalances) are described in ``docs/consumer.md``.
-
-For handlers whose effects are not in PostgreSQL, the runner takes an
-:class:`~outbox.guard.AsyncRedisGuard` instead of the outbox: each message's handler then
-runs as ``handler(claim, message)`` under ``guard.claim(key, scope=<group>)``, one message at
-a time, and the offset moves once the guard stored the outcome in Redis
-(:mod:`outbox.consumer._guarded_async`; ``docs/guard.md``, "A guarded consumer").
-
-This module is the loop: poll, hand the received messages to the micro-batches
-(:mod:`outbox.consumer._micro_batches_async`), which hand each message to an attempt
-(:mod:`outbox.consumer._attempt_async`: unit of work, :func:`outbox._core.disposition.classify`,
-the verdict carried out; or :mod:`outbox.consumer._guarded_async` under the guard), and commit
-offsets behind finished messages. The Kafka clients are in
-:mod:`outbox._kafka`, the dead-letter format in :mod:`outbox._core.deadletter`.
-
-Both flavours come from one source: this module (asyncio) is written by hand and ``_runner.py``
-(sync) is generated from it by ``tools/async_to_sync.py``, so the loop exists once. In the
-asyncio flavour the Kafka clients' blocking calls are awaited and run on each client's own
-thread; in the sync one they are plain calls.
+Invariant: an offset is committed only behind finished messages -- processed in a committed unit
+of work (or a guard's stored claim), replayed, or dead-lettered with the broker's confirmation
+-- so a crash or a rebalance means redelivery, which the idempotency key absorbs. A revoked
+partition's finished offsets are committed before it moves on; a lost one's never are.
 """
 
 from __future__ import annotations
@@ -479,7 +444,7 @@ class AsyncConsumerRunner:
         state.backlog.append(message)
         self._metrics.received(self.config.group, topic)
 
-    # -- the work (outbox.consumer._micro_batches_async) ---------------------------------------
+    # -- the work --------------------------------------------------------------------------------
 
     async def _work(self) -> None:
         """Work through what was received, a micro-batch at a time, until every partition's
@@ -490,11 +455,11 @@ class AsyncConsumerRunner:
             plan = self._partitions.take(self.config.batch_size, time.monotonic())
             if not plan:
                 break
-            rnd = await micro_batches.round(plan)
-            if rnd.dead_lettered:
+            mb = await micro_batches.run(plan)
+            if mb.dead_lettered:
                 # Shrinks the window in which a crash would dead-letter a message again.
-                await self._commit(sync=True, only=sorted(rnd.dead_lettered))
-            if not rnd.moved:
+                await self._commit(sync=True, only=sorted(mb.dead_lettered))
+            if not mb.moved:
                 break
             await self._commit_if_due()
         now = time.monotonic()
