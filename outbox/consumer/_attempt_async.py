@@ -103,7 +103,7 @@ class AsyncVerdicts(ABC):
         self._link = config.trace_context == "link"
         self._dlq = dlq
 
-    async def decided(self, message: Message, tries: Tries) -> Outcome | None:
+    async def _decided(self, message: Message, tries: Tries) -> Outcome | None:
         """The outcome of a message decided before (a dead letter confirmed, or one to send
         now), or None."""
         if tries.done is not None:
@@ -113,7 +113,7 @@ class AsyncVerdicts(ABC):
             return await self._send_dead_letter(message, tries, tries.dead_letter)
         return None
 
-    def read_key(self, message: Message) -> tuple[str | None, str | None]:
+    def _read_key(self, message: Message) -> tuple[str | None, str | None]:
         if self._key_func is not None:
             key = self._key_func(message)
         else:
@@ -128,11 +128,11 @@ class AsyncVerdicts(ABC):
         already (a dead letter, no usable key), else its key and fingerprint. ``validate``
         refuses here a key or fingerprint the unit would refuse (a message joining a
         micro-batch: alone, its unit refuses it)."""
-        decided = await self.decided(message, tries)
+        decided = await self._decided(message, tries)
         if decided is not None:
             return decided
         try:
-            key, fingerprint = self.read_key(message)
+            key, fingerprint = self._read_key(message)
             if validate and key is not None:
                 _validate.check_key(key)
                 _validate.check_fingerprint(fingerprint)
