@@ -1,12 +1,7 @@
 """Where the messages of a consumer micro-batch stand, and which of them are finished.
 
-A batch takes messages from the heads of several partitions (each partition's in offset order:
-a :class:`Slice`). Each message (an :class:`Entry`) ends the batch with a :class:`Fate`: finished
-at once (a replay, a confirmed dead letter at its partition's head), finished once the batch's
-transaction commits (its unit of work is in it), finished whatever the batch does but behind a
-message that waits for it, or not finished. :meth:`Slice.finishable` walks a partition's
-messages in order and yields those that are finished after the batch, up to the first that is
-not: a partition's offset never passes an unfinished message.
+Invariant: a partition's offset never passes an unfinished message -- :meth:`Slice.finishable`
+yields a partition's finished messages in offset order and stops at the first that is not.
 """
 
 from __future__ import annotations
@@ -38,12 +33,12 @@ class Fate(enum.Enum):
 
 @dataclass(slots=True)
 class Entry(Generic[M]):
-    """A message of a micro-batch, its key read."""
+    """A message of a micro-batch, with its offset and, once read, its key."""
 
     message: M
     offset: int
-    key: str
-    fingerprint: str | None
+    key: str = ""
+    fingerprint: str | None = None
     cached: StoredOutcome | None = None  # what Redis holds for the key, if anything
     fate: Fate = Fate.OPEN
     outcome: Outcome | None = None  # a SETTLED message's outcome
@@ -59,10 +54,7 @@ class Slice(Generic[M]):
 
     def is_head(self, entry: Entry[M]) -> bool:
         """True when ``entry`` is its partition's head: every message before it finished."""
-        return self.at_head(entry.message)
-
-    def at_head(self, message: M) -> bool:
-        return bool(self.state.backlog) and self.state.backlog[0] is message
+        return bool(self.state.backlog) and self.state.backlog[0] is entry.message
 
     def finishable(self, committed: bool) -> Iterator[tuple[Entry[M], Outcome]]:
         """The messages finished after the batch (``committed``: its transaction committed),
@@ -79,7 +71,7 @@ class Slice(Generic[M]):
 
 
 @dataclass(slots=True)
-class Round:
+class MicroBatch:
     """What one micro-batch did: whether anything moved, whether its transaction committed, the
     messages it finished (topic and outcome; heads tried alone are only counted) and the
     partitions it dead-lettered in."""

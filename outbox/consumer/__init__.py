@@ -1,10 +1,9 @@
 """The consumer runner: exactly-once effects from at-least-once delivery.
 
-Each message runs in a unit of work keyed by its idempotency key (or under the Redis guard), and
-its offset is committed only once that unit of work committed, replayed a stored result, or the
-message was dead-lettered. :class:`ConsumerRunner` runs plain handlers, :class:`AsyncConsumerRunner`
-coroutine handlers. The modules in this folder are private; each sync module is generated from its
-``_async`` source by ``tools/async_to_sync.py``.
+Invariant: a message's offset is committed only once its unit of work committed (or its guard's
+claim stored the outcome), replayed a stored result, or the message was dead-lettered.
+:class:`ConsumerRunner` runs plain handlers, :class:`AsyncConsumerRunner` coroutine handlers.
+``consume_async`` is the asyncio form of :func:`consume`.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from outbox.consumer._runner_async import (
     AsyncGuardedHandler,
     AsyncHandler,
     AsyncMessageBatch,
+    consume as consume_async,
 )
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "backoff_delay",
     "batch_handler",
     "consume",
+    "consume_async",
     "database_unavailable",
     "header_key",
     "message_fingerprint",

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from outbox._core import validate as _validate
 from outbox._core.deadletter import DeadLetter, Reason
 from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
 from outbox._core.failures import is_permanent
@@ -24,10 +25,10 @@ from outbox.errors import DeadLetterError, KeyInProgress, SerializationError
 from outbox.uow._batch import Batch, MessageBatch
 
 if TYPE_CHECKING:
-    from outbox._kafka.deadletter import DeadLetterProducer
     from outbox._redis.cache import OutcomeCache
     from outbox.config import ConsumerConfig
     from outbox.consumer._metrics import ConsumerMetrics
+    from outbox.guard._guard import RedisGuard
     from outbox.uow._outbox import Outbox, UnitOfWork
 
 log = logging.getLogger("outbox.consumer")
@@ -36,6 +37,12 @@ KeyFunc = Callable[[Message], "str | None"]
 """``key_func(message) -> str | None``: the idempotency key of a message (None: none)."""
 FingerprintFunc = Callable[[Message], "str | None"]
 """``fingerprint_func(message) -> str | None``: a request hash stored with the key."""
+
+
+class DeadLetters(Protocol):
+    """Where an attempt sends dead letters: the runner's dead-letter producer."""
+
+    def send_message(self, message: Message, letter: DeadLetter) -> None: ...
 
 
 class _Unit(Protocol):
@@ -55,10 +62,10 @@ class Verdicts(ABC):
     """Attempts at messages for one runner, wherever their keys' outcomes are kept: key rules,
     the handler around one attempt, the verdict carried out, metrics and dead letters.
 
-    ``dlq`` is the runner's dead-letter producer, set while the runner runs. ``beat`` is called
-    before each step that may take long (a handler, a dead letter waiting for the broker), so
-    the runner's health check sees the loop move. ``cache`` is the Redis fast path the
-    micro-batch rounds may answer duplicates from (None: none).
+    ``dlq`` is where dead letters go (the runner's producer). ``beat`` is called before each
+    step that may take long (a handler, a dead letter waiting for the broker), so the runner's
+    health check sees the loop move. ``cache`` is the Redis fast path micro-batches may answer
+    duplicates from (None: none).
     """
 
     cache: OutcomeCache | None = None
@@ -71,6 +78,7 @@ class Verdicts(ABC):
         metrics: ConsumerMetrics,
         *,
         permanent_errors: tuple[type[BaseException], ...],
+        dlq: DeadLetters,
         key_func: KeyFunc | None,
         fingerprint_func: FingerprintFunc | None,
         beat: Callable[[], None],
@@ -88,9 +96,9 @@ class Verdicts(ABC):
         self._metrics = metrics
         self._beat = beat
         self._link = config.trace_context == "link"
-        self.dlq: DeadLetterProducer | None = None
+        self._dlq = dlq
 
-    def decided(self, message: Message, tries: Tries) -> Outcome | None:
+    def _decided(self, message: Message, tries: Tries) -> Outcome | None:
         """The outcome of a message decided before (a dead letter confirmed, or one to send
         now), or None."""
         if tries.done is not None:
@@ -100,7 +108,7 @@ class Verdicts(ABC):
             return self._send_dead_letter(message, tries, tries.dead_letter)
         return None
 
-    def read_key(self, message: Message) -> tuple[str | None, str | None]:
+    def _read_key(self, message: Message) -> tuple[str | None, str | None]:
         if self._key_func is not None:
             key = self._key_func(message)
         else:
@@ -108,18 +116,34 @@ class Verdicts(ABC):
         fingerprint = self._fingerprint_func(message) if self._fingerprint_func else None
         return key, fingerprint
 
-    def apply(self, message: Message, tries: Tries) -> Outcome:
-        """One attempt at ``message`` by itself: read its key, run the handler in the key's
-        unit (:meth:`alone`), carry out the verdict."""
-        decided = self.decided(message, tries)
+    def read(
+        self, message: Message, tries: Tries, *, validate: bool = False
+    ) -> Outcome | tuple[str, str | None]:
+        """What is known of ``message`` before its unit runs: its outcome when that is decided
+        already (a dead letter, no usable key), else its key and fingerprint. ``validate``
+        refuses here a key or fingerprint the unit would refuse (a message joining a
+        micro-batch: alone, its unit refuses it)."""
+        decided = self._decided(message, tries)
         if decided is not None:
             return decided
         try:
-            key, fingerprint = self.read_key(message)
+            key, fingerprint = self._read_key(message)
+            if validate and key is not None:
+                _validate.check_key(key)
+                _validate.check_fingerprint(fingerprint)
         except Exception as exc:
             return self.dispose(message, tries, exc, reading=Key.UNREADABLE)
         if key is None:
             return self.dispose(message, tries, None, reading=Key.MISSING)
+        return key, fingerprint
+
+    def apply(self, message: Message, tries: Tries) -> Outcome:
+        """One attempt at ``message`` by itself: read its key (:meth:`read`), run the handler
+        in the key's unit (:meth:`alone`), carry out the verdict."""
+        read = self.read(message, tries)
+        if isinstance(read, Outcome):
+            return read
+        key, fingerprint = read
         return self.alone(message, tries, key, fingerprint)
 
     @abstractmethod
@@ -307,16 +331,14 @@ class Verdicts(ABC):
     def _dead_letter_permanent(self, message: Message, tries: Tries, exc: BaseException) -> None:
         letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, exc, tries.attempts + 1)
         self._metrics.failed.labels(self.config.group, message.topic(), Failure.PERMANENT).inc()
-        assert self.dlq is not None
         try:
-            self.dlq.send_message(message, letter)
+            self._dlq.send_message(message, letter)
         except DeadLetterError as unconfirmed:
             raise Carried(unconfirmed) from unconfirmed
 
     def _send_dead_letter(self, message: Message, tries: Tries, letter: DeadLetter) -> Outcome:
-        assert self.dlq is not None
         try:
-            self.dlq.send_message(message, letter)
+            self._dlq.send_message(message, letter)
         except DeadLetterError as exc:
             return self.dispose(message, tries, exc)
         tries.done = Outcome.DEAD_LETTERED
@@ -331,7 +353,8 @@ class Verdicts(ABC):
 class Attempts(Verdicts):
     """Attempts at messages in units of work of an :class:`~outbox.uow.Outbox`: one
     of their own (:meth:`alone`), or one of a micro-batch's savepoints (:meth:`run`). ``rules``
-    are :class:`Verdicts`' keywords (``key_func``, ``fingerprint_func``, ``beat``)."""
+    are :class:`Verdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
+    ``beat``...)."""
 
     def __init__(
         self,
@@ -388,6 +411,39 @@ class Attempts(Verdicts):
 
     def unavailable(self, error: BaseException) -> bool:
         return database_unavailable(error)
+
+
+class GuardedAttempts(Verdicts):
+    """Attempts at messages, each under a claim of the runner's
+    :class:`~outbox.guard.RedisGuard`, for handlers whose effects are not in PostgreSQL.
+
+    The handler runs as ``handler(claim, message)`` inside ``guard.claim(key, scope=<the
+    runner's scope>, fingerprint=...)``; its return value is the claim's result, stored when the
+    claim ends, and only then is the message finished. Everything else -- key rules, verdicts,
+    retries, dead letters -- is :class:`Verdicts`'. There is no transaction to share, so
+    a guarded runner handles one message at a time (``batch_size=1``). ``rules`` are
+    :class:`Verdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
+    """
+
+    def __init__(
+        self,
+        guard: RedisGuard,
+        handler: Callable[..., Any],
+        config: ConsumerConfig,
+        metrics: ConsumerMetrics,
+        **rules: Any,
+    ) -> None:
+        permanent = guard.settings.permanent_errors
+        super().__init__(handler, config, metrics, permanent_errors=permanent, **rules)
+        self.guard = guard
+
+    def alone(self, message: Message, tries: Tries, key: str, fingerprint: str | None) -> Outcome:
+        return self.attempt(
+            message,
+            tries,
+            key,
+            lambda: self.guard.claim(key, scope=self._scope, fingerprint=fingerprint),
+        )
 
 
 BATCH_HANDLER = "__outbox_batch_handler__"

@@ -1,19 +1,9 @@
-"""One attempt at a consumed message, and carrying out what it came to.
+"""One attempt at a consumed message -- in a unit of work or under a Redis guard's claim -- and
+its verdict carried out.
 
-:class:`AsyncAttempts` reads a message's idempotency key, runs its unit of work (its own, or one
-of a micro-batch's savepoints) around the handler, has :func:`outbox._core.disposition.classify`
-decide what the attempt came to, and carries the verdict out: a replay, a retry after a backoff,
-a dead letter (confirmed by the broker before the message counts as finished). The runner
-(:mod:`outbox.consumer._runner_async`) polls and commits offsets; the micro-batches
-(:mod:`outbox.consumer._micro_batches_async`) decide which messages share a transaction; both
-hand each message to this.
-
-What does not depend on where the key's outcome is kept -- reading the key, one attempt around
-the handler, the verdict carried out, dead letters -- is :class:`AsyncVerdicts`, shared with the
-attempts under the Redis guard (:mod:`outbox.consumer._guarded_async`).
-
-Written for asyncio; ``outbox/consumer/_attempt.py`` is generated from it by
-``tools/async_to_sync.py``.
+Invariant: a message is finished only once its key's outcome is stored (committed, replayed, or
+stored by the guard) or its dead letter is confirmed by the broker; a permanent failure is
+dead-lettered while its key is still held, before the failure is recorded.
 """
 
 from __future__ import annotations
@@ -25,6 +15,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from outbox._core import validate as _validate
 from outbox._core.deadletter import DeadLetter, Reason
 from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
 from outbox._core.failures import is_permanent
@@ -39,10 +30,10 @@ from outbox.errors import DeadLetterError, KeyInProgress, SerializationError
 from outbox.uow._batch_async import AsyncBatch, AsyncMessageBatch
 
 if TYPE_CHECKING:
-    from outbox._kafka.deadletter import AsyncDeadLetterProducer
     from outbox._redis.cache_async import AsyncOutcomeCache
     from outbox.config import ConsumerConfig
     from outbox.consumer._metrics import ConsumerMetrics
+    from outbox.guard._guard_async import AsyncRedisGuard
     from outbox.uow._outbox_async import AsyncOutbox, AsyncUnitOfWork
 
 log = logging.getLogger("outbox.consumer")
@@ -51,6 +42,12 @@ KeyFunc = Callable[[Message], "str | None"]
 """``key_func(message) -> str | None``: the idempotency key of a message (None: none)."""
 FingerprintFunc = Callable[[Message], "str | None"]
 """``fingerprint_func(message) -> str | None``: a request hash stored with the key."""
+
+
+class DeadLetters(Protocol):
+    """Where an attempt sends dead letters: the runner's dead-letter producer."""
+
+    async def send_message(self, message: Message, letter: DeadLetter) -> None: ...
 
 
 class _Unit(Protocol):
@@ -70,10 +67,10 @@ class AsyncVerdicts(ABC):
     """Attempts at messages for one runner, wherever their keys' outcomes are kept: key rules,
     the handler around one attempt, the verdict carried out, metrics and dead letters.
 
-    ``dlq`` is the runner's dead-letter producer, set while the runner runs. ``beat`` is called
-    before each step that may take long (a handler, a dead letter waiting for the broker), so
-    the runner's health check sees the loop move. ``cache`` is the Redis fast path the
-    micro-batch rounds may answer duplicates from (None: none).
+    ``dlq`` is where dead letters go (the runner's producer). ``beat`` is called before each
+    step that may take long (a handler, a dead letter waiting for the broker), so the runner's
+    health check sees the loop move. ``cache`` is the Redis fast path micro-batches may answer
+    duplicates from (None: none).
     """
 
     cache: AsyncOutcomeCache | None = None
@@ -86,6 +83,7 @@ class AsyncVerdicts(ABC):
         metrics: ConsumerMetrics,
         *,
         permanent_errors: tuple[type[BaseException], ...],
+        dlq: DeadLetters,
         key_func: KeyFunc | None,
         fingerprint_func: FingerprintFunc | None,
         beat: Callable[[], None],
@@ -103,9 +101,9 @@ class AsyncVerdicts(ABC):
         self._metrics = metrics
         self._beat = beat
         self._link = config.trace_context == "link"
-        self.dlq: AsyncDeadLetterProducer | None = None
+        self._dlq = dlq
 
-    async def decided(self, message: Message, tries: Tries) -> Outcome | None:
+    async def _decided(self, message: Message, tries: Tries) -> Outcome | None:
         """The outcome of a message decided before (a dead letter confirmed, or one to send
         now), or None."""
         if tries.done is not None:
@@ -115,7 +113,7 @@ class AsyncVerdicts(ABC):
             return await self._send_dead_letter(message, tries, tries.dead_letter)
         return None
 
-    def read_key(self, message: Message) -> tuple[str | None, str | None]:
+    def _read_key(self, message: Message) -> tuple[str | None, str | None]:
         if self._key_func is not None:
             key = self._key_func(message)
         else:
@@ -123,18 +121,34 @@ class AsyncVerdicts(ABC):
         fingerprint = self._fingerprint_func(message) if self._fingerprint_func else None
         return key, fingerprint
 
-    async def apply(self, message: Message, tries: Tries) -> Outcome:
-        """One attempt at ``message`` by itself: read its key, run the handler in the key's
-        unit (:meth:`alone`), carry out the verdict."""
-        decided = await self.decided(message, tries)
+    async def read(
+        self, message: Message, tries: Tries, *, validate: bool = False
+    ) -> Outcome | tuple[str, str | None]:
+        """What is known of ``message`` before its unit runs: its outcome when that is decided
+        already (a dead letter, no usable key), else its key and fingerprint. ``validate``
+        refuses here a key or fingerprint the unit would refuse (a message joining a
+        micro-batch: alone, its unit refuses it)."""
+        decided = await self._decided(message, tries)
         if decided is not None:
             return decided
         try:
-            key, fingerprint = self.read_key(message)
+            key, fingerprint = self._read_key(message)
+            if validate and key is not None:
+                _validate.check_key(key)
+                _validate.check_fingerprint(fingerprint)
         except Exception as exc:
             return await self.dispose(message, tries, exc, reading=Key.UNREADABLE)
         if key is None:
             return await self.dispose(message, tries, None, reading=Key.MISSING)
+        return key, fingerprint
+
+    async def apply(self, message: Message, tries: Tries) -> Outcome:
+        """One attempt at ``message`` by itself: read its key (:meth:`read`), run the handler
+        in the key's unit (:meth:`alone`), carry out the verdict."""
+        read = await self.read(message, tries)
+        if isinstance(read, Outcome):
+            return read
+        key, fingerprint = read
         return await self.alone(message, tries, key, fingerprint)
 
     @abstractmethod
@@ -326,18 +340,16 @@ class AsyncVerdicts(ABC):
     ) -> None:
         letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, exc, tries.attempts + 1)
         self._metrics.failed.labels(self.config.group, message.topic(), Failure.PERMANENT).inc()
-        assert self.dlq is not None
         try:
-            await self.dlq.send_message(message, letter)
+            await self._dlq.send_message(message, letter)
         except DeadLetterError as unconfirmed:
             raise Carried(unconfirmed) from unconfirmed
 
     async def _send_dead_letter(
         self, message: Message, tries: Tries, letter: DeadLetter
     ) -> Outcome:
-        assert self.dlq is not None
         try:
-            await self.dlq.send_message(message, letter)
+            await self._dlq.send_message(message, letter)
         except DeadLetterError as exc:
             return await self.dispose(message, tries, exc)
         tries.done = Outcome.DEAD_LETTERED
@@ -352,7 +364,8 @@ class AsyncVerdicts(ABC):
 class AsyncAttempts(AsyncVerdicts):
     """Attempts at messages in units of work of an :class:`~outbox.uow.AsyncOutbox`: one
     of their own (:meth:`alone`), or one of a micro-batch's savepoints (:meth:`run`). ``rules``
-    are :class:`AsyncVerdicts`' keywords (``key_func``, ``fingerprint_func``, ``beat``)."""
+    are :class:`AsyncVerdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
+    ``beat``...)."""
 
     def __init__(
         self,
@@ -413,6 +426,41 @@ class AsyncAttempts(AsyncVerdicts):
 
     def unavailable(self, error: BaseException) -> bool:
         return database_unavailable(error)
+
+
+class AsyncGuardedAttempts(AsyncVerdicts):
+    """Attempts at messages, each under a claim of the runner's
+    :class:`~outbox.guard.AsyncRedisGuard`, for handlers whose effects are not in PostgreSQL.
+
+    The handler runs as ``handler(claim, message)`` inside ``guard.claim(key, scope=<the
+    runner's scope>, fingerprint=...)``; its return value is the claim's result, stored when the
+    claim ends, and only then is the message finished. Everything else -- key rules, verdicts,
+    retries, dead letters -- is :class:`AsyncVerdicts`'. There is no transaction to share, so
+    a guarded runner handles one message at a time (``batch_size=1``). ``rules`` are
+    :class:`AsyncVerdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
+    """
+
+    def __init__(
+        self,
+        guard: AsyncRedisGuard,
+        handler: Callable[..., Any],
+        config: ConsumerConfig,
+        metrics: ConsumerMetrics,
+        **rules: Any,
+    ) -> None:
+        permanent = guard.settings.permanent_errors
+        super().__init__(handler, config, metrics, permanent_errors=permanent, **rules)
+        self.guard = guard
+
+    async def alone(
+        self, message: Message, tries: Tries, key: str, fingerprint: str | None
+    ) -> Outcome:
+        return await self.attempt(
+            message,
+            tries,
+            key,
+            lambda: self.guard.claim(key, scope=self._scope, fingerprint=fingerprint),
+        )
 
 
 BATCH_HANDLER = "__outbox_batch_handler__"

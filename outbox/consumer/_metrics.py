@@ -1,9 +1,7 @@
-"""Prometheus metrics and the health endpoint of the consumer runner.
+"""Prometheus metrics and the health endpoints of the consumer runner.
 
-The collectors are created once per registry and shared by the runners of a process (their
-``group`` and ``topic`` labels tell them apart); ``docs/consumer.md`` lists them. The
-``/metrics``, ``/healthz`` and ``/readyz`` endpoints are served by the relay's
-:class:`outbox.metrics.MetricsServer`.
+Invariant: the collectors are created once per registry and shared by the runners of a process,
+told apart by their ``group`` and ``topic`` labels.
 """
 
 from __future__ import annotations
@@ -103,8 +101,8 @@ class ConsumerMetrics:
         )  # fmt: skip
         self.batch_size = Histogram(
             "outbox_consumer_batch_size",
-            "Messages finished per micro-batch (a round of the runner: one PostgreSQL "
-            "transaction for the messages that need one; duplicates answered by Redis count too).",
+            "Messages finished per micro-batch (one PostgreSQL transaction for the messages "
+            "that need one; duplicates answered by Redis count too).",
             ("group",), registry=registry,
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),
         )  # fmt: skip

@@ -8,15 +8,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from outbox._core import claim, validate as _validate
-from outbox._core.batching import Entry, Fate, Round, Slice
-from outbox._core.disposition import Failure, Key, Outcome
+from outbox._core import claim
+from outbox._core.batching import Entry, Fate, MicroBatch, Slice
+from outbox._core.disposition import Failure, Outcome
 from outbox._core.offsets import TP, Assignment, Partition
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
 from outbox._pg.errors import database_unavailable
 from outbox.config import ConsumerConfig
-from outbox.consumer._attempt import Attempts, Carried, Verdicts
+from outbox.consumer._attempt import Attempts, Carried, GuardedAttempts
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.errors import KeyReuseError, PreviouslyFailed
 from outbox.uow._batch import Batch
@@ -29,11 +29,11 @@ _BATCH_BYTES = 4 * 1024 * 1024
 
 
 class MicroBatches:
-    """Runs micro-batches over a runner's partitions (:meth:`round`), one at a time."""
+    """Runs micro-batches over a runner's partitions (:meth:`run`), one at a time."""
 
     def __init__(
         self,
-        attempts: Verdicts,
+        attempts: Attempts | GuardedAttempts,
         config: ConsumerConfig,
         partitions: Assignment[Message],
         metrics: ConsumerMetrics,
@@ -49,94 +49,82 @@ class MicroBatches:
         self._stopping = stopping
         self._beat = beat
 
-    def round(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> Round:
-        """One micro-batch. ``rnd.moved`` is False when nothing moved; ``rnd.dead_lettered``
+    def run(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> MicroBatch:
+        """One micro-batch. ``mb.moved`` is False when nothing moved; ``mb.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
-        rnd = Round(time.perf_counter())
+        mb = MicroBatch(time.perf_counter())
         slices = []
         for tp, state, messages in plan:
-            entries = self._read(rnd, tp, state, messages)
-            if entries:
-                slices.append(Slice(tp, state, entries))
+            sl = self._read(mb, Slice(tp, state, []), messages)
+            if sl.entries:
+                slices.append(sl)
         cache = self._attempts.cache
         looked_up = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
         if cache is not None and looked_up:
             stored = cache.get_many(self._scope, [e.key for e in looked_up])
-            for entry, outcome in zip(looked_up, stored, strict=True):
-                entry.cached = outcome
+            for entry, cached in zip(looked_up, stored, strict=True):
+                entry.cached = cached
         for sl in slices:
-            self._answer_from_cache(rnd, sl)
-        if any(e.fate is Fate.OPEN for sl in slices for e in sl.entries):
-            self._run_batch(rnd, slices)
+            self._answer_from_cache(mb, sl)
+        attempts = self._attempts
+        # Only units of work share a transaction: under the guard (batch_size=1) every message
+        # ran alone, in _read.
+        if isinstance(attempts, Attempts) and any(
+            e.fate is Fate.OPEN for sl in slices for e in sl.entries
+        ):
+            self._run_batch(mb, slices, attempts)
         for sl in slices:
-            self._settle(rnd, sl)
-        self._record(rnd)
-        return rnd
+            self._settle(mb, sl)
+        self._record(mb)
+        return mb
 
-    def _read(
-        self, rnd: Round, tp: TP, state: Partition[Message], messages: list[Message]
-    ) -> list[Entry[Message]]:
-        """A partition's messages for the round, keys read, in order. Messages that need no
-        unit of work (no usable key, a dead letter decided before) are decided here; a head
+    def _read(self, mb: MicroBatch, sl: Slice[Message], messages: list[Message]) -> Slice[Message]:
+        """A partition's messages for the micro-batch, keys read, in order. Messages that need
+        no unit of work (no usable key, a dead letter decided before) are decided here; a head
         that must run alone (no batches, or a batch of its failed as a whole) runs here."""
-        sl = Slice(tp, state, [])
-        entries = sl.entries
+        state = sl.state
         for message in messages:
-            if self._stopping.is_set() or self._partitions.get(tp) is not state:
+            if self._stopping.is_set() or self._partitions.get(sl.tp) is not state:
                 break  # stopping, or revoked while a dead-letter commit served a rebalance
-            offset = coordinates(message)[2]
-            head = sl.at_head(message)
-            tries = state.tries(offset, head)
+            entry = Entry(message, coordinates(message)[2])
+            head = sl.is_head(entry)
+            tries = state.tries(entry.offset, head)
             if not head and tries.retry_at > time.monotonic():
                 break  # tried before in a batch that did not commit: it waits its turn
-            if head and (self.config.batch_size == 1 or offset <= state.isolated_to):
-                if self._alone(rnd, tp, state, message):
+            if head and (self.config.batch_size == 1 or entry.offset <= state.isolated_to):
+                if self._alone(mb, sl, entry):
                     continue
                 break
-            entry = Entry(message, offset, "", None)
-            outcome = self._attempts.decided(message, tries)
-            if outcome is None:
-                try:
-                    key, fingerprint = self._attempts.read_key(message)
-                    if key is not None:
-                        _validate.check_key(key)
-                        _validate.check_fingerprint(fingerprint)
-                except Exception as exc:
-                    outcome = self._attempts.dispose(message, tries, exc, reading=Key.UNREADABLE)
-                else:
-                    if key is None:
-                        outcome = self._attempts.dispose(message, tries, None, reading=Key.MISSING)
-                    else:
-                        entry.key, entry.fingerprint = key, fingerprint
-            if outcome is None:
-                entries.append(entry)
-            elif not self._place(rnd, sl, entry, outcome):
-                break
+            read = self._attempts.read(message, tries, validate=True)
+            if isinstance(read, Outcome):
+                if not self._place(mb, sl, entry, read):
+                    break
             else:
-                entries.append(entry)
-        return entries
+                entry.key, entry.fingerprint = read
+            sl.entries.append(entry)
+        return sl
 
-    def _alone(self, rnd: Round, tp: TP, state: Partition[Message], message: Message) -> bool:
-        """Try the head by itself, in a unit of work of its own; True when it finished."""
+    def _alone(self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message]) -> bool:
+        """Try the head by itself, in a unit of its own; True when it finished."""
         self._beat()
         started = time.perf_counter()
         outcome = None
         try:
-            outcome = self._attempts.apply(message, state)
+            outcome = self._attempts.apply(entry.message, sl.state)
         finally:
             seconds = time.perf_counter() - started
-            rnd.alone_seconds += seconds
-            self._metrics.attempted(self.config.group, tp[0], outcome, seconds)
-        rnd.moved = True
+            mb.alone_seconds += seconds
+            self._metrics.attempted(self.config.group, sl.tp[0], outcome, seconds)
+        mb.moved = True
         if outcome is Outcome.RETRY:
             return False
-        rnd.alone += 1
-        self._pop(tp, state, message)
+        mb.alone += 1
+        self._pop(sl, entry)
         if outcome is Outcome.DEAD_LETTERED:
-            rnd.dead_lettered.add(tp)
+            mb.dead_lettered.add(sl.tp)
         return True
 
-    def _answer_from_cache(self, rnd: Round, sl: Slice[Message]) -> None:
+    def _answer_from_cache(self, mb: MicroBatch, sl: Slice[Message]) -> None:
         """Duplicates the Redis fast path knows: no transaction for them."""
         for i, entry in enumerate(sl.entries):
             if entry.fate is not Fate.OPEN or entry.cached is None:
@@ -150,26 +138,25 @@ class MicroBatches:
             except (KeyReuseError, PreviouslyFailed) as exc:
                 self._beat()
                 outcome = self._attempts.dispose(entry.message, tries, exc, key=entry.key)
-            if not self._place(rnd, sl, entry, outcome):
+            if not self._place(mb, sl, entry, outcome):
                 del sl.entries[i:]
                 return
 
-    def _run_batch(self, rnd: Round, slices: list[Slice[Message]]) -> None:
+    def _run_batch(self, mb: MicroBatch, slices: list[Slice[Message]], attempts: Attempts) -> None:
         """The messages that need the database, in one transaction."""
         seen: set[str] = set()
         for sl in slices:
             for i, entry in enumerate(sl.entries):
                 if entry.fate is not Fate.OPEN:
                     continue
-                if entry.key in seen:  # a duplicate within the batch: decided next round
+                if entry.key in seen:  # a duplicate within the batch: decided in the next one
                     del sl.entries[i:]
                     break
                 seen.add(entry.key)
         todo = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
         if not todo:
             return
-        rnd.moved = True
-        attempts = self._batched()
+        mb.moved = True
         try:
             batch = Batch.open(attempts.outbox, self._scope, [e.key for e in todo])
         except Exception as exc:
@@ -177,9 +164,9 @@ class MicroBatches:
             return
         try:
             if attempts.batch_form:
-                self._run_group(rnd, batch, slices)
+                self._run_group(mb, attempts, batch, slices)
             else:
-                self._run_each(rnd, batch, slices)
+                self._run_each(mb, attempts, batch, slices)
             if batch.usable():
                 try:
                     batch.commit()
@@ -187,9 +174,15 @@ class MicroBatches:
                     self._batch_failed(slices, exc)
         finally:
             batch.close()
-        rnd.committed = batch.committed
+        mb.committed = batch.committed
 
-    def _run_each(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
+    def _run_each(
+        self,
+        mb: MicroBatch,
+        attempts: Attempts,
+        batch: Batch,
+        slices: list[Slice[Message]],
+    ) -> None:
         for sl in slices:
             for i, entry in enumerate(sl.entries):
                 if entry.fate is not Fate.OPEN:
@@ -203,18 +196,31 @@ class MicroBatches:
                     del sl.entries[i:]
                     break
                 self._beat()
-                if not self._run_one(rnd, batch, sl, entry):
+                if not self._run_one(mb, attempts, batch, sl, entry):
                     del sl.entries[i:]
                     break
 
-    def _run_one(self, rnd: Round, batch: Batch, sl: Slice[Message], entry: Entry[Message]) -> bool:
+    def _run_one(
+        self,
+        mb: MicroBatch,
+        attempts: Attempts,
+        batch: Batch,
+        sl: Slice[Message],
+        entry: Entry[Message],
+    ) -> bool:
         """Run one message in a savepoint of ``batch`` and place it; False when its partition
         stops there."""
         tries = sl.state.tries(entry.offset, sl.is_head(entry))
-        outcome = self._batched().run(entry.message, tries, entry.key, entry.fingerprint, batch)
-        return self._place(rnd, sl, entry, outcome)
+        outcome = attempts.run(entry.message, tries, entry.key, entry.fingerprint, batch)
+        return self._place(mb, sl, entry, outcome)
 
-    def _run_group(self, rnd: Round, batch: Batch, slices: list[Slice[Message]]) -> None:
+    def _run_group(
+        self,
+        mb: MicroBatch,
+        attempts: Attempts,
+        batch: Batch,
+        slices: list[Slice[Message]],
+    ) -> None:
         """A batch handler: the messages whose work must run go to it together, in one
         savepoint; the others (duplicates, keys held elsewhere...) are decided one by one."""
         group: list[tuple[Slice[Message], Entry[Message]]] = []
@@ -226,13 +232,13 @@ class MicroBatches:
                     group.append((sl, entry))
                     entry.fate = Fate.PENDING
                     continue
-                if not self._run_one(rnd, batch, sl, entry):
+                if not self._run_one(mb, attempts, batch, sl, entry):
                     del sl.entries[i:]
                     break
         if len(group) == 1:  # alone, a failure is its own
             sl, entry = group[0]
             entry.fate = Fate.OPEN
-            if not self._run_one(rnd, batch, sl, entry):
+            if not self._run_one(mb, attempts, batch, sl, entry):
                 del sl.entries[sl.entries.index(entry) :]
             return
         if not group:
@@ -240,7 +246,7 @@ class MicroBatches:
         self._beat()
         try:
             with batch.units_of_work([(e.key, e.fingerprint) for _, e in group]) as units:
-                self._batched().run_group(units, [e.message for _, e in group])
+                attempts.run_group(units, [e.message for _, e in group])
         except (Exception, Carried) as exc:
             # One failure for them all: which message caused it is not known. Each is tried
             # alone next, where a failure is its own (counted, dead-lettered as usual).
@@ -258,13 +264,6 @@ class MicroBatches:
                 "a batch handler failed for %d messages; trying them one at a time: %s",
                 len(group), one_line(error),
             )  # fmt: skip
-
-    def _batched(self) -> Attempts:
-        """The attempts of a runner with micro-batches: only units of work share a transaction
-        (a runner under the Redis guard runs with ``batch_size=1``, every message alone)."""
-        attempts = self._attempts
-        assert isinstance(attempts, Attempts), "micro-batches need an outbox"
-        return attempts
 
     def _batch_failed(self, slices: list[Slice[Message]], error: Exception) -> None:
         """The batch's transaction failed as a whole (its claim or its commit): nothing of it
@@ -289,60 +288,59 @@ class MicroBatches:
         )  # fmt: skip
 
     def _place(
-        self, rnd: Round, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
+        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
     ) -> bool:
-        """Note what became of a message of the round; False when its partition stops there."""
-        rnd.moved = True
+        """Note what became of a message of the micro-batch; False when its partition stops
+        there."""
+        mb.moved = True
         if outcome is Outcome.RETRY:
             return False
         if outcome is Outcome.PROCESSED:
             entry.fate = Fate.PENDING  # finished once the batch commits
             return True
         if sl.is_head(entry):
-            self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
+            self._finish(mb, sl, entry, outcome)
             entry.fate = Fate.FINISHED
         else:  # finished whatever becomes of the batch, once the messages before it are
             entry.fate = Fate.SETTLED
             entry.outcome = outcome
         return True
 
-    def _settle(self, rnd: Round, sl: Slice[Message]) -> None:
+    def _settle(self, mb: MicroBatch, sl: Slice[Message]) -> None:
         """After the batch: finish the partition's messages in order, up to the first one that
         is not finished (its batch did not commit, it must be tried again, or it was not
         reached)."""
         if self._partitions.get(sl.tp) is not sl.state:
             return  # revoked meanwhile: the new owner replays whatever committed
-        for entry, outcome in list(sl.finishable(rnd.committed)):
-            self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
+        for entry, outcome in list(sl.finishable(mb.committed)):
+            self._finish(mb, sl, entry, outcome)
             entry.fate = Fate.FINISHED
 
     def _finish(
-        self, rnd: Round, tp: TP, state: Partition[Message], message: Message, outcome: Outcome
+        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
     ) -> None:
-        """The head ``message`` finished with ``outcome``."""
-        self._pop(tp, state, message)
-        rnd.finished.append((tp[0], outcome))
+        """The head ``entry`` finished with ``outcome``."""
+        self._pop(sl, entry)
+        mb.finished.append((sl.tp[0], outcome))
         if outcome is Outcome.DEAD_LETTERED:
-            rnd.dead_lettered.add(tp)
+            mb.dead_lettered.add(sl.tp)
 
     @staticmethod
-    def _pop(tp: TP, state: Partition[Message], message: Message) -> None:
+    def _pop(sl: Slice[Message], entry: Entry[Message]) -> None:
         """Take the finished head off its partition; the message behind it becomes the head."""
-        assert state.backlog and state.backlog[0] is message, f"{tp} finishes out of order"
-        following = state.backlog[1] if len(state.backlog) > 1 else None
-        state.finish(
-            coordinates(message)[2],
-            coordinates(following)[2] if following is not None else None,
-        )
+        backlog = sl.state.backlog
+        assert backlog and backlog[0] is entry.message, f"{sl.tp} finishes out of order"
+        following = coordinates(backlog[1])[2] if len(backlog) > 1 else None
+        sl.state.finish(entry.offset, following)
 
-    def _record(self, rnd: Round) -> None:
-        """Metrics of the round: its size and time; each message finished in it (but those
+    def _record(self, mb: MicroBatch) -> None:
+        """Metrics of the micro-batch: its size and time; each message finished in it (but those
         tried alone, timed by themselves) gets an equal share of the rest of its time."""
-        total = time.perf_counter() - rnd.started
-        if rnd.finished or rnd.alone:
-            self._metrics.batch(self.config.group, len(rnd.finished) + rnd.alone, total)
-        if not rnd.finished:
+        total = time.perf_counter() - mb.started
+        if mb.finished or mb.alone:
+            self._metrics.batch(self.config.group, len(mb.finished) + mb.alone, total)
+        if not mb.finished:
             return
-        seconds = max(0.0, total - rnd.alone_seconds) / len(rnd.finished)
-        for topic, outcome in rnd.finished:
+        seconds = max(0.0, total - mb.alone_seconds) / len(mb.finished)
+        for topic, outcome in mb.finished:
             self._metrics.attempted(self.config.group, topic, outcome, seconds)

@@ -1,18 +1,9 @@
-"""The consumer's micro-batches: which messages share one PostgreSQL transaction.
+"""Micro-batches: which of a runner's messages share one PostgreSQL transaction.
 
-A round is one micro-batch: up to ``batch_size`` messages from the heads of the partitions that
-are not waiting (each partition's in offset order). Duplicates the Redis fast path knows are
-answered without a transaction; the others run in ONE transaction, each in a savepoint
-(:mod:`outbox.uow._batch_async`). A message is *finished* -- its offset may be committed -- once
-everything before it in its partition is finished and it is: replayed, dead-lettered
-(confirmed), or processed in a batch that committed. A message that must be tried again stops
-its partition's share of the round; what its attempts came to is kept (its Tries) until it is
-the head. With ``batch_size=1`` every message is the head and runs in a unit of work of its own
--- or, for a runner under the Redis guard (which has no batches), in a claim of its own.
-
-The data model (entries, slices, fates) is :mod:`outbox._core.batching`; one attempt at a
-message is :class:`outbox.consumer._attempt_async.AsyncAttempts`. Written for asyncio;
-``outbox/consumer/_micro_batches.py`` is generated from it by ``tools/async_to_sync.py``.
+Invariant: a message is finished -- its offset may be committed -- only once every message
+before it in its partition is finished and it was replayed, dead-lettered (confirmed), or
+processed in a transaction that committed; a message to be tried again stops its partition's
+share of the micro-batch.
 """
 
 from __future__ import annotations
@@ -22,15 +13,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from outbox._core import claim, validate as _validate
-from outbox._core.batching import Entry, Fate, Round, Slice
-from outbox._core.disposition import Failure, Key, Outcome
+from outbox._core import claim
+from outbox._core.batching import Entry, Fate, MicroBatch, Slice
+from outbox._core.disposition import Failure, Outcome
 from outbox._core.offsets import TP, Assignment, Partition
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
 from outbox._pg.errors import database_unavailable
 from outbox.config import ConsumerConfig
-from outbox.consumer._attempt_async import AsyncAttempts, AsyncVerdicts, Carried
+from outbox.consumer._attempt_async import AsyncAttempts, AsyncGuardedAttempts, Carried
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.errors import KeyReuseError, PreviouslyFailed
 from outbox.uow._batch_async import AsyncBatch
@@ -43,11 +34,11 @@ _BATCH_BYTES = 4 * 1024 * 1024
 
 
 class AsyncMicroBatches:
-    """Runs micro-batches over a runner's partitions (:meth:`round`), one at a time."""
+    """Runs micro-batches over a runner's partitions (:meth:`run`), one at a time."""
 
     def __init__(
         self,
-        attempts: AsyncVerdicts,
+        attempts: AsyncAttempts | AsyncGuardedAttempts,
         config: ConsumerConfig,
         partitions: Assignment[Message],
         metrics: ConsumerMetrics,
@@ -63,98 +54,84 @@ class AsyncMicroBatches:
         self._stopping = stopping
         self._beat = beat
 
-    async def round(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> Round:
-        """One micro-batch. ``rnd.moved`` is False when nothing moved; ``rnd.dead_lettered``
+    async def run(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> MicroBatch:
+        """One micro-batch. ``mb.moved`` is False when nothing moved; ``mb.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
-        rnd = Round(time.perf_counter())
+        mb = MicroBatch(time.perf_counter())
         slices = []
         for tp, state, messages in plan:
-            entries = await self._read(rnd, tp, state, messages)
-            if entries:
-                slices.append(Slice(tp, state, entries))
+            sl = await self._read(mb, Slice(tp, state, []), messages)
+            if sl.entries:
+                slices.append(sl)
         cache = self._attempts.cache
         looked_up = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
         if cache is not None and looked_up:
             stored = await cache.get_many(self._scope, [e.key for e in looked_up])
-            for entry, outcome in zip(looked_up, stored, strict=True):
-                entry.cached = outcome
+            for entry, cached in zip(looked_up, stored, strict=True):
+                entry.cached = cached
         for sl in slices:
-            await self._answer_from_cache(rnd, sl)
-        if any(e.fate is Fate.OPEN for sl in slices for e in sl.entries):
-            await self._run_batch(rnd, slices)
+            await self._answer_from_cache(mb, sl)
+        attempts = self._attempts
+        # Only units of work share a transaction: under the guard (batch_size=1) every message
+        # ran alone, in _read.
+        if isinstance(attempts, AsyncAttempts) and any(
+            e.fate is Fate.OPEN for sl in slices for e in sl.entries
+        ):
+            await self._run_batch(mb, slices, attempts)
         for sl in slices:
-            self._settle(rnd, sl)
-        self._record(rnd)
-        return rnd
+            self._settle(mb, sl)
+        self._record(mb)
+        return mb
 
     async def _read(
-        self, rnd: Round, tp: TP, state: Partition[Message], messages: list[Message]
-    ) -> list[Entry[Message]]:
-        """A partition's messages for the round, keys read, in order. Messages that need no
-        unit of work (no usable key, a dead letter decided before) are decided here; a head
+        self, mb: MicroBatch, sl: Slice[Message], messages: list[Message]
+    ) -> Slice[Message]:
+        """A partition's messages for the micro-batch, keys read, in order. Messages that need
+        no unit of work (no usable key, a dead letter decided before) are decided here; a head
         that must run alone (no batches, or a batch of its failed as a whole) runs here."""
-        sl = Slice(tp, state, [])
-        entries = sl.entries
+        state = sl.state
         for message in messages:
-            if self._stopping.is_set() or self._partitions.get(tp) is not state:
+            if self._stopping.is_set() or self._partitions.get(sl.tp) is not state:
                 break  # stopping, or revoked while a dead-letter commit served a rebalance
-            offset = coordinates(message)[2]
-            head = sl.at_head(message)
-            tries = state.tries(offset, head)
+            entry = Entry(message, coordinates(message)[2])
+            head = sl.is_head(entry)
+            tries = state.tries(entry.offset, head)
             if not head and tries.retry_at > time.monotonic():
                 break  # tried before in a batch that did not commit: it waits its turn
-            if head and (self.config.batch_size == 1 or offset <= state.isolated_to):
-                if await self._alone(rnd, tp, state, message):
+            if head and (self.config.batch_size == 1 or entry.offset <= state.isolated_to):
+                if await self._alone(mb, sl, entry):
                     continue
                 break
-            entry = Entry(message, offset, "", None)
-            outcome = await self._attempts.decided(message, tries)
-            if outcome is None:
-                try:
-                    key, fingerprint = self._attempts.read_key(message)
-                    if key is not None:
-                        _validate.check_key(key)
-                        _validate.check_fingerprint(fingerprint)
-                except Exception as exc:
-                    outcome = await self._attempts.dispose(
-                        message, tries, exc, reading=Key.UNREADABLE
-                    )
-                else:
-                    if key is None:
-                        outcome = await self._attempts.dispose(
-                            message, tries, None, reading=Key.MISSING
-                        )
-                    else:
-                        entry.key, entry.fingerprint = key, fingerprint
-            if outcome is None:
-                entries.append(entry)
-            elif not self._place(rnd, sl, entry, outcome):
-                break
+            read = await self._attempts.read(message, tries, validate=True)
+            if isinstance(read, Outcome):
+                if not self._place(mb, sl, entry, read):
+                    break
             else:
-                entries.append(entry)
-        return entries
+                entry.key, entry.fingerprint = read
+            sl.entries.append(entry)
+        return sl
 
-    async def _alone(self, rnd: Round, tp: TP, state: Partition[Message], message: Message) -> bool:
-        """Try the head by itself, in a unit of work of its own; True when it finished."""
+    async def _alone(self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message]) -> bool:
+        """Try the head by itself, in a unit of its own; True when it finished."""
         self._beat()
         started = time.perf_counter()
         outcome = None
         try:
-            outcome = await self._attempts.apply(message, state)
+            outcome = await self._attempts.apply(entry.message, sl.state)
         finally:
             seconds = time.perf_counter() - started
-            rnd.alone_seconds += seconds
-            self._metrics.attempted(self.config.group, tp[0], outcome, seconds)
-        rnd.moved = True
+            mb.alone_seconds += seconds
+            self._metrics.attempted(self.config.group, sl.tp[0], outcome, seconds)
+        mb.moved = True
         if outcome is Outcome.RETRY:
             return False
-        rnd.alone += 1
-        self._pop(tp, state, message)
+        mb.alone += 1
+        self._pop(sl, entry)
         if outcome is Outcome.DEAD_LETTERED:
-            rnd.dead_lettered.add(tp)
+            mb.dead_lettered.add(sl.tp)
         return True
 
-    async def _answer_from_cache(self, rnd: Round, sl: Slice[Message]) -> None:
+    async def _answer_from_cache(self, mb: MicroBatch, sl: Slice[Message]) -> None:
         """Duplicates the Redis fast path knows: no transaction for them."""
         for i, entry in enumerate(sl.entries):
             if entry.fate is not Fate.OPEN or entry.cached is None:
@@ -168,26 +145,27 @@ class AsyncMicroBatches:
             except (KeyReuseError, PreviouslyFailed) as exc:
                 self._beat()
                 outcome = await self._attempts.dispose(entry.message, tries, exc, key=entry.key)
-            if not self._place(rnd, sl, entry, outcome):
+            if not self._place(mb, sl, entry, outcome):
                 del sl.entries[i:]
                 return
 
-    async def _run_batch(self, rnd: Round, slices: list[Slice[Message]]) -> None:
+    async def _run_batch(
+        self, mb: MicroBatch, slices: list[Slice[Message]], attempts: AsyncAttempts
+    ) -> None:
         """The messages that need the database, in one transaction."""
         seen: set[str] = set()
         for sl in slices:
             for i, entry in enumerate(sl.entries):
                 if entry.fate is not Fate.OPEN:
                     continue
-                if entry.key in seen:  # a duplicate within the batch: decided next round
+                if entry.key in seen:  # a duplicate within the batch: decided in the next one
                     del sl.entries[i:]
                     break
                 seen.add(entry.key)
         todo = [e for sl in slices for e in sl.entries if e.fate is Fate.OPEN]
         if not todo:
             return
-        rnd.moved = True
-        attempts = self._batched()
+        mb.moved = True
         try:
             batch = await AsyncBatch.open(attempts.outbox, self._scope, [e.key for e in todo])
         except Exception as exc:
@@ -195,9 +173,9 @@ class AsyncMicroBatches:
             return
         try:
             if attempts.batch_form:
-                await self._run_group(rnd, batch, slices)
+                await self._run_group(mb, attempts, batch, slices)
             else:
-                await self._run_each(rnd, batch, slices)
+                await self._run_each(mb, attempts, batch, slices)
             if batch.usable():
                 try:
                     await batch.commit()
@@ -205,9 +183,15 @@ class AsyncMicroBatches:
                     await self._batch_failed(slices, exc)
         finally:
             await batch.close()
-        rnd.committed = batch.committed
+        mb.committed = batch.committed
 
-    async def _run_each(self, rnd: Round, batch: AsyncBatch, slices: list[Slice[Message]]) -> None:
+    async def _run_each(
+        self,
+        mb: MicroBatch,
+        attempts: AsyncAttempts,
+        batch: AsyncBatch,
+        slices: list[Slice[Message]],
+    ) -> None:
         for sl in slices:
             for i, entry in enumerate(sl.entries):
                 if entry.fate is not Fate.OPEN:
@@ -221,22 +205,31 @@ class AsyncMicroBatches:
                     del sl.entries[i:]
                     break
                 self._beat()
-                if not await self._run_one(rnd, batch, sl, entry):
+                if not await self._run_one(mb, attempts, batch, sl, entry):
                     del sl.entries[i:]
                     break
 
     async def _run_one(
-        self, rnd: Round, batch: AsyncBatch, sl: Slice[Message], entry: Entry[Message]
+        self,
+        mb: MicroBatch,
+        attempts: AsyncAttempts,
+        batch: AsyncBatch,
+        sl: Slice[Message],
+        entry: Entry[Message],
     ) -> bool:
         """Run one message in a savepoint of ``batch`` and place it; False when its partition
         stops there."""
         tries = sl.state.tries(entry.offset, sl.is_head(entry))
-        outcome = await self._batched().run(
-            entry.message, tries, entry.key, entry.fingerprint, batch
-        )
-        return self._place(rnd, sl, entry, outcome)
+        outcome = await attempts.run(entry.message, tries, entry.key, entry.fingerprint, batch)
+        return self._place(mb, sl, entry, outcome)
 
-    async def _run_group(self, rnd: Round, batch: AsyncBatch, slices: list[Slice[Message]]) -> None:
+    async def _run_group(
+        self,
+        mb: MicroBatch,
+        attempts: AsyncAttempts,
+        batch: AsyncBatch,
+        slices: list[Slice[Message]],
+    ) -> None:
         """A batch handler: the messages whose work must run go to it together, in one
         savepoint; the others (duplicates, keys held elsewhere...) are decided one by one."""
         group: list[tuple[Slice[Message], Entry[Message]]] = []
@@ -248,13 +241,13 @@ class AsyncMicroBatches:
                     group.append((sl, entry))
                     entry.fate = Fate.PENDING
                     continue
-                if not await self._run_one(rnd, batch, sl, entry):
+                if not await self._run_one(mb, attempts, batch, sl, entry):
                     del sl.entries[i:]
                     break
         if len(group) == 1:  # alone, a failure is its own
             sl, entry = group[0]
             entry.fate = Fate.OPEN
-            if not await self._run_one(rnd, batch, sl, entry):
+            if not await self._run_one(mb, attempts, batch, sl, entry):
                 del sl.entries[sl.entries.index(entry) :]
             return
         if not group:
@@ -262,7 +255,7 @@ class AsyncMicroBatches:
         self._beat()
         try:
             async with batch.units_of_work([(e.key, e.fingerprint) for _, e in group]) as units:
-                await self._batched().run_group(units, [e.message for _, e in group])
+                await attempts.run_group(units, [e.message for _, e in group])
         except (Exception, Carried) as exc:
             # One failure for them all: which message caused it is not known. Each is tried
             # alone next, where a failure is its own (counted, dead-lettered as usual).
@@ -280,13 +273,6 @@ class AsyncMicroBatches:
                 "a batch handler failed for %d messages; trying them one at a time: %s",
                 len(group), one_line(error),
             )  # fmt: skip
-
-    def _batched(self) -> AsyncAttempts:
-        """The attempts of a runner with micro-batches: only units of work share a transaction
-        (a runner under the Redis guard runs with ``batch_size=1``, every message alone)."""
-        attempts = self._attempts
-        assert isinstance(attempts, AsyncAttempts), "micro-batches need an outbox"
-        return attempts
 
     async def _batch_failed(self, slices: list[Slice[Message]], error: Exception) -> None:
         """The batch's transaction failed as a whole (its claim or its commit): nothing of it
@@ -311,60 +297,59 @@ class AsyncMicroBatches:
         )  # fmt: skip
 
     def _place(
-        self, rnd: Round, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
+        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
     ) -> bool:
-        """Note what became of a message of the round; False when its partition stops there."""
-        rnd.moved = True
+        """Note what became of a message of the micro-batch; False when its partition stops
+        there."""
+        mb.moved = True
         if outcome is Outcome.RETRY:
             return False
         if outcome is Outcome.PROCESSED:
             entry.fate = Fate.PENDING  # finished once the batch commits
             return True
         if sl.is_head(entry):
-            self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
+            self._finish(mb, sl, entry, outcome)
             entry.fate = Fate.FINISHED
         else:  # finished whatever becomes of the batch, once the messages before it are
             entry.fate = Fate.SETTLED
             entry.outcome = outcome
         return True
 
-    def _settle(self, rnd: Round, sl: Slice[Message]) -> None:
+    def _settle(self, mb: MicroBatch, sl: Slice[Message]) -> None:
         """After the batch: finish the partition's messages in order, up to the first one that
         is not finished (its batch did not commit, it must be tried again, or it was not
         reached)."""
         if self._partitions.get(sl.tp) is not sl.state:
             return  # revoked meanwhile: the new owner replays whatever committed
-        for entry, outcome in list(sl.finishable(rnd.committed)):
-            self._finish(rnd, sl.tp, sl.state, entry.message, outcome)
+        for entry, outcome in list(sl.finishable(mb.committed)):
+            self._finish(mb, sl, entry, outcome)
             entry.fate = Fate.FINISHED
 
     def _finish(
-        self, rnd: Round, tp: TP, state: Partition[Message], message: Message, outcome: Outcome
+        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
     ) -> None:
-        """The head ``message`` finished with ``outcome``."""
-        self._pop(tp, state, message)
-        rnd.finished.append((tp[0], outcome))
+        """The head ``entry`` finished with ``outcome``."""
+        self._pop(sl, entry)
+        mb.finished.append((sl.tp[0], outcome))
         if outcome is Outcome.DEAD_LETTERED:
-            rnd.dead_lettered.add(tp)
+            mb.dead_lettered.add(sl.tp)
 
     @staticmethod
-    def _pop(tp: TP, state: Partition[Message], message: Message) -> None:
+    def _pop(sl: Slice[Message], entry: Entry[Message]) -> None:
         """Take the finished head off its partition; the message behind it becomes the head."""
-        assert state.backlog and state.backlog[0] is message, f"{tp} finishes out of order"
-        following = state.backlog[1] if len(state.backlog) > 1 else None
-        state.finish(
-            coordinates(message)[2],
-            coordinates(following)[2] if following is not None else None,
-        )
+        backlog = sl.state.backlog
+        assert backlog and backlog[0] is entry.message, f"{sl.tp} finishes out of order"
+        following = coordinates(backlog[1])[2] if len(backlog) > 1 else None
+        sl.state.finish(entry.offset, following)
 
-    def _record(self, rnd: Round) -> None:
-        """Metrics of the round: its size and time; each message finished in it (but those
+    def _record(self, mb: MicroBatch) -> None:
+        """Metrics of the micro-batch: its size and time; each message finished in it (but those
         tried alone, timed by themselves) gets an equal share of the rest of its time."""
-        total = time.perf_counter() - rnd.started
-        if rnd.finished or rnd.alone:
-            self._metrics.batch(self.config.group, len(rnd.finished) + rnd.alone, total)
-        if not rnd.finished:
+        total = time.perf_counter() - mb.started
+        if mb.finished or mb.alone:
+            self._metrics.batch(self.config.group, len(mb.finished) + mb.alone, total)
+        if not mb.finished:
             return
-        seconds = max(0.0, total - rnd.alone_seconds) / len(rnd.finished)
-        for topic, outcome in rnd.finished:
+        seconds = max(0.0, total - mb.alone_seconds) / len(mb.finished)
+        for topic, outcome in mb.finished:
             self._metrics.attempted(self.config.group, topic, outcome, seconds)

@@ -33,11 +33,10 @@ from outbox.consumer._attempt import (
     BATCH_HANDLER,
     Attempts,
     FingerprintFunc,
+    GuardedAttempts,
     KeyFunc,
-    Verdicts,
     batch_handler,
 )
-from outbox.consumer._guarded import GuardedAttempts
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches import MicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
@@ -178,7 +177,6 @@ class ConsumerRunner:
         self._broker_up = False
         self._database_up = False
         self._next_check = 0.0
-        self._attempts: Verdicts
         for name, given in (
             ("key_deserializer", key_deserializer),
             ("value_deserializer", value_deserializer),
@@ -187,28 +185,23 @@ class ConsumerRunner:
                 raise ConfigurationError(
                     f"{name} must be callable as deserializer(data, ctx), got {given!r}"
                 )
-        rules = {
+        if isinstance(outbox, RedisGuard):
+            _check_guarded(self.config, handler)
+            self.guard = outbox
+        else:
+            self.outbox = outbox
+        self._store = outbox  # where each key's outcome is kept
+        self._handler = handler
+        self._rules: dict[str, Any] = {
             "key_func": key_func,
             "fingerprint_func": fingerprint_func,
             "beat": self._beat,
             "key_deserializer": key_deserializer,
             "value_deserializer": value_deserializer,
         }
-        if isinstance(outbox, RedisGuard):
-            _check_guarded(self.config, handler)
-            self.guard = outbox
-            self._attempts = GuardedAttempts(outbox, handler, self.config, self._metrics, **rules)
-        else:
-            self.outbox = outbox
-            self._attempts = Attempts(outbox, handler, self.config, self._metrics, **rules)
-        self._micro_batches = MicroBatches(
-            self._attempts,
-            self.config,
-            self._partitions,
-            self._metrics,
-            stopping=self._stopping,
-            beat=self._beat,
-        )
+        # Made by run(): the dead-letter producer and the micro-batches that send to it.
+        self._dlq: DeadLetterProducer | None = None
+        self._micro_batches: MicroBatches | None = None
         # Readiness checks of the database use a connection of their own (see _check_if_due).
         self._ready_engine = (
             readiness_engine(self.outbox.engine) if self.outbox is not None else None
@@ -232,11 +225,19 @@ class ConsumerRunner:
                 on_error=self._on_client_error,
                 on_commit=self._on_commit,
             )
-            self._attempts.dlq = DeadLetterProducer(
+            self._dlq = DeadLetterProducer(
                 producer_config(bootstrap, self.config.kafka_config, purpose="dead-letter"),
                 group=self.config.group,
                 suffix=self.config.dlq_topic_suffix,
                 timeout=self.config.dlq_timeout,
+            )
+            self._micro_batches = MicroBatches(
+                self._attempts(self._dlq),
+                self.config,
+                self._partitions,
+                self._metrics,
+                stopping=self._stopping,
+                beat=self._beat,
             )
             self._consumer.subscribe(
                 self.config.topics,
@@ -302,6 +303,15 @@ class ConsumerRunner:
         ``READY_CHECK_INTERVAL`` seconds) reached the broker and, for a runner with an outbox,
         PostgreSQL: what ``/readyz`` answers."""
         return self._broker_up and self._database_up and self.healthy(max_silence)
+
+    def _attempts(self, dlq: DeadLetterProducer) -> Attempts | GuardedAttempts:
+        """The attempts at this runner's messages, sending dead letters to ``dlq``."""
+        store = self._store
+        if isinstance(store, RedisGuard):
+            return GuardedAttempts(
+                store, self._handler, self.config, self._metrics, dlq=dlq, **self._rules
+            )
+        return Attempts(store, self._handler, self.config, self._metrics, dlq=dlq, **self._rules)
 
     def _beat(self) -> None:
         self._heartbeat = time.monotonic()
@@ -426,22 +436,22 @@ class ConsumerRunner:
         state.backlog.append(message)
         self._metrics.received(self.config.group, topic)
 
-    # -- the work (outbox.consumer._micro_batches) ---------------------------------------
+    # -- the work --------------------------------------------------------------------------------
 
     def _work(self) -> None:
         """Work through what was received, a micro-batch at a time, until every partition's
         backlog is empty or waiting for a retry."""
-        consumer = self._consumer
-        assert consumer is not None
+        consumer, micro_batches = self._consumer, self._micro_batches
+        assert consumer is not None and micro_batches is not None
         while not self._stopping.is_set():
             plan = self._partitions.take(self.config.batch_size, time.monotonic())
             if not plan:
                 break
-            rnd = self._micro_batches.round(plan)
-            if rnd.dead_lettered:
+            mb = micro_batches.run(plan)
+            if mb.dead_lettered:
                 # Shrinks the window in which a crash would dead-letter a message again.
-                self._commit(sync=True, only=sorted(rnd.dead_lettered))
-            if not rnd.moved:
+                self._commit(sync=True, only=sorted(mb.dead_lettered))
+            if not mb.moved:
                 break
             self._commit_if_due()
         now = time.monotonic()
@@ -463,9 +473,10 @@ class ConsumerRunner:
                 except ConsumerError as exc:
                     log.warning("closing the Kafka consumer failed: %s", exc)
                 self._consumer = None
-        if self._attempts.dlq is not None:
-            self._attempts.dlq.close()
-            self._attempts.dlq = None
+        self._micro_batches = None
+        if self._dlq is not None:
+            self._dlq.close()
+            self._dlq = None
         if self._ready_engine is not None:
             self._ready_engine.dispose()
         self._partitions.clear()

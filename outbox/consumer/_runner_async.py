@@ -1,45 +1,10 @@
-"""Idempotent Kafka consumer runner: exactly-once effects from at-least-once delivery.
+"""The consumer runner: poll, hand what arrived to micro-batches, commit offsets behind finished
+messages.
 
-Each message is run through ``unit_of_work(key, scope=<group>)`` keyed by its
-``X-Idempotency-Key`` header, and its offset is committed only once the unit of work committed,
-replayed a stored result, or the message was dead-lettered (and the broker confirmed the dead
-letter). Redelivery after a crash or a rebalance is absorbed by the idempotency key::
-
-    from outbox import AsyncOutbox
-    from outbox.consumer import AsyncConsumerRunner
-
-    async def handle(uow, message):
-        order = json.loads(message.value())
-        uow.session.add(Order(id=order["id"]))
-        uow.publish("order.accepted", {"id": order["id"]}, key=str(order["id"]))
-        return {"accepted": order["id"]}          # stored, replayed to duplicates
-
-    runner = AsyncConsumerRunner(
-        AsyncOutbox(url), handle, topics=["orders"], group="billing",
-        bootstrap_servers="kafka:9092",
-    )
-    await runner.run()        # returns after runner.stop() (e.g. from a signal handler)
-
-or ``outbox consume app:handle --topic orders --group billing``. The delivery semantics
-(offsets, retries, dead letters, rebalances) are described in ``docs/consumer.md``.
-
-For handlers whose effects are not in PostgreSQL, the runner takes an
-:class:`~outbox.guard.AsyncRedisGuard` instead of the outbox: each message's handler then
-runs as ``handler(claim, message)`` under ``guard.claim(key, scope=<group>)``, one message at
-a time, and the offset moves once the guard stored the outcome in Redis
-(:mod:`outbox.consumer._guarded_async`; ``docs/guard.md``, "A guarded consumer").
-
-This module is the loop: poll, hand the received messages to the micro-batches
-(:mod:`outbox.consumer._micro_batches_async`), which hand each message to an attempt
-(:mod:`outbox.consumer._attempt_async`: unit of work, :func:`outbox._core.disposition.classify`,
-the verdict carried out; or :mod:`outbox.consumer._guarded_async` under the guard), and commit
-offsets behind finished messages. The Kafka clients are in
-:mod:`outbox._kafka`, the dead-letter format in :mod:`outbox._core.deadletter`.
-
-Both flavours come from one source: this module (asyncio) is written by hand and ``_runner.py``
-(sync) is generated from it by ``tools/async_to_sync.py``, so the loop exists once. In the
-asyncio flavour the Kafka clients' blocking calls are awaited and run on each client's own
-thread; in the sync one they are plain calls.
+Invariant: an offset is committed only behind finished messages -- processed in a committed unit
+of work (or a guard's stored claim), replayed, or dead-lettered with the broker's confirmation
+-- so a crash or a rebalance means redelivery, which the idempotency key absorbs. A revoked
+partition's finished offsets are committed before it moves on; a lost one's never are.
 """
 
 from __future__ import annotations
@@ -73,12 +38,11 @@ from outbox.config import (
 from outbox.consumer._attempt_async import (
     BATCH_HANDLER,
     AsyncAttempts,
-    AsyncVerdicts,
+    AsyncGuardedAttempts,
     FingerprintFunc,
     KeyFunc,
     batch_handler,
 )
-from outbox.consumer._guarded_async import AsyncGuardedAttempts
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches_async import AsyncMicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
@@ -219,7 +183,6 @@ class AsyncConsumerRunner:
         self._broker_up = False
         self._database_up = False
         self._next_check = 0.0
-        self._attempts: AsyncVerdicts
         for name, given in (
             ("key_deserializer", key_deserializer),
             ("value_deserializer", value_deserializer),
@@ -228,30 +191,23 @@ class AsyncConsumerRunner:
                 raise ConfigurationError(
                     f"{name} must be callable as deserializer(data, ctx), got {given!r}"
                 )
-        rules = {
+        if isinstance(outbox, AsyncRedisGuard):
+            _check_guarded(self.config, handler)
+            self.guard = outbox
+        else:
+            self.outbox = outbox
+        self._store = outbox  # where each key's outcome is kept
+        self._handler = handler
+        self._rules: dict[str, Any] = {
             "key_func": key_func,
             "fingerprint_func": fingerprint_func,
             "beat": self._beat,
             "key_deserializer": key_deserializer,
             "value_deserializer": value_deserializer,
         }
-        if isinstance(outbox, AsyncRedisGuard):
-            _check_guarded(self.config, handler)
-            self.guard = outbox
-            self._attempts = AsyncGuardedAttempts(
-                outbox, handler, self.config, self._metrics, **rules
-            )
-        else:
-            self.outbox = outbox
-            self._attempts = AsyncAttempts(outbox, handler, self.config, self._metrics, **rules)
-        self._micro_batches = AsyncMicroBatches(
-            self._attempts,
-            self.config,
-            self._partitions,
-            self._metrics,
-            stopping=self._stopping,
-            beat=self._beat,
-        )
+        # Made by run(): the dead-letter producer and the micro-batches that send to it.
+        self._dlq: AsyncDeadLetterProducer | None = None
+        self._micro_batches: AsyncMicroBatches | None = None
         # Readiness checks of the database use a connection of their own (see _check_if_due).
         self._ready_engine = (
             readiness_engine(self.outbox.engine) if self.outbox is not None else None
@@ -275,11 +231,19 @@ class AsyncConsumerRunner:
                 on_error=self._on_client_error,
                 on_commit=self._on_commit,
             )
-            self._attempts.dlq = AsyncDeadLetterProducer(
+            self._dlq = AsyncDeadLetterProducer(
                 producer_config(bootstrap, self.config.kafka_config, purpose="dead-letter"),
                 group=self.config.group,
                 suffix=self.config.dlq_topic_suffix,
                 timeout=self.config.dlq_timeout,
+            )
+            self._micro_batches = AsyncMicroBatches(
+                self._attempts(self._dlq),
+                self.config,
+                self._partitions,
+                self._metrics,
+                stopping=self._stopping,
+                beat=self._beat,
             )
             self._consumer.subscribe(
                 self.config.topics,
@@ -345,6 +309,17 @@ class AsyncConsumerRunner:
         ``READY_CHECK_INTERVAL`` seconds) reached the broker and, for a runner with an outbox,
         PostgreSQL: what ``/readyz`` answers."""
         return self._broker_up and self._database_up and self.healthy(max_silence)
+
+    def _attempts(self, dlq: AsyncDeadLetterProducer) -> AsyncAttempts | AsyncGuardedAttempts:
+        """The attempts at this runner's messages, sending dead letters to ``dlq``."""
+        store = self._store
+        if isinstance(store, AsyncRedisGuard):
+            return AsyncGuardedAttempts(
+                store, self._handler, self.config, self._metrics, dlq=dlq, **self._rules
+            )
+        return AsyncAttempts(
+            store, self._handler, self.config, self._metrics, dlq=dlq, **self._rules
+        )
 
     def _beat(self) -> None:
         self._heartbeat = time.monotonic()
@@ -469,22 +444,22 @@ class AsyncConsumerRunner:
         state.backlog.append(message)
         self._metrics.received(self.config.group, topic)
 
-    # -- the work (outbox.consumer._micro_batches_async) ---------------------------------------
+    # -- the work --------------------------------------------------------------------------------
 
     async def _work(self) -> None:
         """Work through what was received, a micro-batch at a time, until every partition's
         backlog is empty or waiting for a retry."""
-        consumer = self._consumer
-        assert consumer is not None
+        consumer, micro_batches = self._consumer, self._micro_batches
+        assert consumer is not None and micro_batches is not None
         while not self._stopping.is_set():
             plan = self._partitions.take(self.config.batch_size, time.monotonic())
             if not plan:
                 break
-            rnd = await self._micro_batches.round(plan)
-            if rnd.dead_lettered:
+            mb = await micro_batches.run(plan)
+            if mb.dead_lettered:
                 # Shrinks the window in which a crash would dead-letter a message again.
-                await self._commit(sync=True, only=sorted(rnd.dead_lettered))
-            if not rnd.moved:
+                await self._commit(sync=True, only=sorted(mb.dead_lettered))
+            if not mb.moved:
                 break
             await self._commit_if_due()
         now = time.monotonic()
@@ -506,9 +481,10 @@ class AsyncConsumerRunner:
                 except ConsumerError as exc:
                     log.warning("closing the Kafka consumer failed: %s", exc)
                 self._consumer = None
-        if self._attempts.dlq is not None:
-            await self._attempts.dlq.close()
-            self._attempts.dlq = None
+        self._micro_batches = None
+        if self._dlq is not None:
+            await self._dlq.close()
+            self._dlq = None
         if self._ready_engine is not None:
             await self._ready_engine.dispose()
         self._partitions.clear()

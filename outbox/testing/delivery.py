@@ -178,12 +178,11 @@ class Deliverer:
             if is_coroutine_handler(handler):
                 outcome, letters = asyncio.run(self._apply_async(watched, message, tries))
             else:
+                dlq = _DeadLetters()
                 attempt = Attempts(
                     self.outbox, watched, self.config, self._metrics,
-                    key_func=None, fingerprint_func=None, beat=_nothing,
+                    dlq=dlq, key_func=None, fingerprint_func=None, beat=_nothing,
                 )  # fmt: skip
-                dlq = _DeadLetters()
-                attempt.dlq = dlq  # type: ignore[assignment]
                 outcome = attempt.apply(message, tries)
                 letters = dlq.sent
             self.dead_letters.extend(letters)
@@ -202,12 +201,11 @@ class Deliverer:
     ) -> tuple[Outcome, list[tuple[Any, DeadLetter]]]:
         url = self.outbox.engine.url.render_as_string(hide_password=False)
         async with AsyncOutbox(url, config=self.outbox.config) as aob:
+            dlq = _AsyncDeadLetters()
             attempt = AsyncAttempts(
                 aob, handler, self.config, self._metrics,
-                key_func=None, fingerprint_func=None, beat=_nothing,
+                dlq=dlq, key_func=None, fingerprint_func=None, beat=_nothing,
             )  # fmt: skip
-            dlq = _AsyncDeadLetters()
-            attempt.dlq = dlq  # type: ignore[assignment]
             return await attempt.apply(message, tries), dlq.sent
 
     def _delivery(

@@ -204,7 +204,7 @@ def test_async_consumer_attempts_on_an_isolated_engine(
             async with outbox.AsyncOutbox(isolated) as aob:
                 attempts = AsyncAttempts(
                     aob, handler, deliver.config, ConsumerMetrics(CollectorRegistry()),
-                    key_func=None, fingerprint_func=None, beat=lambda: None,
+                    dlq=_NoDeadLetters(), key_func=None, fingerprint_func=None, beat=lambda: None,
                 )  # fmt: skip
                 message = deliver.message({"c": 1}, idempotency_key="c")
                 tries = Tries()
@@ -270,3 +270,10 @@ def test_the_consumer_runner_on_a_serializable_engine(
     assert metric(running, "outbox_consumer_failed_total", topic=topic, kind="error") == 0
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT n FROM counters")).scalar() == 10
+
+
+class _NoDeadLetters:
+    """A dead-letter producer for attempts that must not dead-letter."""
+
+    async def send_message(self, message: Any, letter: Any) -> None:
+        raise AssertionError(f"unexpected dead letter: {letter}")
