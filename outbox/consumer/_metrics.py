@@ -22,7 +22,7 @@ from prometheus_client import (
 )
 
 from outbox._core.disposition import Outcome
-from outbox.metrics import DEFAULT_HOST, MetricsServer
+from outbox._metrics_server import DEFAULT_HOST, MetricsServer
 
 
 class _Runner(Protocol):
@@ -195,7 +195,7 @@ def serve_metrics(
     orchestrator restarts a wedged consumer; ``/readyz`` answers 200 while
     :meth:`ConsumerRunner.ready` holds (also the broker and the database answer).
     ``max_silence`` defaults to :func:`default_max_silence`. The server is the relay's
-    (:class:`outbox.metrics.MetricsServer`); its ``port`` attribute names the bound port,
+    (:class:`~outbox._metrics_server.MetricsServer`); its ``port`` attribute names the bound port,
     ``close()`` stops it.
     """
     if max_silence is None:
@@ -204,7 +204,7 @@ def serve_metrics(
 
 
 class _Health:
-    """A runner seen by :class:`outbox.metrics.MetricsServer`."""
+    """A runner seen by :class:`~outbox._metrics_server.MetricsServer`."""
 
     def __init__(self, runner: _Runner) -> None:
         self._runner = runner

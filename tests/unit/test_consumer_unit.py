@@ -228,9 +228,7 @@ def test_each_runner_takes_handlers_and_outboxes_of_its_flavour() -> None:
 
 def test_the_sync_module_offers_both_runners() -> None:
     import outbox.consumer
-    import outbox.consumer_async
 
-    assert outbox.consumer.AsyncConsumerRunner is outbox.consumer_async.AsyncConsumerRunner
     assert "AsyncConsumerRunner" in outbox.consumer.__all__
     assert "ConsumerRunner" in outbox.consumer.__all__
 
