@@ -38,31 +38,7 @@ MOVED: dict[str, Moved] = {
     "outbox.guard_async": Moved("outbox.guard"),
     "outbox.consumer_async": Moved(
         "outbox.consumer",
-        renamed={"consume": "consume_async"},  # the asyncio form, beside the sync one now
-        names=(
-            "ENV_GROUP",
-            "ENV_KAFKA_CONFIG",
-            "ENV_METRICS_PORT",
-            "AsyncConsumerRunner",
-            "AsyncGuardedHandler",
-            "AsyncHandler",
-            "AsyncMessageBatch",
-            "ConsumerConfig",
-            "ConsumerError",
-            "DeadLetterInfo",
-            "FingerprintFunc",
-            "KeyFunc",
-            "Outcome",
-            "Reason",
-            "backoff_delay",
-            "batch_handler",
-            "consume",
-            "database_unavailable",
-            "header_key",
-            "message_fingerprint",
-            "serve_metrics",
-            "topic_fingerprint",
-        ),
+        renamed={"consume": "consume_async"},  # the asyncio form of consume
     ),
     "outbox.dlq": Moved(
         "outbox.admin", names=("REDRIVE_HEADER", "Group", "Letter", "read_groups", "redrive")
