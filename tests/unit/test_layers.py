@@ -8,11 +8,12 @@ count as edges.
     schema, config           the tables and the settings
     _pg, _redis, _kafka,     adapters, each the only importer of its library
     _otel                    (_otel: opentelemetry, loaded only when importable)
-    services                 uow, consumer, relay, admin, guard, ... (and the package facade)
+    services                 uow, guard, relay, admin, consumer, http, console, testing, ...
     cli                      the commands, on top
 
 Among the services, the folders are ranked too (``SERVICE_RANK``): the consumer builds on units
-of work and the guard, neither of those on the consumer, and the relay on none of them.
+of work and the guard, neither of those on the consumer, the relay and the operations (admin) on
+none of them; the HTTP door and the console sit above those, the users' test helpers on top.
 """
 
 from __future__ import annotations
@@ -40,7 +41,16 @@ CONFINED = {
 # client (so `outbox status`, `gc` and `parked` never load it).
 MAX_LOCAL_IMPORTS = 4
 # The service folders: a folder imports only folders of a lower rank.
-SERVICE_RANK = {"uow": 0, "guard": 0, "relay": 0, "consumer": 1}
+SERVICE_RANK = {
+    "uow": 0,
+    "guard": 0,
+    "relay": 0,
+    "admin": 0,
+    "consumer": 1,
+    "http": 1,
+    "console": 1,
+    "testing": 2,
+}
 
 
 def module_name(path: Path) -> str:
