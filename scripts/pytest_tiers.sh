@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs the test suite as two pytest sessions side by side: tests/integration, and every other
-# path of pytest's testpaths (unit, e2e, faults, migrations, the example service). Most tests wait on PostgreSQL,
+# path of pytest's testpaths (unit, e2e, faults, migrations); then the example service's own
+# tests as a user runs them, with no database URL set: outbox.testing starts its embedded
+# PostgreSQL. Most tests wait on PostgreSQL,
 # Redis or the broker, so two sessions on two cores take about half the wall time of one. Each
 # session starts its own broker and private servers and names its databases, topics and Redis
 # keys apart, so the two never meet.
@@ -40,18 +42,26 @@ trap 'rm -rf "$logs"' EXIT
 echo "running two pytest sessions side by side: tests/integration | the other tiers"
 "$python" -m pytest "$@" tests/integration >"$logs/integration" 2>&1 &
 integration=$!
-"$python" -m pytest "$@" --ignore=tests/integration >"$logs/other" 2>&1 &
+"$python" -m pytest "$@" --ignore=tests/integration --ignore=examples/order_service/tests \
+    >"$logs/other" 2>&1 &
 other=$!
 wait "$integration"; rc_integration=$?
 wait "$other"; rc_other=$?
 
 echo "=============================== tests/integration ==============================="
 cat "$logs/integration"
-echo "====================== unit, e2e, faults, migrations, example ===================="
+echo "========================= unit, e2e, faults, migrations ========================="
 cat "$logs/other"
+
+echo "============ the example service's tests, on an embedded PostgreSQL ============"
+env -u OUTBOX_TESTING_DATABASE_URL -u OUTBOX_DATABASE_URL -u OUTBOX_TEST_DATABASE_URL \
+    "$python" -m pytest "$@" -p no:cacheprovider examples/order_service/tests
+rc_example=$?
 
 status=0
 judge tests/integration "$rc_integration" || status=1
 judge "the other tiers" "$rc_other" || status=1
-echo "tests/integration: exit $rc_integration; the other tiers: exit $rc_other"
+judge "the example service" "$rc_example" || status=1
+echo "tests/integration: exit $rc_integration; the other tiers: exit $rc_other;" \
+    "the example service: exit $rc_example"
 exit "$status"

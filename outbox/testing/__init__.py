@@ -8,6 +8,7 @@ plugin is loaded.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -62,6 +63,14 @@ def __getattr__(name: str) -> Any:
     if name in __all__:
         return getattr(_api(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say which PostgreSQL the tests ran on when this plugin started an embedded one."""
+    databases = sys.modules.get("outbox.testing.databases")  # loaded only if a test needed it
+    server = databases.started_embedded() if databases is not None else None
+    if server is not None:
+        terminalreporter.write_line(server.describe("OUTBOX_TESTING_DATABASE_URL"))
 
 
 @pytest.fixture(scope="session")

@@ -148,3 +148,8 @@ def embedded_server() -> EmbeddedServer:
 
 
 _EMBEDDED: EmbeddedServer | None = None
+
+
+def started_embedded() -> EmbeddedServer | None:
+    """The embedded server this process started or joined, if any."""
+    return _EMBEDDED

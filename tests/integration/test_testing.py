@@ -217,10 +217,12 @@ def test_until_done_gives_up_on_a_key_held_by_an_open_unit_of_work(
     assert deliver(apply, "v", idempotency_key="held", until_done=True).outcome == "replayed"
 
 
-def test_a_template_setup_that_leaves_a_connection_open_still_gets_copies() -> None:
+def test_a_template_setup_that_leaves_a_connection_open_still_gets_copies(
+    pg_admin_url: str,
+) -> None:
     from outbox.testing import TemplateDatabases
 
-    server = os.environ["OUTBOX_TESTING_DATABASE_URL"]
+    server = pg_admin_url  # the suite's server, whatever the plugin's variable says
     engines: list[sa.Engine] = []
 
     def setup(url: str) -> None:  # the naive form: its pooled connection stays open

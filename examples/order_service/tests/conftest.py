@@ -1,5 +1,6 @@
 """The order service's tests use nothing but ``outbox.testing`` (loaded by its pytest entry point;
-``-p outbox.testing`` where plugin autoloading is off). Its server:
+``-p outbox.testing`` where plugin autoloading is off). With no URL set, it starts an embedded
+PostgreSQL (``outbox-kit[embedded]``); to use a server of your own:
 ``OUTBOX_TESTING_DATABASE_URL=postgresql://postgres@127.0.0.1:5432/postgres pytest``.
 """
 
