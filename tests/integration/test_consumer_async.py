@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
 from outbox import AsyncOutbox, Outbox, OutboxConfig, PermanentError
+from outbox._kafka import consumer as kafka_consumer
 from outbox.consumer import AsyncConsumerRunner, DeadLetterInfo
 from tests.fixtures.common import wait_for
 from tests.fixtures.consumer import (
@@ -291,17 +292,36 @@ def test_key_in_progress_holds_its_partition_and_never_skips(
 
 
 def test_the_event_loop_is_never_blocked_by_the_kafka_client(
-    kafka_bootstrap: str, topic: str, database_url: str, effects: sa.Engine
+    kafka_bootstrap: str,
+    topic: str,
+    database_url: str,
+    effects: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Polls (2 s each here), commits and closing run on the client's thread: a task sharing the
-    runner's event loop keeps its pace through start-up, messages and shutdown (a poll on the
-    loop would stall it for about 2 s while idle)."""
-    gaps: list[float] = []
+    """Polls (2 s each here), commits and closing run on the client's thread, never on the
+    event loop's: each call records the thread it ran on, and a task sharing the runner's loop
+    keeps ticking while an idle poll waits (a poll on the loop would leave no tick inside it)."""
+    calls: list[tuple[str, threading.Thread, float, float]] = []
+    ticks: list[float] = []
+
+    def recorded(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.monotonic()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                calls.append((name, threading.current_thread(), started, time.monotonic()))
+
+        return call
+
+    for name in ("consume", "commit", "close"):
+        method = getattr(kafka_consumer.KafkaConsumer, name)
+        monkeypatch.setattr(kafka_consumer.KafkaConsumer, name, recorded(name, method))
 
     async def handle(uow: Any, message: Any) -> None:
         await uow.connection.execute(INSERT, {"k": uow.key, "v": "x"})
 
-    async def main() -> None:
+    async def main() -> threading.Thread:
         ob = AsyncOutbox(database_url)
         runner = AsyncConsumerRunner(
             ob, handle, topics=[topic], group=f"g-{uuid.uuid4().hex[:8]}",
@@ -310,12 +330,9 @@ def test_the_event_loop_is_never_blocked_by_the_kafka_client(
         )  # fmt: skip
 
         async def tick() -> None:
-            last = time.monotonic()
             while True:
                 await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
+                ticks.append(time.monotonic())
 
         async def feed_and_stop() -> None:
             await asyncio.to_thread(produce, kafka_bootstrap, topic, [keyed("k1", "x", 0)])
@@ -332,8 +349,18 @@ def test_the_event_loop_is_never_blocked_by_the_kafka_client(
         finally:
             ticker.cancel()
             await ob.close()
+        return threading.current_thread()
 
-    asyncio.run(main())
+    loop_thread = asyncio.run(main())
     assert rows(effects) == [("k1", "x")]
-    assert len(gaps) > 50
-    assert max(gaps) < 1.0, f"the event loop stalled for {max(gaps):.3f}s"
+    names = {name for name, *_ in calls}
+    assert names == {"consume", "commit", "close"}, names
+    on_the_loop = [name for name, thread, *_ in calls if thread is loop_thread]
+    assert on_the_loop == [], f"ran on the event loop's thread: {on_the_loop}"
+    idle = [
+        (start, end) for name, _, start, end in calls if name == "consume" and end - start > 1.5
+    ]
+    assert idle, "no idle poll to watch"
+    for start, end in idle:
+        inside = sum(1 for t in ticks if start < t < end)
+        assert inside >= 10, f"the loop ticked {inside} times during a {end - start:.1f}s poll"
