@@ -43,9 +43,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from outbox import admin
+from outbox._core.lag import GroupLags
 from outbox._core.redact import redact_text, redact_url
 from outbox._core.settings import check_bootstrap_servers
 from outbox._core.urls import check_database_url, check_redis_url
+from outbox._kafka.lag import read_group_lags
 from outbox._pg import console as console_sql
 from outbox.config import normalize_database_url
 from outbox.console import chart, data
@@ -61,6 +63,10 @@ MIN_TOKEN_LENGTH = 16
 REFRESH_SECONDS = 10
 SAMPLE_SECONDS = 10.0
 MAX_FORM_BYTES = 256 * 1024
+# The consumer groups' lag: how long the broker may take, and how long an answer is reused (a
+# refreshing page, or many open ones, ask the broker at most this often).
+LAG_TIMEOUT = 3.0
+LAG_CACHE_SECONDS = 5.0
 
 Form = MultiDict
 
@@ -149,6 +155,23 @@ class Console:
         self.templates = Jinja2Templates(env=environment)
         self.samples = chart.Samples()
         self._stop = threading.Event()
+        self._lag_lock = threading.Lock()
+        self._lag: tuple[float, GroupLags] | None = None
+
+    def group_lags(self) -> GroupLags | None:
+        """The consumer groups' lag (``None`` without a broker), at most
+        :data:`LAG_CACHE_SECONDS` old; one request at a time reads it from the broker."""
+        bootstrap = self.settings.bootstrap_servers
+        if bootstrap is None:
+            return None
+        with self._lag_lock:
+            now = time.monotonic()
+            if self._lag is None or now - self._lag[0] >= LAG_CACHE_SECONDS:
+                lags = read_group_lags(bootstrap, self.settings.kafka_config, LAG_TIMEOUT)
+                if lags.error is not None:
+                    log.warning("consumer groups' lag: %s", lags.error)
+                self._lag = (time.monotonic(), lags)
+            return self._lag[1]
 
     # -- the relayed-per-minute samples --------------------------------------------------
 
@@ -272,6 +295,7 @@ class Console:
                 "chart": Markup(chart.svg_bars(relayed)),
                 "relayed_last_hour": sum(v for v in relayed if v is not None),
                 "broker": self.settings.bootstrap_servers,
+                "group_lags": self.group_lags(),
                 "redis": None
                 if self.settings.redis_url is None
                 else redact_url(self.settings.redis_url),

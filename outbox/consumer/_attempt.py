@@ -179,9 +179,12 @@ class Verdicts(ABC):
         span: Any,
     ) -> Outcome:
         sent = replayed = False
+        answered: str | None = None
         try:
             with enter() as unit:
                 replayed = unit.replayed
+                if replayed:
+                    answered = self.answered_by(unit)
                 if not replayed:
                     try:
                         result = self._call(unit, message)
@@ -203,7 +206,12 @@ class Verdicts(ABC):
             if span is not None and not isinstance(exc, KeyInProgress):  # a wait, not an error
                 spans.failed(span, exc)
             return self.dispose(message, tries, exc, key=key, dead_lettered=sent)
-        return self.dispose(message, tries, None, key=key, replayed=replayed)
+        return self.dispose(message, tries, None, key=key, replayed=replayed, answered_by=answered)
+
+    def answered_by(self, unit: Any) -> str | None:
+        """Where a replayed ``unit``'s stored outcome came from: ``"redis"`` or
+        ``"postgres"``."""
+        return None
 
     def _call(self, unit: Any, message: Message) -> Any:
         """The handler's result for ``message``."""
@@ -231,9 +239,12 @@ class Verdicts(ABC):
         key: str | None = None,
         reading: Key = Key.FOUND,
         replayed: bool = False,
+        answered_by: str | None = None,
         dead_lettered: bool = False,
     ) -> Outcome:
-        """:func:`classify` what the attempt came to, and carry the verdict out."""
+        """:func:`classify` what the attempt came to, and carry the verdict out.
+        ``answered_by`` names where a replay's stored outcome came from (``redis`` or
+        ``postgres``), counted when the verdict is a replay."""
         verdict = classify(
             error,
             attempts=tries.attempts,
@@ -248,6 +259,8 @@ class Verdicts(ABC):
             tries.attempts += 1
         if verdict.failure is not None:
             self._metrics.failed.labels(self.config.group, message.topic(), verdict.failure).inc()
+        if verdict.outcome is Outcome.REPLAYED and answered_by is not None:
+            self._metrics.answered(self.config.group, message.topic() or "", answered_by)
         if verdict.action is Action.RETRY:
             assert error is not None
             return self._retry(message, tries, verdict, error, key)
@@ -412,6 +425,9 @@ class Attempts(Verdicts):
     def unavailable(self, error: BaseException) -> bool:
         return database_unavailable(error)
 
+    def answered_by(self, unit: UnitOfWork) -> str | None:
+        return unit.replayed_from
+
 
 class GuardedAttempts(Verdicts):
     """Attempts at messages, each under a claim of the runner's
@@ -436,6 +452,9 @@ class GuardedAttempts(Verdicts):
         permanent = guard.settings.permanent_errors
         super().__init__(handler, config, metrics, permanent_errors=permanent, **rules)
         self.guard = guard
+
+    def answered_by(self, unit: Any) -> str | None:
+        return "redis"  # the guard keeps its outcomes in Redis only
 
     def alone(self, message: Message, tries: Tries, key: str, fingerprint: str | None) -> Outcome:
         return self.attempt(

@@ -186,9 +186,12 @@ class AsyncVerdicts(ABC):
         span: Any,
     ) -> Outcome:
         sent = replayed = False
+        answered: str | None = None
         try:
             async with enter() as unit:
                 replayed = unit.replayed
+                if replayed:
+                    answered = self.answered_by(unit)
                 if not replayed:
                     try:
                         result = await self._call(unit, message)
@@ -210,7 +213,14 @@ class AsyncVerdicts(ABC):
             if span is not None and not isinstance(exc, KeyInProgress):  # a wait, not an error
                 spans.failed(span, exc)
             return await self.dispose(message, tries, exc, key=key, dead_lettered=sent)
-        return await self.dispose(message, tries, None, key=key, replayed=replayed)
+        return await self.dispose(
+            message, tries, None, key=key, replayed=replayed, answered_by=answered
+        )
+
+    def answered_by(self, unit: Any) -> str | None:
+        """Where a replayed ``unit``'s stored outcome came from: ``"redis"`` or
+        ``"postgres"``."""
+        return None
 
     async def _call(self, unit: Any, message: Message) -> Any:
         """The handler's result for ``message``."""
@@ -238,9 +248,12 @@ class AsyncVerdicts(ABC):
         key: str | None = None,
         reading: Key = Key.FOUND,
         replayed: bool = False,
+        answered_by: str | None = None,
         dead_lettered: bool = False,
     ) -> Outcome:
-        """:func:`classify` what the attempt came to, and carry the verdict out."""
+        """:func:`classify` what the attempt came to, and carry the verdict out.
+        ``answered_by`` names where a replay's stored outcome came from (``redis`` or
+        ``postgres``), counted when the verdict is a replay."""
         verdict = classify(
             error,
             attempts=tries.attempts,
@@ -255,6 +268,8 @@ class AsyncVerdicts(ABC):
             tries.attempts += 1
         if verdict.failure is not None:
             self._metrics.failed.labels(self.config.group, message.topic(), verdict.failure).inc()
+        if verdict.outcome is Outcome.REPLAYED and answered_by is not None:
+            self._metrics.answered(self.config.group, message.topic() or "", answered_by)
         if verdict.action is Action.RETRY:
             assert error is not None
             return self._retry(message, tries, verdict, error, key)
@@ -427,6 +442,9 @@ class AsyncAttempts(AsyncVerdicts):
     def unavailable(self, error: BaseException) -> bool:
         return database_unavailable(error)
 
+    def answered_by(self, unit: AsyncUnitOfWork) -> str | None:
+        return unit.replayed_from
+
 
 class AsyncGuardedAttempts(AsyncVerdicts):
     """Attempts at messages, each under a claim of the runner's
@@ -451,6 +469,9 @@ class AsyncGuardedAttempts(AsyncVerdicts):
         permanent = guard.settings.permanent_errors
         super().__init__(handler, config, metrics, permanent_errors=permanent, **rules)
         self.guard = guard
+
+    def answered_by(self, unit: Any) -> str | None:
+        return "redis"  # the guard keeps its outcomes in Redis only
 
     async def alone(
         self, message: Message, tries: Tries, key: str, fingerprint: str | None

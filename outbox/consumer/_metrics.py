@@ -24,6 +24,8 @@ from prometheus_client import (
 from outbox._core.disposition import Outcome
 from outbox._metrics_server import DEFAULT_HOST, MetricsServer
 
+REPLAY_STORES = ("redis", "postgres")
+
 
 class _Runner(Protocol):
     """What the health endpoint needs of a consumer runner."""
@@ -42,7 +44,14 @@ class _Series:
     """The labelled series of one ``(group, topic)`` that every message touches: looking them up
     once (``labels()`` costs a lock and a dict lookup) keeps the metrics off the hot path."""
 
-    __slots__ = ("consumed", "duration", "processed", "replayed_completed", "replayed_failed")
+    __slots__ = (
+        "answered",
+        "consumed",
+        "duration",
+        "processed",
+        "replayed_completed",
+        "replayed_failed",
+    )
 
     def __init__(self, metrics: ConsumerMetrics, group: str, topic: str) -> None:
         self.consumed = metrics.consumed.labels(group, topic)
@@ -50,6 +59,7 @@ class _Series:
         self.replayed_completed = metrics.replayed.labels(group, topic, "completed")
         self.replayed_failed = metrics.replayed.labels(group, topic, "failed")
         self.duration = metrics.duration.labels(group, topic)
+        self.answered = {s: metrics.replayed_from.labels(group, topic, s) for s in REPLAY_STORES}
 
 
 class ConsumerMetrics:
@@ -80,6 +90,12 @@ class ConsumerMetrics:
             "Duplicates answered from the stored outcome without calling the handler "
             "(status: completed, or failed for a key that had failed permanently).",
             (*labels, "status"), registry=registry,
+        )  # fmt: skip
+        self.replayed_from = Counter(
+            "outbox_consumer_replayed_from",
+            "Duplicates answered from a stored result, by where it was read (store: redis, the "
+            "cache's fast path or a Redis guard; postgres, the key's row in the claim).",
+            (*labels, "store"), registry=registry,
         )  # fmt: skip
         self.failed = Counter(
             "outbox_consumer_failed",
@@ -148,6 +164,10 @@ class ConsumerMetrics:
             series.replayed_completed.inc()
         elif outcome is Outcome.PREVIOUSLY_FAILED:
             series.replayed_failed.inc()
+
+    def answered(self, group: str, topic: str, store: str) -> None:
+        """A duplicate was answered from the stored result ``store`` held (redis, postgres)."""
+        self._of(group, topic).answered[store].inc()
 
     def batch(self, group: str, messages: int, seconds: float) -> None:
         """A micro-batch finished ``messages`` messages in ``seconds``."""

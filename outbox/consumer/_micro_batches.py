@@ -133,7 +133,12 @@ class MicroBatches:
             try:
                 claim.verdict(self._scope, entry.key, entry.fingerprint, entry.cached, False)
                 outcome = self._attempts.dispose(
-                    entry.message, tries, None, key=entry.key, replayed=True
+                    entry.message,
+                    tries,
+                    None,
+                    key=entry.key,
+                    replayed=True,
+                    answered_by="redis",
                 )
             except (KeyReuseError, PreviouslyFailed) as exc:
                 self._beat()

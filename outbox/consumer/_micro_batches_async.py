@@ -140,7 +140,12 @@ class AsyncMicroBatches:
             try:
                 claim.verdict(self._scope, entry.key, entry.fingerprint, entry.cached, False)
                 outcome = await self._attempts.dispose(
-                    entry.message, tries, None, key=entry.key, replayed=True
+                    entry.message,
+                    tries,
+                    None,
+                    key=entry.key,
+                    replayed=True,
+                    answered_by="redis",
                 )
             except (KeyReuseError, PreviouslyFailed) as exc:
                 self._beat()

@@ -197,6 +197,7 @@ class Batch:
             return BatchUnitOfWork(
                 self._outbox, scope, key, fingerprint, None, replayed=True,
                 result=json.loads(result) if result is not None else None,
+                replayed_from="postgres",
             )  # fmt: skip
         return BatchUnitOfWork(
             self._outbox, scope, key, fingerprint, tx, replayed=False, shared=True

@@ -202,6 +202,7 @@ class AsyncBatch:
             return AsyncBatchUnitOfWork(
                 self._outbox, scope, key, fingerprint, None, replayed=True,
                 result=json.loads(result) if result is not None else None,
+                replayed_from="postgres",
             )  # fmt: skip
         return AsyncBatchUnitOfWork(
             self._outbox, scope, key, fingerprint, tx, replayed=False, shared=True

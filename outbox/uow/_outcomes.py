@@ -14,7 +14,7 @@ from outbox._core.typed_results import TypedResult
 from outbox._pg.identity import identity_of
 from outbox._redis.cache import OutcomeCache
 from outbox.config import OutboxConfig
-from outbox.uow._unit import UnitOfWork
+from outbox.uow._unit import ReplaySource, UnitOfWork
 
 
 class Outcomes:
@@ -58,14 +58,16 @@ class Outcomes:
         fingerprint: str | None,
         typed: TypedResult | None,
         stored: StoredOutcome,
+        source: ReplaySource = "redis",
     ) -> UnitOfWork:
-        """The replayed unit of work of a stored outcome; raises what the verdict says
-        unless it is a completion."""
+        """The replayed unit of work of a stored outcome (read from ``source``); raises what
+        the verdict says unless it is a completion."""
         claim.verdict(scope, key, fingerprint, stored, acquired=False)  # raises unless REPLAY
         result = json.loads(stored.result_json) if stored.result_json is not None else None
         return UnitOfWork(
-            self, scope, key, fingerprint, None, replayed=True, result=result, typed=typed
-        )
+            self, scope, key, fingerprint, None, replayed=True, result=result, typed=typed,
+            replayed_from=source,
+        )  # fmt: skip
 
     def replay_claimed(
         self,
@@ -92,4 +94,4 @@ class Outcomes:
             ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
             if ttl is not None:
                 cache.put(scope, key, stored, ttl)
-        return self.replay(scope, key, fingerprint, typed, stored)
+        return self.replay(scope, key, fingerprint, typed, stored, "postgres")

@@ -17,7 +17,7 @@ from outbox._core.typed_results import TypedResult
 from outbox._pg.identity import identity_of
 from outbox._redis.cache_async import AsyncOutcomeCache
 from outbox.config import OutboxConfig
-from outbox.uow._unit_async import AsyncUnitOfWork
+from outbox.uow._unit_async import AsyncUnitOfWork, ReplaySource
 
 
 class AsyncOutcomes:
@@ -61,14 +61,16 @@ class AsyncOutcomes:
         fingerprint: str | None,
         typed: TypedResult | None,
         stored: StoredOutcome,
+        source: ReplaySource = "redis",
     ) -> AsyncUnitOfWork:
-        """The replayed unit of work of a stored outcome; raises what the verdict says
-        unless it is a completion."""
+        """The replayed unit of work of a stored outcome (read from ``source``); raises what
+        the verdict says unless it is a completion."""
         claim.verdict(scope, key, fingerprint, stored, acquired=False)  # raises unless REPLAY
         result = json.loads(stored.result_json) if stored.result_json is not None else None
         return AsyncUnitOfWork(
-            self, scope, key, fingerprint, None, replayed=True, result=result, typed=typed
-        )
+            self, scope, key, fingerprint, None, replayed=True, result=result, typed=typed,
+            replayed_from=source,
+        )  # fmt: skip
 
     async def replay_claimed(
         self,
@@ -95,4 +97,4 @@ class AsyncOutcomes:
             ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
             if ttl is not None:
                 await cache.put(scope, key, stored, ttl)
-        return self.replay(scope, key, fingerprint, typed, stored)
+        return self.replay(scope, key, fingerprint, typed, stored, "postgres")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from sqlalchemy import Connection, event
 from sqlalchemy.orm import Session
@@ -17,6 +17,10 @@ from outbox._pg.transaction import Transaction
 from outbox.config import OutboxConfig
 from outbox.errors import ReplayedWriteError, TransactionEndedError
 from outbox.payloads import CloudEvent, Serializer, encode_publish
+
+ReplaySource = Literal["redis", "postgres"]
+"""Where a replayed unit of work's stored outcome came from: the Redis fast path, or the claim's
+row in PostgreSQL."""
 
 
 class _Owner(Protocol):
@@ -42,7 +46,8 @@ class UnitOfWork:
 
     ``replayed`` is true for a duplicate of a completed key: ``result`` holds the stored result
     and every write (``session``, ``connection``, ``publish``, assigning ``result``) raises
-    :class:`~outbox.errors.ReplayedWriteError`.
+    :class:`~outbox.errors.ReplayedWriteError`. ``replayed_from`` says where the stored outcome
+    came from: ``"redis"`` or ``"postgres"`` (``None`` unless replayed).
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class UnitOfWork:
         typed: TypedResult | None = None,
         *,
         shared: bool = False,
+        replayed_from: ReplaySource | None = None,
     ) -> None:
         self._outbox = outbox
         self._joined = joined
@@ -66,6 +72,7 @@ class UnitOfWork:
         self.key = key
         self.fingerprint = fingerprint
         self.replayed = replayed
+        self._replayed_from = replayed_from if replayed else None
         self._tx = tx
         self._session: Session | None = None
         self._result: Any = result
@@ -86,6 +93,12 @@ class UnitOfWork:
             f"{what} is used after the unit of work ended (key {self.key!r}, scope "
             f"{self.scope!r}): its transaction is over; use it inside the with-block"
         )
+
+    @property
+    def replayed_from(self) -> ReplaySource | None:
+        """Who answered a replay: ``"redis"`` (the cache) or ``"postgres"`` (the key's row);
+        ``None`` for a unit of work that runs."""
+        return self._replayed_from
 
     @property
     def connection(self) -> Connection:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -21,6 +21,10 @@ from outbox._pg.transaction_async import AsyncTransaction
 from outbox.config import OutboxConfig
 from outbox.errors import ReplayedWriteError, TransactionEndedError
 from outbox.payloads import CloudEvent, Serializer, encode_publish
+
+ReplaySource = Literal["redis", "postgres"]
+"""Where a replayed unit of work's stored outcome came from: the Redis fast path, or the claim's
+row in PostgreSQL."""
 
 
 class _Owner(Protocol):
@@ -46,7 +50,8 @@ class AsyncUnitOfWork:
 
     ``replayed`` is true for a duplicate of a completed key: ``result`` holds the stored result
     and every write (``session``, ``connection``, ``publish``, assigning ``result``) raises
-    :class:`~outbox.errors.ReplayedWriteError`.
+    :class:`~outbox.errors.ReplayedWriteError`. ``replayed_from`` says where the stored outcome
+    came from: ``"redis"`` or ``"postgres"`` (``None`` unless replayed).
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class AsyncUnitOfWork:
         typed: TypedResult | None = None,
         *,
         shared: bool = False,
+        replayed_from: ReplaySource | None = None,
     ) -> None:
         self._outbox = outbox
         self._joined = joined
@@ -70,6 +76,7 @@ class AsyncUnitOfWork:
         self.key = key
         self.fingerprint = fingerprint
         self.replayed = replayed
+        self._replayed_from = replayed_from if replayed else None
         self._tx = tx
         self._session: AsyncSession | None = None
         self._result: Any = result
@@ -90,6 +97,12 @@ class AsyncUnitOfWork:
             f"{what} is used after the unit of work ended (key {self.key!r}, scope "
             f"{self.scope!r}): its transaction is over; use it inside the with-block"
         )
+
+    @property
+    def replayed_from(self) -> ReplaySource | None:
+        """Who answered a replay: ``"redis"`` (the cache) or ``"postgres"`` (the key's row);
+        ``None`` for a unit of work that runs."""
+        return self._replayed_from
 
     @property
     def connection(self) -> AsyncConnection:

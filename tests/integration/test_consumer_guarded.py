@@ -158,6 +158,8 @@ def test_duplicates_are_replayed_without_the_handler(
     assert sorted(effects.applied()) == sorted(f"k{i}" for i in range(20))  # once each
     assert {fence for _, _, fence in effects.done} == {1}
     assert metric(g.running, "outbox_consumer_replayed_total", topic=topic, status="completed") == 5
+    # The guard keeps its outcomes in Redis: Redis answered every duplicate.
+    assert metric(g.running, "outbox_consumer_replayed_from_total", topic=topic, store="redis") == 5
     assert metric(g.running, "outbox_consumer_processed_total", topic=topic) == 20
     # The handler's return value is the claim's stored result, in the runner's scope.
     seen = {key: value for key, value, _ in effects.done}
