@@ -120,11 +120,17 @@ def _check_by(by: str | None) -> str | None:
 def _places(letters: Iterable[Letter | tuple[int, int]]) -> list[tuple[int, int]]:
     places: list[tuple[int, int]] = []
     for x in letters:
-        place = (x.partition, x.offset) if isinstance(x, Letter) else x
-        p, o = place
-        if type(p) is not int or type(o) is not int or not (0 <= p < 2**31 and 0 <= o < 2**63):
-            raise ConfigurationError(f"{place!r} is not a (partition, offset) of a dead letter")
-        places.append((p, o))
+        place: Any = (x.partition, x.offset) if isinstance(x, Letter) else x
+        if (
+            not isinstance(place, tuple)
+            or len(place) != 2
+            or not all(type(n) is int for n in place)
+            or not (0 <= place[0] < 2**31 and 0 <= place[1] < 2**63)
+        ):
+            raise ConfigurationError(
+                f"{str(place)[:60]} is not a (partition, offset) of a dead letter"
+            )
+        places.append((place[0], place[1]))
     return places
 
 

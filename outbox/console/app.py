@@ -417,11 +417,16 @@ class Console:
             conn.rollback()
         return dead
 
-    async def dead_letters_action(self, request: Request) -> Response:
+    async def redrive_groups(self, request: Request) -> Response:
+        return await self._dead_letters_action(request, "redrive")
+
+    async def mark_groups_handled(self, request: Request) -> Response:
+        return await self._dead_letters_action(request, "handled")
+
+    async def _dead_letters_action(self, request: Request, action: str) -> Response:
         form = await self.admin_form(request)
         if isinstance(form, Response):
             return form
-        action = "handled" if request.url.path.endswith("/handled") else "redrive"
         topic = data.check_dlq_topic(form.get("topic") or "")
         wanted = data.parse_group_ids(form.getlist("group"))
         if self.settings.bootstrap_servers is None:
@@ -556,8 +561,8 @@ def create_app(settings: ConsoleSettings) -> Starlette:
         Route("/parked/action", guarded(console.parked_action), methods=["POST"]),
         Route("/keys", guarded(sync(console.keys))),
         Route("/dlq", guarded(sync(console.dead_letters))),
-        Route("/dlq/redrive", guarded(console.dead_letters_action), methods=["POST"]),
-        Route("/dlq/handled", guarded(console.dead_letters_action), methods=["POST"]),
+        Route("/dlq/redrive", guarded(console.redrive_groups), methods=["POST"]),
+        Route("/dlq/handled", guarded(console.mark_groups_handled), methods=["POST"]),
         Route("/login", guarded(console.login)),
         Route("/healthz", healthz),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),

@@ -58,6 +58,8 @@ BAD_REFS = st.one_of(
     st.tuples(st.integers(min_value=0), st.integers(min_value=2**63)),
     st.tuples(st.text(max_size=5), st.integers(min_value=0)),
     st.tuples(st.floats(), st.booleans()),
+    st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)),
+    st.text(max_size=4),
 )
 
 
