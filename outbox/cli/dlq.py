@@ -259,6 +259,18 @@ def register(subparsers: Any) -> None:
                 "--all", action="store_true", help="include the dead letters marked handled"
             )
         if name in ("redrive", "discard"):
-            p.add_argument("--group", action="append", default=[], metavar="ID")
-            p.add_argument("--message", action="append", default=[], metavar="PARTITION:OFFSET")
+            p.add_argument(
+                "--group",
+                action="append",
+                default=[],
+                metavar="ID",
+                help="a group id from `outbox dlq list` (repeatable)",
+            )
+            p.add_argument(
+                "--message",
+                action="append",
+                default=[],
+                metavar="PARTITION:OFFSET",
+                help="one dead letter by its place in --topic (repeatable)",
+            )
             p.add_argument("--dry-run", action="store_true", help="say what would be done")
