@@ -1,4 +1,5 @@
-"""SQLAlchemy Core tables for ``idempotency_keys``, ``outbox`` and ``outbox_cache_secret``.
+"""SQLAlchemy Core tables for ``idempotency_keys``, ``outbox``, ``outbox_cache_secret`` and
+``outbox_dlq_handled``.
 
 The migrations in ``migrations/`` own the DDL; these tables mirror it exactly (a test compares
 them against a migrated database). An optional PostgreSQL schema name places both tables outside
@@ -40,6 +41,7 @@ from outbox.errors import ConfigurationError
 IDEMPOTENCY_KEYS = "idempotency_keys"
 OUTBOX = "outbox"
 CACHE_SECRET = "outbox_cache_secret"
+DLQ_HANDLED = "outbox_dlq_handled"
 VERSION_TABLE = "outbox_alembic_version"
 
 STATUS_STARTED = "started"
@@ -78,6 +80,7 @@ class Tables:
     outbox: Table
     schema: str | None
     cache_secret: Table
+    dlq_handled: Table
 
 
 @functools.cache
@@ -143,4 +146,18 @@ def tables(schema: str | None = None) -> Tables:
         PrimaryKeyConstraint("id", name="outbox_cache_secret_pkey"),
         CheckConstraint("id = 1", name="outbox_cache_secret_one_row"),
     )
-    return Tables(metadata, idempotency_keys, outbox, schema, cache_secret)
+    # Dead letters an operator discarded or redrove (migration 0006): Kafka keeps them, the
+    # listings leave them out.
+    dlq_handled = Table(
+        DLQ_HANDLED,
+        metadata,
+        Column("dlq_topic", Text, nullable=False),
+        Column("partition", Integer, nullable=False),
+        Column("offset", BigInteger, nullable=False),
+        Column("handled_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column("how", Text, nullable=False),
+        Column("handled_by", Text, nullable=True),
+        PrimaryKeyConstraint("dlq_topic", "partition", "offset", name="outbox_dlq_handled_pkey"),
+        CheckConstraint("how IN ('discarded', 'redriven')", name="outbox_dlq_handled_how_check"),
+    )
+    return Tables(metadata, idempotency_keys, outbox, schema, cache_secret, dlq_handled)

@@ -5,6 +5,9 @@ next (numbers, UUIDs, hex strings) replaced by placeholders, so that a thousand
 ``KeyError: 'order-17'`` ... ``'order-9004'`` dead letters are one line with a count. A redrive
 sends the original key, value and headers (minus the ``outbox.dlq.*`` ones) back to the original
 topic with :data:`REDRIVE_HEADER` counting how often that message has been redriven.
+
+A dead letter is *handled* once an operator discarded or redrove it: Kafka keeps it, the listings
+leave it out (a group only counts how many of its letters were handled).
 """
 
 from __future__ import annotations
@@ -12,12 +15,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from outbox._core.deadletter import HEADER_PREFIX, DeadLetterInfo
 
 REDRIVE_HEADER = "outbox.redrive-count"
+
+HANDLED_DISCARDED = "discarded"
+HANDLED_REDRIVEN = "redriven"
+HANDLED_HOWS = (HANDLED_DISCARDED, HANDLED_REDRIVEN)
+MAX_HANDLED_BY_LENGTH = 200
+
+_GROUP_ID = re.compile(r"[0-9a-f]{12}")
 
 _VARYING = [
     (re.compile(r"\b[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b"), "<uuid>"),
@@ -67,6 +77,7 @@ class Group:
     error: str  # normalized
     reason: str
     letters: list[Letter] = field(default_factory=list)
+    handled: int = 0  # letters of this group already handled (left out of ``letters`` unless asked)
 
     @property
     def count(self) -> int:
@@ -127,3 +138,64 @@ def parse_ref(text: str) -> tuple[int, int]:
     ):
         raise ValueError(f"{text[:40]!r} is not PARTITION:OFFSET, e.g. 0:42")
     return int(partition), int(offset)
+
+
+def check_group_id(text: str) -> str:
+    """A group id as :func:`group_id` makes them (12 hex digits); ``ValueError`` otherwise."""
+    if not isinstance(text, str) or not _GROUP_ID.fullmatch(text):
+        shown = repr(text[:40]) if isinstance(text, str) else type(text).__name__
+        raise ValueError(f"{shown} is not a group id (12 hex digits, from `outbox dlq list`)")
+    return text
+
+
+def check_how(how: str) -> str:
+    """How a dead letter was handled: ``discarded`` or ``redriven``."""
+    if how not in HANDLED_HOWS:
+        raise ValueError(
+            f"{str(how)[:40]!r} is not a way to handle a dead letter: discarded or redriven"
+        )
+    return how
+
+
+def group_unhandled(
+    letters: Iterable[Letter],
+    handled: Collection[tuple[int, int]],
+    *,
+    include_handled: bool = False,
+) -> tuple[list[Group], int]:
+    """Letters grouped as :func:`group_letters` does, each group counting its handled letters;
+    without ``include_handled`` these are left out (and groups left empty dropped). Returns the
+    groups, biggest first, and how many letters were handled."""
+    groups = group_letters(letters)
+    total = 0
+    kept: list[Group] = []
+    for group in groups:
+        done = [x for x in group.letters if (x.partition, x.offset) in handled]
+        group.handled = len(done)
+        total += len(done)
+        if not include_handled:
+            group.letters = [x for x in group.letters if (x.partition, x.offset) not in handled]
+        if group.letters:
+            kept.append(group)
+    return sorted(kept, key=lambda g: (-g.count, g.id)), total
+
+
+def choose_letters(
+    groups: Iterable[Group], group_ids: Collection[str], refs: Collection[tuple[int, int]]
+) -> tuple[list[Letter], int]:
+    """The letters of the groups named by ``group_ids`` and those at ``refs``; and how many of
+    the named groups and refs matched no letter."""
+    chosen: dict[tuple[int, int], Letter] = {}
+    seen_groups: set[str] = set()
+    seen_refs: set[tuple[int, int]] = set()
+    for group in groups:
+        for letter in group.letters:
+            place = (letter.partition, letter.offset)
+            if group.id in group_ids:
+                seen_groups.add(group.id)
+                chosen[place] = letter
+            if place in refs:
+                seen_refs.add(place)
+                chosen[place] = letter
+    missing = len(set(group_ids) - seen_groups) + len(set(refs) - seen_refs)
+    return [chosen[place] for place in sorted(chosen)], missing

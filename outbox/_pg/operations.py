@@ -1,4 +1,5 @@
-"""The operators' SQL: ``outbox status`` reads, ``outbox gc`` deletes, ``outbox parked`` manages.
+"""The operators' SQL: ``outbox status`` reads, ``outbox gc`` deletes, ``outbox parked`` manages,
+``outbox dlq`` records which dead letters are handled.
 
 Invariant: every statement is built from the SQLAlchemy Core tables of :mod:`outbox.schema` or
 from constant text with the schema-qualified, quoted table name; values always travel as bound
@@ -13,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox._pg.statements import qualified
 from outbox.schema import IDEMPOTENCY_KEYS, tables, validate_schema_name
@@ -242,3 +244,50 @@ def outbox_parked_discard(
     t = tables(schema).outbox
     result = connection.execute(sa.delete(t).where(*_parked_selection(t, event_ids, topic)))
     return int(result.rowcount)
+
+
+# -- outbox dlq ------------------------------------------------------------------------------
+
+_MARK_CHUNK = 5000
+
+
+def dlq_handled_mark(
+    connection: sa.Connection,
+    schema: str | None,
+    dlq_topic: str,
+    refs: Sequence[tuple[int, int]],
+    how: str,
+    handled_by: str | None,
+) -> int:
+    """Record dead letters of ``dlq_topic`` as handled at the database's clock; a letter handled
+    before keeps its first record. Returns how many were newly recorded. The caller commits."""
+    if not refs:
+        return 0
+    t = tables(schema).dlq_handled
+    rows = [
+        {"dlq_topic": dlq_topic, "partition": p, "offset": o, "how": how, "handled_by": handled_by}
+        for p, o in sorted(set(refs))
+    ]
+    added = 0
+    # Multi-row INSERTs of at most _MARK_CHUNK rows (PostgreSQL takes at most 65,535 bound
+    # values a statement); RETURNING counts the new rows, which rowcount does not report.
+    for start in range(0, len(rows), _MARK_CHUNK):
+        result = connection.execute(
+            pg_insert(t)
+            .values(rows[start : start + _MARK_CHUNK])
+            .on_conflict_do_nothing(constraint="outbox_dlq_handled_pkey")
+            .returning(t.c.offset)
+        )
+        added += len(result.all())
+    return added
+
+
+def dlq_handled_refs(
+    connection: sa.Connection, schema: str | None, dlq_topic: str
+) -> dict[tuple[int, int], str]:
+    """``(partition, offset) -> how`` of the handled dead letters of ``dlq_topic``."""
+    t = tables(schema).dlq_handled
+    rows = connection.execute(
+        sa.select(t.c.partition, t.c.offset, t.c.how).where(t.c.dlq_topic == dlq_topic)
+    )
+    return {(int(r.partition), int(r.offset)): str(r.how) for r in rows}

@@ -1,4 +1,5 @@
-"""Operations on a running pipeline, as functions: status, gc, parked rows, dead letters, lanes.
+"""Operations on a running pipeline, as functions: status, gc, parked rows, dead letters (and
+which of them are handled), lanes.
 
 The ``outbox`` commands and the console print what these return; each reads and changes only
 what its name says. Reading the status or the relays' lanes takes no lock a unit of work or a
@@ -22,7 +23,18 @@ from outbox._core.lanes import (
     ownership_from_locks,
 )
 from outbox._pg.lanes import relay_ownership
-from outbox.admin._dlq import REDRIVE_HEADER, Group, Letter, read_groups, redrive
+from outbox.admin._dlq import (
+    REDRIVE_HEADER,
+    DeadLetters,
+    Group,
+    Letter,
+    discard,
+    mark_handled,
+    read_dead_letters,
+    read_groups,
+    read_handled,
+    redrive,
+)
 from outbox.admin._gc import (
     DEFAULT_GC_BATCH_SIZE as DEFAULT_GC_BATCH_SIZE,
     MAX_GC_BATCH_SIZE as MAX_GC_BATCH_SIZE,
@@ -53,6 +65,7 @@ from outbox.errors import RetentionError
 # and checks (``name as name`` marks these re-exports).
 __all__ = [
     "REDRIVE_HEADER",
+    "DeadLetters",
     "GcResult",
     "Group",
     "Letter",
@@ -62,13 +75,17 @@ __all__ = [
     "RetentionError",
     "Status",
     "check_retention",
+    "discard",
     "discard_parked",
     "format_duration",
     "format_ranges",
     "list_parked",
+    "mark_handled",
     "ownership_from_locks",
     "parse_duration",
+    "read_dead_letters",
     "read_groups",
+    "read_handled",
     "read_status",
     "redrive",
     "relay_ownership",

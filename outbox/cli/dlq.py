@@ -1,16 +1,30 @@
-"""``outbox dlq list|redrive``: a consumer's dead letters, grouped, and sent back to their topic."""
+"""``outbox dlq list|redrive|discard``: a consumer's dead letters, grouped, sent back to their
+topic, or marked handled so that the listings leave them out."""
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
+import socket
+import sys
 from datetime import UTC, datetime
 from typing import Any
 
-from outbox._core.dlq import Group, Letter, group_letters, parse_ref
+import sqlalchemy as sa
+
+from outbox._core.dlq import (
+    MAX_HANDLED_BY_LENGTH,
+    Group,
+    Letter,
+    check_group_id,
+    choose_letters,
+    group_letters,
+    parse_ref,
+)
 from outbox._core.validate import check_topic
 from outbox._kafka.dlq import read_letters
-from outbox.admin import redrive
+from outbox.admin import discard, read_dead_letters, redrive
 from outbox.cli._common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -20,6 +34,7 @@ from outbox.cli._common import (
     ranged,
     require,
 )
+from outbox.cli._database import command_engine
 from outbox.errors import ConfigurationError
 
 MAX_LIMIT = 1_000_000
@@ -29,12 +44,46 @@ def _when(ms: int | None) -> str | None:
     return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC).isoformat()
 
 
-def _read(args: argparse.Namespace) -> list[Letter]:
+def _by(command: str) -> str:
+    """Who marks dead letters handled: the command, the user and the host, as far as known."""
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):
+        user = "?"
+    text = f"outbox dlq {command} by {user}@{socket.gethostname()}"
+    return "".join(c if c.isprintable() else "?" for c in text)[:MAX_HANDLED_BY_LENGTH]
+
+
+def _check_limit(args: argparse.Namespace) -> None:
     ranged(1, MAX_LIMIT)("--limit", args.limit)
     check_topic(args.topic)
+
+
+def _read(args: argparse.Namespace) -> list[Letter]:
+    _check_limit(args)
     return read_letters(
         require(args, "bootstrap_servers"), args.kafka_config, args.topic, args.limit
     )
+
+
+def _groups(
+    args: argparse.Namespace, connection: sa.Connection | None, include_handled: bool
+) -> tuple[list[Group], int]:
+    """The groups of ``--topic``; without the handled letters when a database is at hand and
+    ``include_handled`` is false. Returns them and how many letters were handled."""
+    if connection is None:
+        return group_letters(_read(args)), 0
+    _check_limit(args)
+    dead = read_dead_letters(
+        connection,
+        require(args, "bootstrap_servers"),
+        args.topic,
+        schema=args.schema,
+        kafka_config=args.kafka_config,
+        limit=args.limit,
+        include_handled=include_handled,
+    )
+    return dead.groups, dead.handled
 
 
 def _group_json(group: Group) -> dict[str, Any]:
@@ -45,6 +94,7 @@ def _group_json(group: Group) -> dict[str, Any]:
         "error_type": group.error_type,
         "error": group.error,
         "count": group.count,
+        "handled": group.handled,
         "first_seen": _when(group.first_seen_ms),
         "last_seen": _when(group.last_seen_ms),
         "messages": [letter.ref for letter in group.letters],
@@ -52,43 +102,56 @@ def _group_json(group: Group) -> dict[str, Any]:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    groups = group_letters(_read(args))
+    if args.database_url is None:
+        print(
+            "note: without --database-url every dead letter is listed, handled ones too",
+            file=sys.stderr,
+        )
+        groups, handled = _groups(args, None, True)
+    else:
+        with command_engine(args, "outbox dlq").connect() as conn:
+            groups, handled = _groups(args, conn, args.all)
+            conn.rollback()
     if args.json:
         print(json.dumps([_group_json(g) for g in groups], indent=2))
         return EXIT_OK
+    hidden = 0 if args.all else handled
     if not groups:
-        print(f"no dead letters in {args.topic}")
-        return EXIT_OK
-    print(f"{'GROUP':12}  {'COUNT':>6}  {'TOPIC':24}  {'LAST SEEN':25}  ERROR")
+        print(f"no dead letters to handle in {args.topic}")
+    else:
+        print(f"{'GROUP':12}  {'COUNT':>6}  {'HANDLED':>7}  {'TOPIC':24}  {'LAST SEEN':25}  ERROR")
     for g in groups:
         last = _when(g.last_seen_ms) or "-"
         print(
-            f"{g.id:12}  {g.count:6}  {g.topic[:24]:24}  {last[:25]:25}  {g.error_type}: {g.error}"
+            f"{g.id:12}  {g.count:6}  {g.handled:7}  {g.topic[:24]:24}  {last[:25]:25}  "
+            f"{g.error_type}: {g.error}"
         )
+    if hidden:
+        print(f"{hidden} handled dead letter(s) hidden (--all shows them)")
     return EXIT_OK
 
 
-def _cmd_redrive(args: argparse.Namespace) -> int:
-    if bool(args.group) == bool(args.message):
+def _selection(args: argparse.Namespace, action: str) -> tuple[set[str], set[tuple[int, int]]]:
+    """The ``--group`` ids and ``--message`` refs, checked before any I/O."""
+    if not args.group and not args.message:
         raise ConfigurationError(
-            "name what to redrive: --group ID (from `outbox dlq list`) or --message "
-            "PARTITION:OFFSET (repeatable), not both"
+            f"name what to {action}: --group ID (from `outbox dlq list`) and/or --message "
+            "PARTITION:OFFSET (both repeatable)"
         )
-    wanted: set[tuple[int, int]] = set()
+    try:
+        groups = {check_group_id(g) for g in args.group}
+    except ValueError as exc:
+        raise ConfigurationError(f"--group {exc}") from None
+    refs: set[tuple[int, int]] = set()
     for ref in args.message:
         try:
-            wanted.add(parse_ref(ref))
+            refs.add(parse_ref(ref))
         except ValueError as exc:
             raise ConfigurationError(f"--message {exc}") from None
-    letters = _read(args)
-    if args.group:
-        chosen = [x for g in group_letters(letters) if g.id in args.group for x in g.letters]
-    else:
-        chosen = [x for x in letters if (x.partition, x.offset) in wanted]
-    count = redrive(
-        args.bootstrap_servers, chosen, kafka_config=args.kafka_config, dry_run=args.dry_run
-    )
-    verb = "would redrive" if args.dry_run else "redriven"
+    return groups, refs
+
+
+def _report(args: argparse.Namespace, count: int, chosen: list[Letter], verb: str) -> None:
     if args.json:
         print(
             json.dumps(
@@ -103,23 +166,87 @@ def _cmd_redrive(args: argparse.Namespace) -> int:
         )
     else:
         print(f"{count} dead letter(s) {verb}")
-    missing = len(wanted) - len(chosen) if not args.group else 0
-    if (args.group and not chosen) or missing > 0:
-        print("some groups or messages matched nothing: see `outbox dlq list`")
+
+
+def _finish(missing: int) -> int:
+    if missing:
+        print("some groups or messages matched nothing to handle: see `outbox dlq list --all`")
         return EXIT_FAILURE
     return EXIT_OK
 
 
+def _cmd_redrive(args: argparse.Namespace) -> int:
+    wanted, refs = _selection(args, "redrive")
+    bootstrap = require(args, "bootstrap_servers")
+    if args.database_url is None:
+        groups, _ = _groups(args, None, True)
+        chosen, missing = choose_letters(groups, wanted, refs)
+        count = redrive(bootstrap, chosen, kafka_config=args.kafka_config, dry_run=args.dry_run)
+    else:
+        with command_engine(args, "outbox dlq").connect() as conn:
+            groups, _ = _groups(args, conn, args.all)
+            conn.rollback()  # no transaction stays open while the broker confirms
+            chosen, missing = choose_letters(groups, wanted, refs)
+            count = redrive(
+                bootstrap,
+                chosen,
+                kafka_config=args.kafka_config,
+                dry_run=args.dry_run,
+                connection=conn,
+                dlq_topic=args.topic,
+                schema=args.schema,
+                by=_by("redrive"),
+            )
+            conn.commit()
+    _report(args, count, chosen, "would redrive" if args.dry_run else "redriven")
+    return _finish(missing)
+
+
+def _cmd_discard(args: argparse.Namespace) -> int:
+    wanted, refs = _selection(args, "discard")
+    with command_engine(args, "outbox dlq").connect() as conn:
+        groups, _ = _groups(args, conn, False)
+        conn.rollback()  # no transaction stays open while Kafka is read
+        chosen, missing = choose_letters(groups, wanted, refs)
+        count = discard(
+            conn, args.topic, chosen, args.schema, by=_by("discard"), dry_run=args.dry_run
+        )
+        conn.commit()
+    _report(args, count, chosen, "would discard" if args.dry_run else "discarded")
+    return _finish(missing)
+
+
 def register(subparsers: Any) -> None:
-    """Add ``outbox dlq list|redrive``."""
-    dlq = subparsers.add_parser("dlq", help="list dead letters by failure, redrive them")
+    """Add ``outbox dlq list|redrive|discard``."""
+    dlq = subparsers.add_parser(
+        "dlq", help="list dead letters by failure, redrive them or mark them handled"
+    )
     sub = dlq.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
+    database_help = {
+        "list": "PostgreSQL URL, postgresql+psycopg://user:pass@host/db: leaves out the dead "
+        "letters marked handled (without it every one is listed)",
+        "redrive": "PostgreSQL URL, postgresql+psycopg://user:pass@host/db: marks the redriven "
+        "dead letters handled once the broker confirmed them",
+        "discard": "PostgreSQL URL, postgresql+psycopg://user:pass@host/db (required)",
+    }
     for name, text, func in (
         ("list", "dead letters of a topic grouped by failure, with counts", _cmd_list),
         ("redrive", "send dead letters back to their original topic", _cmd_redrive),
+        (
+            "discard",
+            "mark dead letters handled without sending them: the listings leave them out",
+            _cmd_discard,
+        ),
     ):
         p = sub.add_parser(name, help=text)
-        add_flags(p, "bootstrap_servers", "log_level")
+        add_flags(
+            p,
+            "bootstrap_servers",
+            "database_url",
+            "schema",
+            "log_level",
+            database_url={"help": database_help[name]},
+        )
         add_kafka_config(p)
         p.add_argument("--topic", required=True, help="the dead-letter topic, e.g. orders.dlq")
         p.add_argument(
@@ -127,7 +254,23 @@ def register(subparsers: Any) -> None:
         )
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
-        if name == "redrive":
-            p.add_argument("--group", action="append", default=[], metavar="ID")
-            p.add_argument("--message", action="append", default=[], metavar="PARTITION:OFFSET")
-            p.add_argument("--dry-run", action="store_true", help="say what would be sent")
+        if name in ("list", "redrive"):
+            p.add_argument(
+                "--all", action="store_true", help="include the dead letters marked handled"
+            )
+        if name in ("redrive", "discard"):
+            p.add_argument(
+                "--group",
+                action="append",
+                default=[],
+                metavar="ID",
+                help="a group id from `outbox dlq list` (repeatable)",
+            )
+            p.add_argument(
+                "--message",
+                action="append",
+                default=[],
+                metavar="PARTITION:OFFSET",
+                help="one dead letter by its place in --topic (repeatable)",
+            )
+            p.add_argument("--dry-run", action="store_true", help="say what would be done")

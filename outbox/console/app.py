@@ -43,6 +43,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from outbox import admin
+from outbox._core.dlq import choose_letters
 from outbox._core.lag import GroupLags
 from outbox._core.redact import redact_text, redact_url
 from outbox._core.settings import check_bootstrap_servers
@@ -408,77 +409,112 @@ class Console:
 
     def dead_letters(self, request: Request) -> Response:
         topic = request.query_params.get("topic") or ""
-        groups: list[admin.Group] = []
+        dead = admin.DeadLetters(topic, [], 0)
         if topic and self.settings.bootstrap_servers is None:
             raise ValidationError(
                 "the dead-letters page reads Kafka: start the console with --bootstrap-servers"
             )
         if topic:
-            groups = admin.read_groups(
-                self.settings.bootstrap_servers or "",
-                data.check_dlq_topic(topic),
-                kafka_config=self.settings.kafka_config,
-                limit=data.MAX_DEAD_LETTERS,
-            )
+            dead = self._read_dead_letters(self.settings.bootstrap_servers or "", topic)
         return self.page(
             request,
             "dlq.html",
             {
                 "topic": topic,
-                "groups": [data.group_view(g) for g in groups],
+                "groups": [data.group_view(g) for g in dead.groups],
+                "handled": dead.handled,
                 "kafka": self.settings.bootstrap_servers is not None,
             },
         )
 
-    async def dead_letters_action(self, request: Request) -> Response:
+    def _read_dead_letters(self, bootstrap: str, topic: str) -> admin.DeadLetters:
+        """The groups of ``topic`` still to handle."""
+        with self.engine.connect() as conn:
+            dead = admin.read_dead_letters(
+                conn,
+                bootstrap,
+                data.check_dlq_topic(topic),
+                schema=self.schema,
+                kafka_config=self.settings.kafka_config,
+                limit=data.MAX_DEAD_LETTERS,
+            )
+            conn.rollback()
+        return dead
+
+    async def redrive_groups(self, request: Request) -> Response:
+        return await self._dead_letters_action(request, "redrive")
+
+    async def mark_groups_handled(self, request: Request) -> Response:
+        return await self._dead_letters_action(request, "handled")
+
+    async def _dead_letters_action(self, request: Request, action: str) -> Response:
         form = await self.admin_form(request)
         if isinstance(form, Response):
             return form
         topic = data.check_dlq_topic(form.get("topic") or "")
-        wanted = form.getlist("group")
-        if not wanted:
-            raise ValidationError("no group chosen: pick one on the dead-letters page")
+        wanted = data.parse_group_ids(form.getlist("group"))
         if self.settings.bootstrap_servers is None:
-            raise ValidationError("start the console with --bootstrap-servers to redrive")
+            raise ValidationError(
+                "start the console with --bootstrap-servers to handle dead letters"
+            )
         return await _in_thread(
-            self._redrive,
+            self._handle,
             request,
+            action,
             topic,
             wanted,
             form.get("confirmed"),
             self.settings.bootstrap_servers,
         )
 
-    def _redrive(
+    def _handle(
         self,
         request: Request,
+        action: str,
         topic: str,
         wanted: list[str],
         confirmed: str | None,
         bootstrap: str,
     ) -> Response:
-        groups = admin.read_groups(
-            bootstrap, topic, kafka_config=self.settings.kafka_config, limit=data.MAX_DEAD_LETTERS
-        )
-        letters = [x for g in groups if g.id in wanted for x in g.letters]
+        dead = self._read_dead_letters(bootstrap, topic)
+        letters, _ = choose_letters(dead.groups, wanted, ())
         if confirmed != str(len(letters)):
+            # First step, or the dead letters changed since the confirmation: (re)state the count.
             return self.page(
                 request,
                 "dlq_confirm.html",
                 {
+                    "action": action,
                     "topic": topic,
                     "wanted": wanted,
                     "count": len(letters),
                     "changed": confirmed is not None,
                 },
             )
-        count = admin.redrive(bootstrap, letters, kafka_config=self.settings.kafka_config)
         client = request.client.host if request.client else "unknown"
+        by = f"outbox console from {client}"
+        with self.engine.connect() as conn:
+            if action == "redrive":
+                count = admin.redrive(
+                    bootstrap,
+                    letters,
+                    kafka_config=self.settings.kafka_config,
+                    connection=conn,
+                    dlq_topic=topic,
+                    schema=self.schema,
+                    by=by,
+                )
+                done = f"{count} dead letter(s) redriven"
+            else:
+                count = admin.discard(conn, topic, letters, self.schema, by=by)
+                done = f"{count} dead letter(s) marked handled"
+            conn.commit()
         log.warning(
-            "admin redrive: %d dead letter(s) of %s (groups %s) from %s",
+            "admin %s: %d dead letter(s) of %s (groups %s) from %s",
+            "redrive" if action == "redrive" else "mark handled",
             count, topic, ", ".join(wanted), client,
         )  # fmt: skip
-        query = urlencode({"topic": topic, "done": f"{count} dead letter(s) redriven"})
+        query = urlencode({"topic": topic, "done": done})
         return RedirectResponse(f"/dlq?{query}", status_code=303)
 
     def login(self, request: Request) -> Response:
@@ -549,7 +585,8 @@ def create_app(settings: ConsoleSettings) -> Starlette:
         Route("/parked/action", guarded(console.parked_action), methods=["POST"]),
         Route("/keys", guarded(sync(console.keys))),
         Route("/dlq", guarded(sync(console.dead_letters))),
-        Route("/dlq/redrive", guarded(console.dead_letters_action), methods=["POST"]),
+        Route("/dlq/redrive", guarded(console.redrive_groups), methods=["POST"]),
+        Route("/dlq/handled", guarded(console.mark_groups_handled), methods=["POST"]),
         Route("/login", guarded(console.login)),
         Route("/healthz", healthz),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),

@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
-from outbox._core.dlq import Group
+from outbox._core.dlq import Group, check_group_id
 from outbox._core.redact import HIDDEN, is_secret_setting
 from outbox._core.validate import MAX_SCOPE_LENGTH, check_scope, check_topic, shown
 from outbox._pg import console as sql
@@ -107,8 +107,22 @@ def parse_event_ids(values: Sequence[str]) -> list[uuid.UUID]:
     return ids
 
 
+def parse_group_ids(values: Sequence[str]) -> list[str]:
+    """Dead-letter group ids from a form (a button's or the ticked checkboxes); each must be
+    one the dead-letters page shows (12 hex digits)."""
+    if not values:
+        raise ValidationError("no group chosen: pick one on the dead-letters page")
+    if len(values) > MAX_SELECTION:
+        raise ValidationError(f"{len(values)} groups chosen: at most {MAX_SELECTION} at once")
+    try:
+        return sorted({check_group_id(value) for value in values})
+    except ValueError as exc:
+        raise ValidationError(f"group {exc}") from None
+
+
 _DONE = re.compile(
-    r"\d{1,9} (row\(s\) put back in line|row\(s\) discarded|dead letter\(s\) redriven)"
+    r"\d{1,9} (row\(s\) put back in line|row\(s\) discarded|"
+    r"dead letter\(s\) (redriven|marked handled))"
 )
 
 

@@ -1,6 +1,7 @@
 """``outbox console`` in a real browser (Debian's Chromium under Playwright) against a real
 console process, PostgreSQL, relay and broker: a poison event is parked, found on the page,
-retried from it and delivered; a key lookup; read-only mode; escaping in the browser.
+retried from it and delivered; dead letters redriven and marked handled; a key lookup; read-only
+mode; escaping in the browser.
 
 A screenshot of each page lands in the test's tmp dir; with OUTBOX_CONSOLE_SCREENSHOTS=DIR they
 are also written to DIR (how docs/console/ is made).
@@ -100,9 +101,10 @@ def test_a_parked_event_is_retried_from_the_page_and_delivered(
     assert outbox_count(engine) == 0
 
 
-def test_a_dead_letter_group_is_redriven_from_the_page(
+def test_a_dead_letter_group_is_redriven_and_another_marked_handled_from_the_page(
     chromium: Any,
     console_server: Callable[..., ConsoleServer],
+    engine: sa.Engine,
     kafka_bootstrap: str,
     tmp_path: Path,
 ) -> None:
@@ -140,6 +142,15 @@ def test_a_dead_letter_group_is_redriven_from_the_page(
         assert page.locator("#confirm-count").inner_text() == "2"
         page.click("#confirm")
         assert page.locator("#done").inner_text() == "2 dead letter(s) redriven"
+        # The redriven group left the page; the other one is marked handled from its button.
+        assert page.locator("tbody.group").count() == 1
+        assert page.locator("#dlq-handled").inner_text() == "2"
+        page.locator("tbody.group").first.locator("button.handled").click()
+        assert page.locator("#confirm-count").inner_text() == "1"
+        page.click("#confirm")
+        assert page.locator("#done").inner_text() == "1 dead letter(s) marked handled"
+        assert page.locator("tbody.group").count() == 0
+        assert page.locator("#dlq-handled").inner_text() == "3"
     finally:
         page.context.close()
     assert dialogs == []
@@ -147,6 +158,11 @@ def test_a_dead_letter_group_is_redriven_from_the_page(
     assert sorted(r.key() for r in records) == [b"inv-1", b"inv-2"]
     assert all(dict(r.headers())["outbox.redrive-count"] == b"1" for r in records)
     assert "admin redrive: 2 dead letter(s)" in server.log()
+    assert "admin mark handled: 1 dead letter(s)" in server.log()
+    t = tables(None).dlq_handled
+    with engine.connect() as conn:
+        hows = sorted(conn.execute(sa.select(t.c.how)).scalars())
+    assert hows == ["discarded", "redriven", "redriven"]
 
 
 def test_a_key_lookup_shows_a_completed_and_a_failed_key(

@@ -1,5 +1,6 @@
 """``outbox console`` over TCP (a real uvicorn process, real PostgreSQL), driven with httpx:
-pages render, filters narrow, read-only and CSRF refusals, escaping, and bad input as 400."""
+pages render, filters narrow, read-only and CSRF refusals, escaping, and bad input as 400;
+dead-letter groups marked handled leave the page."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hypothesis import given, settings, strategies as st
 from outbox import migrate
 from outbox.schema import tables
 from tests.fixtures.common import wait_for
-from tests.fixtures.console import ADMIN_TOKEN, ConsoleServer
+from tests.fixtures.console import ADMIN_TOKEN, ConsoleServer, write_dead_letters
 from tests.fixtures.relay import insert_rows, outbox_count
 
 BEARER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -332,3 +333,124 @@ def test_the_overview_charts_rows_relayed_since_the_console_started(
     wait_for(charted, 30, "the deletes never reached the chart")
     page = httpx.get(server.url + "/").text
     assert '<svg id="relayed-chart"' in page and "<rect " in page
+
+
+# -- dead letters marked handled -------------------------------------------------------------
+
+
+def handled_count(engine: sa.Engine) -> int:
+    t = tables(None).dlq_handled
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one())
+
+
+@pytest.fixture
+def dead_topic(kafka_bootstrap: str) -> str:
+    return write_dead_letters(
+        kafka_bootstrap,
+        f"billing-{uuid.uuid4().hex[:8]}",
+        [
+            ("inv-1", KeyError("'inv-1' has no customer")),
+            ("inv-2", KeyError("'inv-2' has no customer")),
+            ("inv-3", ValueError("price -3 is negative")),
+            ("inv-4", TypeError("no price")),
+        ],
+    )
+
+
+def group_ids(page: str) -> list[str]:
+    return re.findall(r'<tbody class="group" data-group="([0-9a-f]{12})">', page)
+
+
+def test_a_group_and_a_selection_are_marked_handled_after_a_confirmation(
+    console_server: Callable[..., ConsoleServer],
+    kafka_bootstrap: str,
+    dead_topic: str,
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN, "--bootstrap-servers", kafka_bootstrap)
+    with httpx.Client(base_url=server.url, headers=BEARER) as client:
+        page = client.get("/dlq", params={"topic": dead_topic}).text
+        assert 'action="/dlq/handled"' in page and 'id="handled-selected"' in page
+        biggest, *others = group_ids(page)
+        form = {"csrf": csrf_of(page), "topic": dead_topic, "group": biggest}
+        confirm = client.post("/dlq/handled", data=form)
+        assert confirm.status_code == 200 and re.search(r'id="confirm-count">2<', confirm.text)
+        assert handled_count(engine) == 0  # nothing changes before the confirmation
+        done = client.post("/dlq/handled", data={**form, "confirmed": "2"})
+        assert done.status_code == 303 and "marked+handled" in done.headers["location"]
+        page = client.get(done.headers["location"]).text
+        assert 'id="done">2 dead letter(s) marked handled<' in page
+        assert set(group_ids(page)) == set(others)
+        assert re.search(r'id="dlq-handled">2<', page)
+        # the ticked groups, together
+        ticked = {"csrf": csrf_of(page), "topic": dead_topic, "group": others}
+        confirm = client.post("/dlq/handled", data=ticked)
+        assert re.search(r'id="confirm-count">2<', confirm.text)
+        assert client.post("/dlq/handled", data={**ticked, "confirmed": "2"}).status_code == 303
+        page = client.get("/dlq", params={"topic": dead_topic}).text
+        assert group_ids(page) == [] and re.search(r'id="dlq-handled">4<', page)
+    assert handled_count(engine) == 4
+    assert f"admin mark handled: 2 dead letter(s) of {dead_topic} (groups {biggest})" in (
+        server.log()
+    )
+
+
+def test_a_redrive_from_the_console_marks_the_group_redriven(
+    console_server: Callable[..., ConsoleServer],
+    kafka_bootstrap: str,
+    dead_topic: str,
+    engine: sa.Engine,
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN, "--bootstrap-servers", kafka_bootstrap)
+    with httpx.Client(base_url=server.url, headers=BEARER) as client:
+        page = client.get("/dlq", params={"topic": dead_topic}).text
+        biggest = group_ids(page)[0]
+        form = {"csrf": csrf_of(page), "topic": dead_topic, "group": biggest, "confirmed": "2"}
+        assert client.post("/dlq/redrive", data=form).status_code == 303
+        page = client.get("/dlq", params={"topic": dead_topic}).text
+    assert biggest not in group_ids(page)
+    t = tables(None).dlq_handled
+    with engine.connect() as conn:
+        hows = conn.execute(sa.select(t.c.how, t.c.handled_by)).all()
+    assert [tuple(r) for r in hows] == [("redriven", "outbox console from 127.0.0.1")] * 2
+
+
+def test_marking_handled_is_refused_read_only_without_csrf_and_with_bad_ids(
+    console_server: Callable[..., ConsoleServer],
+    kafka_bootstrap: str,
+    dead_topic: str,
+    engine: sa.Engine,
+) -> None:
+    read_only = console_server("--bootstrap-servers", kafka_bootstrap)
+    form = {"csrf": "x", "topic": dead_topic, "group": "0123456789ab", "confirmed": "2"}
+    refused = httpx.post(f"{read_only.url}/dlq/handled", data=form, headers=BEARER)
+    assert refused.status_code == 403 and "read-only" in refused.text
+    assert (
+        'action="/dlq/handled"'
+        not in httpx.get(f"{read_only.url}/dlq", params={"topic": dead_topic}).text
+    )
+    server = console_server("--admin-token", ADMIN_TOKEN, "--bootstrap-servers", kafka_bootstrap)
+    with httpx.Client(base_url=server.url, headers=BEARER) as client:
+        page = client.get("/dlq", params={"topic": dead_topic}).text
+        assert client.post("/dlq/handled", data=form).status_code == 403  # a stale CSRF token
+        token = csrf_of(page)
+        none = client.post("/dlq/handled", data={"csrf": token, "topic": dead_topic})
+        assert none.status_code == 400 and "no group chosen" in none.text
+
+        @settings(max_examples=40, deadline=None)
+        @given(
+            groups=st.lists(st.text(max_size=20), min_size=1, max_size=3).filter(
+                lambda gs: any(not re.fullmatch(r"[0-9a-f]{12}", g) for g in gs)
+            ),
+            real=st.booleans(),
+        )
+        def probe(groups: list[str], real: bool) -> None:
+            chosen = [*groups, *group_ids(page)[:1]] if real else groups
+            bad = {"csrf": token, "topic": dead_topic, "group": chosen, "confirmed": "2"}
+            answer = client.post("/dlq/handled", data=bad)
+            assert answer.status_code == 400, (answer.status_code, answer.text[-300:])
+            assert "is not a group id" in answer.text and "Traceback" not in answer.text
+
+        probe()
+    assert handled_count(engine) == 0

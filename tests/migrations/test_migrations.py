@@ -14,7 +14,7 @@ from alembic.migration import MigrationContext
 
 from outbox import migrate
 from outbox.errors import ConfigurationError
-from outbox.schema import CACHE_SECRET, VERSION_TABLE, tables
+from outbox.schema import CACHE_SECRET, DLQ_HANDLED, VERSION_TABLE, tables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def _tables(engine: sa.Engine, schema: str | None = None) -> set[str]:
 
 
 def _drift(engine: sa.Engine, schema: str | None) -> list[object]:
-    own = {"idempotency_keys", "outbox", CACHE_SECRET}
+    own = {"idempotency_keys", "outbox", CACHE_SECRET, DLQ_HANDLED}
 
     def include(obj: object, name: str | None, type_: str, *_: object) -> bool:
         if type_ == "table":
@@ -66,7 +66,13 @@ def test_drift_check_can_fail(engine: sa.Engine) -> None:
 
 def test_upgrade_downgrade_roundtrip(empty_engine: sa.Engine) -> None:
     migrate.upgrade(empty_engine)
-    assert _tables(empty_engine) == {"idempotency_keys", "outbox", CACHE_SECRET, VERSION_TABLE}
+    assert _tables(empty_engine) == {
+        "idempotency_keys",
+        "outbox",
+        CACHE_SECRET,
+        DLQ_HANDLED,
+        VERSION_TABLE,
+    }
     with empty_engine.connect() as conn:
         assert migrate.current_revision(conn) == migrate.head_revision()
     migrate.downgrade(empty_engine, "base")
@@ -91,6 +97,7 @@ def test_schema_option(empty_engine: sa.Engine) -> None:
         "idempotency_keys",
         "outbox",
         CACHE_SECRET,
+        DLQ_HANDLED,
         VERSION_TABLE,
     }
     assert _tables(empty_engine) == set()
