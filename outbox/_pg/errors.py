@@ -11,7 +11,7 @@ import psycopg
 import sqlalchemy as sa
 
 from outbox._pg.statements import UNIT_MISMATCH
-from outbox.errors import TransactionEndedError
+from outbox.errors import ConfigurationError, TransactionEndedError
 
 # SQLSTATEs of a server going away or refusing connections for now (class 08, connection
 # exception; admin or crash shutdown; "the database system is starting up").
@@ -88,6 +88,16 @@ def undefined_table(exc: BaseException) -> bool:
     """True when ``exc`` says a table does not exist (SQLSTATE 42P01)."""
     origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
     return isinstance(origin, psycopg.errors.UndefinedTable)
+
+
+def unmigrated(schema: str | None) -> ConfigurationError:
+    """The error for a database without the toolkit's tables where they are looked for."""
+    where = f"schema {schema!r}" if schema else "the search path (schema=None)"
+    return ConfigurationError(
+        f"the outbox tables are not in {where}: run `outbox migrate` on this database"
+        + (f" with --schema {schema}" if schema else "")
+        + ", or pass the schema= they were migrated into (Outbox(..., schema=...))"
+    )
 
 
 def is_database_error(exc: BaseException) -> bool:

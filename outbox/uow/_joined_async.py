@@ -21,7 +21,13 @@ from outbox._core.claim import StoredOutcome
 from outbox._core.failures import is_permanent
 from outbox._core.typed_results import TypedResult
 from outbox._pg.after_commit import defer, holds, release, spawn, take
-from outbox._pg.errors import split_error, split_refused, unique_violation_of
+from outbox._pg.errors import (
+    split_error,
+    split_refused,
+    undefined_table,
+    unique_violation_of,
+    unmigrated,
+)
 from outbox._pg.statements import (
     JoinedStatements,
     idempotency_key_complete_joined,
@@ -108,8 +114,10 @@ class AsyncJoinedUnits:
                 {"lock_id": lock_id, "scope": scope, "key": key, "unit": unit},
             )
             acquired, status, stored_fp, result_json, error, age = result.one()
-        except BaseException:
+        except BaseException as exc:
             await savepoint.rollback()
+            if undefined_table(exc):
+                raise unmigrated(self.config.schema) from exc
             raise
         if status is None and acquired:
             take(_sync(conn), lock_id)

@@ -20,7 +20,13 @@ from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
 from outbox._pg.after_commit import defer, take
 from outbox._pg.engines import engine_for, notifier_engine, reader_engine
-from outbox._pg.errors import split_error, split_refused, undefined_table, unique_violation_of
+from outbox._pg.errors import (
+    split_error,
+    split_refused,
+    undefined_table,
+    unique_violation_of,
+    unmigrated,
+)
 from outbox._pg.identity import cache_identity, read_identity
 from outbox._pg.pooler import refuse_undeclared
 from outbox._pg.statements import (
@@ -50,16 +56,6 @@ _ASYNC = False
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip.
 _INLINE_LIMIT = 64 * 1024
 _INLINE_EVENTS = 16  # one prepared statement per event count, so keep their number bounded
-
-
-def unmigrated(schema: str | None) -> ConfigurationError:
-    """The error for a database without the toolkit's tables where they are looked for."""
-    where = f"schema {schema!r}" if schema else "the search path (schema=None)"
-    return ConfigurationError(
-        f"the outbox tables are not in {where}: run `outbox migrate` on this database"
-        + (f" with --schema {schema}" if schema else "")
-        + ", or pass the schema= they were migrated into (Outbox(..., schema=...))"
-    )
 
 
 class _Attempt:

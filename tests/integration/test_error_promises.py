@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import Session
 
 from outbox import AsyncOutbox, ConfigurationError, Outbox, ReplayedWriteError, migrate
 from outbox.errors import TransactionEndedError
@@ -55,9 +56,10 @@ def test_an_asyncpg_engine_is_refused_before_any_io(database_url: str) -> None:
     assert connected == []
 
 
+@pytest.mark.parametrize("mode", ["owned", "connection", "session"])
 @pytest.mark.parametrize("how", ["never migrated", "another schema"])
 def test_a_database_without_the_tables_says_run_outbox_migrate(
-    how: str, engine: sa.Engine, database_url: str
+    how: str, mode: str, engine: sa.Engine, database_url: str
 ) -> None:
     if how == "never migrated":
         migrate.downgrade(engine, "base")
@@ -67,9 +69,45 @@ def test_a_database_without_the_tables_says_run_outbox_migrate(
     for _ in range(2):  # the hint also on a connection that already failed once
         with Outbox(database_url, schema=schema) as ob:
             hint = pytest.raises(ConfigurationError, match="run `outbox migrate`")
-            with hint as caught, ob.unit_of_work("k-1"):
-                pass
+            if mode == "owned":
+                with hint as caught, ob.unit_of_work("k-1"):
+                    pass
+            elif mode == "connection":
+                with ob.engine.connect() as conn:
+                    with hint as caught, ob.unit_of_work("k-1", connection=conn):
+                        pass
+                    assert conn.execute(sa.text("SELECT 1")).scalar() == 1  # still usable
+            else:
+                with Session(ob.engine) as session:
+                    with hint as caught, ob.unit_of_work("k-1", session=session):
+                        pass
+                    assert session.execute(sa.text("SELECT 1")).scalar() == 1
     assert (schema or "search path") in str(caught.value)
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_an_asyncio_unit_of_work_on_a_database_without_the_tables_says_run_outbox_migrate(
+    joined: bool, engine: sa.Engine, database_url: str
+) -> None:
+    migrate.downgrade(engine, "base")
+
+    async def attempt() -> None:
+        aob = AsyncOutbox(database_url)
+        try:
+            hint = pytest.raises(ConfigurationError, match="run `outbox migrate`")
+            if joined:
+                async with aob.engine.connect() as conn:
+                    with hint:
+                        async with aob.unit_of_work("k-1", connection=conn):
+                            pass
+            else:
+                with hint:
+                    async with aob.unit_of_work("k-1"):
+                        pass
+        finally:
+            await aob.close()
+
+    asyncio.run(attempt())
 
 
 def test_the_session_after_the_block_says_the_unit_of_work_ended(database_url: str) -> None:
