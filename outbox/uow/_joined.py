@@ -83,7 +83,7 @@ class JoinedUnits:
         for a replay)."""
         cached = self._outcomes.cached(scope, key)
         if cached is not None:
-            return self._outcomes.replay(scope, key, fingerprint, typed, cached), None
+            return self._outcomes.replay(scope, key, fingerprint, typed, cached, "redis"), None
         # The claim runs in the savepoint: its advisory lock is released if the savepoint is
         # rolled back (the body failed) and passes to the caller's transaction when it is
         # released (the body succeeded), to be held until the caller commits or rolls back.

@@ -344,7 +344,7 @@ class Outbox:
         (``None`` for a replay)."""
         cached = self._outcomes.cached(scope, key)
         if cached is not None:
-            return self._outcomes.replay(scope, key, fingerprint, typed, cached), None
+            return self._outcomes.replay(scope, key, fingerprint, typed, cached, "redis"), None
         self._check_sessions()
         tx = Transaction.open(self.engine, pooled=self._pooled)
         lock_id = claim.lock_id(scope, key)

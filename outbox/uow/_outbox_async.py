@@ -354,7 +354,7 @@ class AsyncOutbox:
         (``None`` for a replay)."""
         cached = await self._outcomes.cached(scope, key)
         if cached is not None:
-            return self._outcomes.replay(scope, key, fingerprint, typed, cached), None
+            return self._outcomes.replay(scope, key, fingerprint, typed, cached, "redis"), None
         await self._check_sessions()
         tx = await AsyncTransaction.open(self.engine, pooled=self._pooled)
         lock_id = claim.lock_id(scope, key)

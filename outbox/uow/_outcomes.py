@@ -58,7 +58,7 @@ class Outcomes:
         fingerprint: str | None,
         typed: TypedResult | None,
         stored: StoredOutcome,
-        source: ReplaySource = "redis",
+        source: ReplaySource,
     ) -> UnitOfWork:
         """The replayed unit of work of a stored outcome (read from ``source``); raises what
         the verdict says unless it is a completion."""

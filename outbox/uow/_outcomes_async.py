@@ -61,7 +61,7 @@ class AsyncOutcomes:
         fingerprint: str | None,
         typed: TypedResult | None,
         stored: StoredOutcome,
-        source: ReplaySource = "redis",
+        source: ReplaySource,
     ) -> AsyncUnitOfWork:
         """The replayed unit of work of a stored outcome (read from ``source``); raises what
         the verdict says unless it is a completion."""
