@@ -138,6 +138,11 @@ class TransactionEndedError(OutboxError):
     """The transaction of a unit of work was ended from inside its body."""
 
 
+class MigrationLockError(OutboxError):
+    """A migration could not take the lock it needs within its lock timeout, however often it
+    tried: another session held the table. The message names that session."""
+
+
 class RetentionError(ConfigurationError):
     """``outbox gc`` was asked to forget keys while a duplicate could still arrive."""
 
