@@ -5,8 +5,11 @@ Safe by default:
 * Read-only unless the app has an admin token and the request carries it (``Authorization:
   Bearer TOKEN``, or HTTP basic with the token as password and any user name). Pages show
   no action buttons to anyone else, and every state change refuses them with 403.
-* Every state change is a POST carrying the CSRF token of a ``SameSite=Strict`` cookie in a
-  form field (double submit); a cross-site form has neither and gets 403.
+* Every state change is a POST from the console's own origin (``Origin``, or
+  ``Sec-Fetch-Site`` where a browser sends no ``Origin``) whose form carries the CSRF token:
+  an HMAC, under a key only the server holds, of the random value in the browser's
+  ``SameSite=Strict`` cookie. A cookie planted from a sibling host, with a form token of its
+  own choosing, does not verify; a form posted from another origin is refused; both with 403.
 * Every value goes through Jinja's autoescape; URLs are shown redacted, header values whose
   names say secret are hidden.
 * A filter or an id that does not parse is a 400 with a message; a database that does not
@@ -19,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import hashlib
 import hmac
 import logging
 import secrets
@@ -60,6 +64,8 @@ log = logging.getLogger("outbox.console")
 HERE = Path(__file__).resolve().parent
 CSRF_COOKIE = "outbox_console_csrf"
 CSRF_FIELD = "csrf"
+CSRF_NONCE_LENGTH = 43  # secrets.token_urlsafe(32)
+_URLSAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 MIN_TOKEN_LENGTH = 16
 REFRESH_SECONDS = 10
 SAMPLE_SECONDS = 10.0
@@ -117,6 +123,40 @@ class ConsoleSettings:
         return self
 
 
+def csrf_signature(key: bytes, nonce: str) -> str:
+    """The form token for the cookie's ``nonce``: ``base64url(HMAC-SHA256(key, nonce))``."""
+    digest = hmac.new(key, b"outbox console csrf\x00" + nonce.encode("ascii"), hashlib.sha256)
+    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode("ascii")
+
+
+def _is_nonce(value: str | None) -> bool:
+    return value is not None and len(value) == CSRF_NONCE_LENGTH and set(value) <= _URLSAFE
+
+
+def own_origin(request: Request) -> str:
+    """The origin the console's pages were served from, as a browser states it in ``Origin``."""
+    return f"{request.url.scheme}://{request.headers.get('host', '')}".lower()
+
+
+def from_own_origin(request: Request) -> tuple[bool, str]:
+    """Whether a state change comes from the console's own pages, and what said otherwise.
+
+    Browsers send ``Origin`` with every POST (``Sec-Fetch-Site`` too, in current ones); a
+    client that sends neither is no browser, so no credentials a browser keeps are at stake
+    and the CSRF token alone decides. An opaque ``Origin: null`` without ``Sec-Fetch-Site``
+    is refused.
+    """
+    origin = request.headers.get("origin")
+    site = request.headers.get("sec-fetch-site")
+    if origin is not None and (origin.strip().lower() != "null" or site is None):
+        return origin.strip().lower() == own_origin(request), f"Origin {origin[:80]!r}"
+    # An opaque origin ("null": a page whose referrer policy hides it, or a sandboxed frame)
+    # says nothing; the browser's Sec-Fetch-Site still tells a same-origin form from others.
+    if site is not None:
+        return site.strip().lower() == "same-origin", f"Sec-Fetch-Site {site[:40]!r}"
+    return True, ""
+
+
 def carries_token(authorization: str | None, token: str | None) -> bool:
     """True when an ``Authorization`` header carries ``token`` (bearer, or basic password)."""
     if not token or not authorization:
@@ -155,6 +195,18 @@ class Console:
         )
         self.templates = Jinja2Templates(env=environment)
         self.samples = chart.Samples()
+        # Form tokens are signed with a key that never leaves the server, so a value planted
+        # in the cookie (a sibling subdomain can set one: it is same-site) has no valid token.
+        # Derived from the admin token, every replica behind one address verifies the
+        # others' tokens; without one no change is possible and a random key does.
+        admin_token = settings.admin_token
+        self._csrf_key = (
+            hmac.new(
+                admin_token.encode("utf-8"), b"outbox console csrf key", hashlib.sha256
+            ).digest()
+            if admin_token is not None
+            else secrets.token_bytes(32)
+        )
         self._stop = threading.Event()
         self._lag_lock = threading.Lock()
         self._lag: tuple[float, GroupLags] | None = None
@@ -205,12 +257,21 @@ class Console:
         return carries_token(request.headers.get("authorization"), self.settings.admin_token)
 
     def csrf_token(self, request: Request) -> str:
-        token = request.cookies.get(CSRF_COOKIE)
-        if token and len(token) == 43 and token.isascii():
-            return token
-        token = getattr(request.state, "new_csrf", None) or secrets.token_urlsafe(32)
-        request.state.new_csrf = token
-        return token
+        """The form token of this browser's cookie (a new cookie when it has none)."""
+        nonce = request.cookies.get(CSRF_COOKIE)
+        if not _is_nonce(nonce):
+            nonce = getattr(request.state, "new_csrf", None) or secrets.token_urlsafe(32)
+            request.state.new_csrf = nonce
+        assert nonce is not None
+        return csrf_signature(self._csrf_key, nonce)
+
+    def csrf_verified(self, request: Request, offered: object) -> bool:
+        nonce = request.cookies.get(CSRF_COOKIE)
+        if not isinstance(offered, str) or not offered.isascii() or not _is_nonce(nonce):
+            return False
+        assert nonce is not None
+        expected = csrf_signature(self._csrf_key, nonce)
+        return hmac.compare_digest(offered.encode("ascii"), expected.encode("ascii"))
 
     def page(
         self, request: Request, name: str, context: dict[str, Any], status: int = 200
@@ -235,7 +296,9 @@ class Console:
             "default-src 'self'; script-src 'none'; frame-ancestors 'none'; form-action 'self'"
         )
         response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Referrer-Policy"] = "no-referrer"
+        # No address leaves for another site; the console's own forms keep their Origin
+        # (under no-referrer a browser sends "Origin: null" with them).
+        response.headers["Referrer-Policy"] = "same-origin"
         new = getattr(request.state, "new_csrf", None)
         if new:
             response.set_cookie(CSRF_COOKIE, new, httponly=True, samesite="strict", path="/")
@@ -253,19 +316,21 @@ class Console:
                 else "changes need the admin token (HTTP basic or bearer): sign in as admin"
             )
             return self.error(request, 403, why)
+        same, said = from_own_origin(request)
+        if not same:
+            return self.error(
+                request,
+                403,
+                f"the request came from another site ({said}): changes are accepted only from "
+                f"the console's own pages at {own_origin(request)}",
+            )
         form = await read_form(request)
         if form is None:
             raise ValidationError(
                 "expected a form (application/x-www-form-urlencoded) of at most "
                 f"{MAX_FORM_BYTES} bytes"
             )
-        offered = form.get(CSRF_FIELD)
-        expected = request.cookies.get(CSRF_COOKIE)
-        if (
-            not isinstance(offered, str)
-            or not expected
-            or not hmac.compare_digest(offered.encode(), expected.encode())
-        ):
+        if not self.csrf_verified(request, form.get(CSRF_FIELD)):
             return self.error(
                 request, 403, "the form's CSRF token is missing or stale: reload the page"
             )
