@@ -162,8 +162,8 @@ def _revision_ids(cfg: Config) -> list[str]:
     return [script.revision for script in ScriptDirectory.from_config(cfg).walk_revisions()]
 
 
-def _lock_limits(lock_timeout: object, lock_attempts: object) -> tuple[int, int]:
-    """``(milliseconds, attempts)``, checked before connecting."""
+def check_lock_timeout(lock_timeout: object) -> float:
+    """A lock timeout in seconds, from 0.001 to :data:`MAX_LOCK_TIMEOUT`."""
     if (
         isinstance(lock_timeout, bool)
         or not isinstance(lock_timeout, int | float)
@@ -173,11 +173,17 @@ def _lock_limits(lock_timeout: object, lock_attempts: object) -> tuple[int, int]
             f"lock timeout {shown(lock_timeout)}: seconds from 0.001 to {MAX_LOCK_TIMEOUT:g}, "
             "e.g. 2"
         )
+    return float(lock_timeout)
+
+
+def _lock_limits(lock_timeout: object, lock_attempts: object) -> tuple[int, int]:
+    """``(milliseconds, attempts)``, checked before connecting."""
+    seconds = check_lock_timeout(lock_timeout)
     if type(lock_attempts) is not int or not 1 <= lock_attempts <= MAX_LOCK_ATTEMPTS:
         raise ConfigurationError(
             f"lock attempts {shown(lock_attempts)}: an integer from 1 to {MAX_LOCK_ATTEMPTS}"
         )
-    return max(1, round(lock_timeout * 1000)), lock_attempts
+    return max(1, round(seconds * 1000)), lock_attempts
 
 
 def _steps(script: ScriptDirectory, current: str | None, target: str, up: bool) -> list[str]:

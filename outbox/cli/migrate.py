@@ -9,6 +9,15 @@ from outbox import migrate
 from outbox._core.environment import ENV_MIGRATE_LOCK_ATTEMPTS, ENV_MIGRATE_LOCK_TIMEOUT
 from outbox.cli._common import EXIT_OK, Flag, add_flags, integer, number, ranged, require
 from outbox.config import redact_url
+from outbox.errors import ConfigurationError
+
+
+def _lock_timeout(name: str, value: object) -> object:
+    try:
+        return migrate.check_lock_timeout(value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{name}: {exc}") from None
+
 
 LOCK_TIMEOUT = Flag(
     "--lock-timeout",
@@ -19,6 +28,7 @@ LOCK_TIMEOUT = Flag(
     kind="a number",
     metavar="SECONDS",
     default=migrate.DEFAULT_LOCK_TIMEOUT,
+    check=_lock_timeout,
 )
 LOCK_ATTEMPTS = Flag(
     "--lock-attempts",
