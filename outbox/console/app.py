@@ -47,7 +47,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from outbox import admin
-from outbox._core.dlq import choose_letters
+from outbox._core.dlq import choose_letters, describe_stop, format_cursor
 from outbox._core.lag import GroupLags
 from outbox._core.redact import redact_text, redact_url
 from outbox._core.settings import check_bootstrap_servers
@@ -105,9 +105,17 @@ class ConsoleSettings:
     redis_url: str | None = None
     admin_token: str | None = field(default=None, repr=False)
     kafka_config: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # Dead letters still to handle that one dead-letters page reads (handled ones do not count).
+    dead_letters_limit: int = data.MAX_DEAD_LETTERS
 
     def validate(self) -> ConsoleSettings:
         check_database_url(self.database_url)
+        if type(self.dead_letters_limit) is not int or not (
+            1 <= self.dead_letters_limit <= 10 * data.MAX_DEAD_LETTERS
+        ):
+            raise ConfigurationError(
+                f"dead_letters_limit: an integer from 1 to {10 * data.MAX_DEAD_LETTERS}"
+            )
         validate_schema_name(self.schema)
         if self.bootstrap_servers is not None:
             check_bootstrap_servers(self.bootstrap_servers, "bootstrap_servers")
@@ -474,13 +482,14 @@ class Console:
 
     def dead_letters(self, request: Request) -> Response:
         topic = request.query_params.get("topic") or ""
+        start = data.parse_dlq_cursor(request.query_params.get("from"))
         dead = admin.DeadLetters(topic, [], 0)
         if topic and self.settings.bootstrap_servers is None:
             raise ValidationError(
                 "the dead-letters page reads Kafka: start the console with --bootstrap-servers"
             )
         if topic:
-            dead = self._read_dead_letters(self.settings.bootstrap_servers or "", topic)
+            dead = self._read_dead_letters(self.settings.bootstrap_servers or "", topic, start)
         return self.page(
             request,
             "dlq.html",
@@ -489,11 +498,16 @@ class Console:
                 "groups": [data.group_view(g) for g in dead.groups],
                 "handled": dead.handled,
                 "kafka": self.settings.bootstrap_servers is not None,
+                "start": "" if start is None else format_cursor(start),
+                "stopped": describe_stop(dead.stopped, dead.limit) if dead.stopped else "",
+                "next": format_cursor(dead.stopped) if dead.stopped else "",
             },
         )
 
-    def _read_dead_letters(self, bootstrap: str, topic: str) -> admin.DeadLetters:
-        """The groups of ``topic`` still to handle."""
+    def _read_dead_letters(
+        self, bootstrap: str, topic: str, start: dict[int, int] | None
+    ) -> admin.DeadLetters:
+        """The groups of a page of ``topic`` still to handle (from ``start``)."""
         with self.engine.connect() as conn:
             dead = admin.read_dead_letters(
                 conn,
@@ -501,7 +515,8 @@ class Console:
                 data.check_dlq_topic(topic),
                 schema=self.schema,
                 kafka_config=self.settings.kafka_config,
-                limit=data.MAX_DEAD_LETTERS,
+                limit=self.settings.dead_letters_limit,
+                start=start,
             )
             conn.rollback()
         return dead
@@ -518,6 +533,7 @@ class Console:
             return form
         topic = data.check_dlq_topic(form.get("topic") or "")
         wanted = data.parse_group_ids(form.getlist("group"))
+        start = data.parse_dlq_cursor(form.get("from"))
         if self.settings.bootstrap_servers is None:
             raise ValidationError(
                 "start the console with --bootstrap-servers to handle dead letters"
@@ -528,6 +544,7 @@ class Console:
             action,
             topic,
             wanted,
+            start,
             form.get("confirmed"),
             self.settings.bootstrap_servers,
         )
@@ -538,10 +555,20 @@ class Console:
         action: str,
         topic: str,
         wanted: list[str],
+        start: dict[int, int] | None,
         confirmed: str | None,
         bootstrap: str,
     ) -> Response:
-        dead = self._read_dead_letters(bootstrap, topic)
+        dead = self._read_dead_letters(bootstrap, topic, start)
+        shown = {g.id for g in dead.groups}
+        unknown = [g for g in wanted if g not in shown]
+        if unknown:
+            # Well-formed, but not a group this page holds (handled meanwhile, or never one).
+            raise ValidationError(
+                f"group {unknown[0]} is not among the dead letters of {topic} still to handle "
+                "on this page: it was handled meanwhile or never existed; reload the "
+                "dead-letters page"
+            )
         letters, _ = choose_letters(dead.groups, wanted, ())
         if confirmed != str(len(letters)):
             # First step, or the dead letters changed since the confirmation: (re)state the count.
@@ -552,6 +579,7 @@ class Console:
                     "action": action,
                     "topic": topic,
                     "wanted": wanted,
+                    "start": "" if start is None else format_cursor(start),
                     "count": len(letters),
                     "changed": confirmed is not None,
                 },
@@ -579,8 +607,10 @@ class Console:
             "redrive" if action == "redrive" else "mark handled",
             count, topic, ", ".join(wanted), client,
         )  # fmt: skip
-        query = urlencode({"topic": topic, "done": done})
-        return RedirectResponse(f"/dlq?{query}", status_code=303)
+        params = {"topic": topic, "done": done}
+        if start is not None:
+            params["from"] = format_cursor(start)
+        return RedirectResponse(f"/dlq?{urlencode(params)}", status_code=303)
 
     def login(self, request: Request) -> Response:
         if self.settings.admin_token is None:
