@@ -20,16 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from outbox._core.typed_results import TypedResult
 from outbox._core.validate import dumps_json
 from outbox.errors import ConfigurationError, SerializationError
-from tests.fixtures.typed_results import (
-    NEAR_MISSES,
-    TYPES,
-    UNIONS,
-    Line,
-    Size,
-    contains,
-    types_of,
-    wrap,
-)  # fmt: skip
+from tests.fixtures.typed_results import NEAR_MISSES, TYPES, UNIONS, Line, Size, around, types_of
 
 
 def _replay(typed: TypedResult, value: Any) -> Any:
@@ -65,16 +56,12 @@ def test_any_value_is_refused_before_it_is_stored_or_replays_exactly(data: st.Da
     assert again == value
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_a_value_that_differs_anywhere_inside_is_refused(data: st.DataObject) -> None:
     leaf, wrong = data.draw(st.sampled_from(NEAR_MISSES))
-    declared, values = data.draw(st.recursive(st.just((leaf, st.just(wrong))), wrap, max_leaves=3))
+    declared, values = data.draw(around(leaf, wrong))
     value = data.draw(values)
-    if value is None or value == () or value == [] or value == {}:
-        return  # the wrong leaf was left out (an empty container, or None for Optional)
-    if not contains(value, wrong):
-        return
     with pytest.raises(SerializationError, match="the result"):
         TypedResult(declared).encode(value)
 
