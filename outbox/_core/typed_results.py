@@ -254,8 +254,8 @@ _KEY_TYPES = (str, int, uuid.UUID, decimal.Decimal)
 class _Dict(Shape):
     kinds = frozenset((_OBJECT,))
 
-    def __init__(self, key: Shape, value: Shape, key_tp: Any) -> None:
-        self.key, self.value, self.key_tp = key, value, key_tp
+    def __init__(self, key: Shape, value: Shape) -> None:
+        self.key, self.value = key, value
 
     def check(self, value: Any, where: str) -> None:
         if type(value) is not dict:
@@ -269,7 +269,7 @@ class _Dict(Shape):
 
     def decode(self, data: Any) -> Any:
         # An int key is JSON text too, parsed back here (the key's own shape keeps ints as is).
-        key = int if self.key_tp is int else self.key.decode
+        key = int if isinstance(self.key, _Exact) and self.key.tp is int else self.key.decode
         return {key(k): self.value.decode(v) for k, v in data.items()}
 
 
@@ -387,7 +387,7 @@ def _key_shape(tp: Any, where: str) -> Shape:
     shape = compile_shape(tp, where)
     if isinstance(shape, _Literal | _Enum) and shape.kinds == {_TEXT}:
         return shape
-    if tp in _KEY_TYPES:
+    if isinstance(shape, _Exact | _Text) and shape.tp in _KEY_TYPES:
         return shape
     raise _unsupported(tp, f"{where} key", "dict keys are str, int, UUID, Decimal, a str enum "
                        "or a str Literal (JSON keys are text)")  # fmt: skip
@@ -414,15 +414,14 @@ def compile_shape(tp: Any, where: str = "result_type") -> Shape:
     if origin is list:
         return _List(compile_shape(args[0], f"{where} item") if args else _Plain())
     if origin is tuple:
+        if not args:  # typing.Tuple
+            return _Tuple(None, _Plain())
         if len(args) == 2 and args[1] is Ellipsis:
             return _Tuple(None, compile_shape(args[0], f"{where} item"))
-        if args == ((),):  # tuple[()] on older typing
-            return _Tuple([], None)
         return _Tuple([compile_shape(a, f"{where}[{i}]") for i, a in enumerate(args)], None)
     if origin is dict:
         key_tp, value_tp = args if args else (str, Any)
-        key = _key_shape(key_tp, where)
-        return _Dict(key, compile_shape(value_tp, f"{where} value"), key_tp)
+        return _Dict(_key_shape(key_tp, where), compile_shape(value_tp, f"{where} value"))
     if origin is not None or not isinstance(tp, type):
         raise _unsupported(tp, where)
     if tp is list:
@@ -430,7 +429,7 @@ def compile_shape(tp: Any, where: str = "result_type") -> Shape:
     if tp is tuple:
         return _Tuple(None, _Plain())
     if tp is dict:
-        return _Dict(_Exact(str, _TEXT), _Plain(), str)
+        return _Dict(_Exact(str, _TEXT), _Plain())
     if issubclass(tp, enum.Enum):
         return _Enum(tp, where)
     exact = {str: _TEXT, int: _INT, bool: _BOOL}

@@ -158,3 +158,22 @@ class _Computed:
 def test_a_type_that_cannot_come_back_exactly_is_refused_when_declared(declared: Any) -> None:
     with pytest.raises(ConfigurationError, match="not supported"):
         TypedResult(declared)
+
+
+Sku = typing.NewType("Sku", str)
+
+
+@pytest.mark.parametrize(
+    ("declared", "value"),
+    [
+        (dict[Sku, int], {Sku("a"): 1}),
+        (typing.Tuple, (1, "a", None)),  # noqa: UP006 (the bare alias, as older code writes it)
+        (typing.List, [1, [2.5]]),  # noqa: UP006
+        (typing.Dict, {"a": {"b": True}}),  # noqa: UP006
+        (typing.Annotated[Decimal, "money"], Decimal("0.10")),
+        (typing.Optional[Any], {"a": 1}),  # noqa: UP045
+    ],
+)
+def test_aliases_and_new_types_stand_for_the_types_they_name(declared: Any, value: Any) -> None:
+    again = _replay(TypedResult(declared), value)
+    assert again == value and types_of(again) == types_of(value)
