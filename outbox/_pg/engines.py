@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox._core.redact import redact
 from outbox._core.settings import check_int, check_seconds
+from outbox._pg.on_asyncpg import AsyncpgTransaction
 from outbox.config import normalize_database_url
 from outbox.errors import ConfigurationError
 
@@ -140,8 +141,6 @@ def transaction_type(engine: Any, default: type[TransactionT]) -> type[Transacti
     """The class of a unit of work's transaction on ``engine``: ``default`` (psycopg), or the
     asyncpg one for an asyncpg engine (asyncio only: a sync asyncpg engine does not exist)."""
     if getattr(engine, "dialect", None) is not None and engine.dialect.driver == "asyncpg":
-        from outbox._pg.on_asyncpg import AsyncpgTransaction
-
         return cast("type[TransactionT]", AsyncpgTransaction)
     return default
 
