@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 
+from outbox.django import checks  # noqa: F401  (registers the database check)
+
 
 class OutboxAppConfig(AppConfig):
     name = "outbox.django"

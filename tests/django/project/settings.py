@@ -29,4 +29,5 @@ DATABASES = {
 OUTBOX = {
     "REDIS_URL": os.environ.get("OUTBOX_REDIS_URL"),
     "CACHE_PREFIX": os.environ.get("OUTBOX_TEST_CACHE_PREFIX", "outbox"),
+    "KAFKA": {"bootstrap.servers": os.environ.get("OUTBOX_TEST_KAFKA_BOOTSTRAP", "")},
 }
