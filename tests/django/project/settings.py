@@ -29,5 +29,9 @@ DATABASES = {
 OUTBOX = {
     "REDIS_URL": os.environ.get("OUTBOX_REDIS_URL"),
     "CACHE_PREFIX": os.environ.get("OUTBOX_TEST_CACHE_PREFIX", "outbox"),
-    "KAFKA": {"bootstrap.servers": os.environ.get("OUTBOX_TEST_KAFKA_BOOTSTRAP", "")},
+    "KAFKA": {
+        "bootstrap.servers": os.environ.get("OUTBOX_TEST_KAFKA_BOOTSTRAP", ""),
+        # A consumer group on the test broker joins quickly with a short session.
+        **({"session.timeout.ms": "6000"} if os.environ.get("OUTBOX_TEST_CONSUMER") else {}),
+    },
 }
