@@ -156,10 +156,12 @@ def readiness_engine(engine: EngineT) -> EngineT:
     they neither wait for the pool that units of work use nor take a connection from it.
     (Settings given to ``engine`` outside its URL, such as ``connect_args``, are not carried
     over.) A connection attempt gives up after ``READINESS_CONNECT_TIMEOUT`` seconds."""
+    # asyncpg names libpq's connect_timeout `timeout`.
+    timeout = "timeout" if engine.dialect.driver == "asyncpg" else "connect_timeout"
     options: dict[str, Any] = {
         "pool_size": 1,
         "max_overflow": 0,
-        "connect_args": {"connect_timeout": READINESS_CONNECT_TIMEOUT},
+        "connect_args": {timeout: READINESS_CONNECT_TIMEOUT},
     }
     if isinstance(engine, AsyncEngine):
         return create_async_engine(engine.url, **options)
