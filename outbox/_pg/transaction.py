@@ -82,7 +82,12 @@ def _discard_unclean(dbapi_connection: Any, record: Any) -> None:
     driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
     pgconn = getattr(driver, "pgconn", None)
     switched = record.info.pop(_SWITCHED, False)
-    if switched or (pgconn is not None and pgconn.transaction_status != pq.TransactionStatus.IDLE):
+    in_transaction = getattr(driver, "is_in_transaction", None)  # asyncpg's connection
+    if (
+        switched
+        or (pgconn is not None and pgconn.transaction_status != pq.TransactionStatus.IDLE)
+        or (callable(in_transaction) and in_transaction())
+    ):
         record.info[_GUARDED] = False
         record.invalidate()
 

@@ -131,7 +131,7 @@ class Batch:
             raise ConfigurationError("a batch claims each key once")
         sql = many_statements(outbox.config.schema)
         outbox._check_sessions()
-        tx = Transaction.open(outbox.engine, pooled=outbox._pooled)
+        tx = outbox._transactions.open(outbox.engine, pooled=outbox._pooled)
         try:
             locks, rows = tx.begin_with_many(
                 [sql.idempotency_keys_lock, sql.idempotency_keys_read],
