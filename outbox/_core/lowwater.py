@@ -50,7 +50,10 @@ first of the readings (in the same message, no extra round trip) also reports th
   with no lock on the outbox while the relay reads. Values are cached in a backend's memory
   only, and only by a ``nextval`` while the cache is above 1, so every backend that can hold
   one was connected when the cache went back to 1, hence when the relay first reads ``CACHE 1``
-  again. The relay then lists the database's backends (pids, in that reading: pg_stat_activity
+  again, or since it saw the sequence's settings change at all (the transaction id that last
+  wrote its row of ``pg_sequence`` moved: a cache raised and lowered between two claims leaves
+  that trace, and counts as a cache until shown otherwise). The relay then lists the database's
+  backends (pids, in that reading: pg_stat_activity
   is read once per transaction, so the list counts only in a claim that begins one) and keeps
   the mark off until none of them is connected. A pid reused by a new backend only keeps the
   mark off longer. What a relay cannot see is a cache that went up and back down while no relay
@@ -114,6 +117,8 @@ class Facts:
     filenode: int | None
     # Pids of the database's other backends, when asked for (``Assumptions.watch``).
     backends: frozenset[int] | None = None
+    # The transaction that last wrote the sequence's settings (ALTER SEQUENCE).
+    altered: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,7 @@ class Assumptions:
     off: str | None = None
     drawn: int | None = None
     filenode: int | None = None
+    altered: int | None = None
     # The cache was above 1 since the relay last saw no backend that could hold cached values.
     cached: bool = False
     # Backends connected when the cache was first read as 1 again (they may hold values).
@@ -152,7 +158,9 @@ def verify(state: Assumptions, facts: Facts, *, fresh: bool, sequence: str) -> V
     ``fresh``: the reading began its transaction (its list of backends is current);
     ``sequence`` names the sequence in the advice logged."""
     broken = _broken(facts, sequence)
-    cached = state.cached or (facts.cache is not None and facts.cache != 1)
+    # Settings changed since the last claim: the cache may have been above 1 meanwhile.
+    altered = state.altered is not None and facts.altered not in (None, state.altered)
+    cached = state.cached or altered or (facts.cache is not None and facts.cache != 1)
     suspects = None if facts.cache != 1 else state.suspects
     if broken is None and cached:
         if suspects is None and fresh and facts.backends is not None:
@@ -177,6 +185,7 @@ def verify(state: Assumptions, facts: Facts, *, fresh: bool, sequence: str) -> V
         off=None if broken is None else broken[0],
         drawn=facts.drawn if facts.drawn is not None else state.drawn,
         filenode=facts.filenode if facts.filenode is not None else state.filenode,
+        altered=facts.altered if facts.altered is not None else state.altered,
         cached=cached,
         suspects=suspects,
     )

@@ -260,24 +260,24 @@ FROM unnest(CAST(:ids AS bigint[]), CAST(:errors AS text[]), CAST(:park AS boole
 WHERE o.id = f.id
 """
 
-# The low-water mark's three readings (outbox._core.lowwater), sent in one message: the simple
-# query protocol runs them one after the other, each with its own snapshot (READ COMMITTED, which
-# the first one reports, with the sequence's settings, whether the relay's role may read it, its
-# relfilenode and, when asked, the database's other backends: the facts the mark rests on), in
-# the order the mark's argument needs. The last value is read only where the role may (else the
-# reading is NULL instead of an error that would fail the batch). pg_locks shows every session's
-# locks to every role; the relay's own session (which deletes) is left out, a prepared
-# transaction (no pid) is not. An INSERT takes ROW EXCLUSIVE (also when its transaction holds a
-# stronger lock, which are listed as well); VACUUM, ANALYZE and CREATE INDEX (SHARE UPDATE
-# EXCLUSIVE, SHARE) draw no id and do not count, so that an autovacuum of a large outbox does not
-# hold the mark for its whole run. Backends are listed by pid (all a role sees of another role's
-# sessions), other relays' sessions left out where their name is visible.
+# The low-water mark's three readings (outbox._core.lowwater), sent in one message: the simple query
+# protocol runs them one after the other, each with its own snapshot (READ COMMITTED, which the
+# first one reports, with the sequence's settings, whether the relay's role may read it, its
+# relfilenode, the transaction that last altered it and, when asked, the database's other backends:
+# the facts the mark rests on), in the order the mark's argument needs. The last value is read only
+# where the role may (else the reading is NULL instead of an error that would fail the batch).
+# pg_locks shows every session's locks to every role; the relay's own session (which deletes) is
+# left out, a prepared transaction (no pid) is not. An INSERT takes ROW EXCLUSIVE (also when its
+# transaction holds a stronger lock, which are listed as well); VACUUM, ANALYZE and CREATE INDEX
+# (SHARE UPDATE EXCLUSIVE, SHARE) draw no id and do not count, so that an autovacuum of a large
+# outbox does not hold the mark for its whole run. Backends are listed by pid (all a role sees of
+# another role's sessions), other relays' sessions left out where their name is visible.
 OUTBOX_LOW_WATER = """
 SELECT current_setting('transaction_isolation'), s.seqcache, s.seqincrement, s.seqcycle,
        p.readable,
        CASE WHEN p.readable
             THEN coalesce(pg_sequence_last_value(%(sequence)s::oid::regclass), 0) END,
-       pg_relation_filenode(s.seqrelid::regclass)::bigint,
+       pg_relation_filenode(s.seqrelid::regclass)::bigint, s.xmin::text::bigint,
        CASE WHEN %(watch)s THEN ARRAY(
            SELECT a.pid FROM pg_stat_activity a
            WHERE a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -533,7 +533,7 @@ def outbox_low_water(
         cur.nextset()
         live = cur.fetchone()
     assert first is not None and writers is not None and live is not None
-    isolation, cache, increment, cycle, readable, drawn, filenode, backends = first
+    isolation, cache, increment, cycle, readable, drawn, filenode, altered, backends = first
     facts = Facts(
         isolation=isolation,
         cache=cache,
@@ -542,6 +542,7 @@ def outbox_low_water(
         readable=bool(readable),
         drawn=None if drawn is None else int(drawn),
         filenode=filenode,
+        altered=altered,
         backends=None if backends is None else frozenset(backends),
     )
     return facts, list(writers[0]), live[0]

@@ -9,8 +9,6 @@ import logging
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -21,9 +19,6 @@ from outbox.cli import relay as relay_cli
 from outbox.relay import Relay, RelayConfig
 from tests.fixtures.common import wait_for
 from tests.fixtures.relay import RelayThread, insert_rows, outbox_count, wait_for_records
-
-REPO = Path(__file__).resolve().parents[2]
-ROLE_SCRIPT = REPO / "deploy" / "sql" / "relay-role.sql"
 
 
 def _with_options(database_url: str, options: str) -> str:
@@ -96,27 +91,6 @@ def test_the_relay_pins_its_isolation_over_the_urls_and_keeps_the_rest(
     finally:
         relay.engine.dispose()
     assert tuple(shown) == ("read committed", "on", "7s", "off")
-
-
-@pytest.fixture
-def relay_role(engine: sa.Engine) -> Iterator[str]:
-    """A login role with only the grants of deploy/sql/relay-role.sql (through outbox_relay)."""
-    name = f"relay_{uuid.uuid4().hex[:10]}"
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        driver = conn.connection.driver_connection
-        assert driver is not None
-        driver.execute(ROLE_SCRIPT.read_text())  # as psql -f runs it (no placeholders)
-        conn.exec_driver_sql(f"CREATE ROLE {name} LOGIN IN ROLE outbox_relay")
-    try:
-        yield name
-    finally:
-        engine.dispose()
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                (name,),
-            )
-            conn.exec_driver_sql(f"DROP ROLE {name}")
 
 
 def _as(database_url: str, role: str) -> str:

@@ -167,6 +167,19 @@ def test_after_the_cache_goes_back_to_one_the_mark_waits_for_every_backend_then_
     assert done.usable and done.restart and not done.state.watch
 
 
+def test_settings_altered_between_two_claims_count_as_a_cache_until_those_backends_left() -> None:
+    # CACHE 20 and back to 1 between two claims: the relay never reads the cache above 1, but
+    # the sequence's row in pg_sequence was written by another transaction since.
+    state = run(Assumptions(), facts(altered=700)).state
+    changed = run(state, facts(drawn=110, altered=705))
+    assert not changed.usable and changed.state.watch
+    assert changed.message is not None and "reason=cache" in changed.message
+    listed = run(changed.state, facts(drawn=120, altered=705, backends=frozenset({21})))
+    assert not listed.usable and listed.state.suspects == {21}
+    gone = run(listed.state, facts(drawn=130, altered=705, backends=frozenset({22})))
+    assert gone.usable and gone.restart
+
+
 @pytest.mark.parametrize(
     "moved", [{"drawn": 40}, {"filenode": 6, "drawn": 130}], ids=["setval", "restart"]
 )
@@ -194,9 +207,10 @@ def test_a_sequence_that_moved_back_restarts_the_mark_from_zero(moved: dict[str,
     )
 )
 def test_the_mark_is_never_used_while_a_backend_may_hold_a_cached_value(steps: list) -> None:
-    # A model: every backend listed while the cache is above 1 may hold cached values, and so
-    # may any backend not listed in a reading (its list may be stale or missing); such a
-    # backend counts until a fresh reading no longer lists it.
+    # A model: while the cache is above 1 any backend may come to hold cached values; those
+    # listed by the first reading that began its transaction after the cache went back to 1
+    # are all that can, and each counts until a list no longer names it (a list read earlier in
+    # the same transaction names every backend still connected, and maybe more).
     state = Assumptions()
     holders: set[int] | None = set()  # None: unknown backends may hold values
     for drawn, step in enumerate(steps, 1):
@@ -214,7 +228,8 @@ def test_the_mark_is_never_used_while_a_backend_may_hold_a_cached_value(steps: l
             holders = None  # any backend alive now, even one not listed, may cache values
         elif holders is None and fresh and backends is not None:
             holders = set(backends)
-        elif holders and fresh and backends is not None:
+        elif holders and backends is not None:
+            # A list read earlier in the transaction still holds every backend alive now.
             holders &= set(backends)
         if verdict.usable:
             assert holders == set()
