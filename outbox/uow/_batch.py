@@ -296,8 +296,7 @@ class Batch:
             tx.commit_with(statement, params)
         else:
             # Large values go as binary parameters rather than quoted literals.
-            tx.execute(statement.direct, params)
-            tx.commit()
+            tx.commit_bound(statement, params)
         self.committed = True
         self.close()
         self._after(committed=True)

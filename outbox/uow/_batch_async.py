@@ -301,8 +301,7 @@ class AsyncBatch:
             await tx.commit_with(statement, params)
         else:
             # Large values go as binary parameters rather than quoted literals.
-            await tx.execute(statement.direct, params)
-            await tx.commit()
+            await tx.commit_bound(statement, params)
         self.committed = True
         await self.close()
         await self._after(committed=True)

@@ -386,8 +386,7 @@ class Outbox:
                 relay_idle = tx.commit_with(statement, params, probe)
             else:
                 # Large values go as binary parameters rather than quoted literals.
-                tx.execute(statement.direct, params)
-                tx.commit()
+                tx.commit_bound(statement, params)
         except BaseException as exc:
             uow.close()
             if unique_violation_of(exc, "idempotency_keys_pkey"):

@@ -398,8 +398,7 @@ class AsyncOutbox:
                 relay_idle = await tx.commit_with(statement, params, probe)
             else:
                 # Large values go as binary parameters rather than quoted literals.
-                await tx.execute(statement.direct, params)
-                await tx.commit()
+                await tx.commit_bound(statement, params)
         except BaseException as exc:
             await uow.close()
             if unique_violation_of(exc, "idempotency_keys_pkey"):
