@@ -18,10 +18,12 @@ This asyncio module is the source; ``cache.py`` (the sync flavour) is generated 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -76,6 +78,11 @@ class AsyncOutcomeCache:
         self._signer: Signer | None = None
         self._generation = 0
         self._untrusted_warned = False
+        # Connections of the client's pool kept checked out for the cache's own GET and SET
+        # (see _call), with the process they belong to.
+        self._pool = _plain_pool(client)
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
 
     @property
     def client(self) -> Redis:
@@ -152,6 +159,33 @@ class AsyncOutcomeCache:
 
     # -- entries -----------------------------------------------------------------------------
 
+    async def _call(self, *args: Any) -> Any:
+        """One command and its reply, on a connection of the client's pool kept aside for the
+        cache: redis-py's pool check-out and reply handling cost about twice the round trip
+        itself, on every first attempt of a key (its GET, then its SET). Each caller -- a
+        thread or a task -- takes a connection of its own off the idle list, so a reply is
+        always read by the one who sent the command; a connection that failed (redis-py
+        disconnects it then) goes back to the pool, which connects it anew when it is used
+        again. A client whose pool is not redis-py's plain one (Redis Cluster, a blocking pool
+        of a set size, a single-connection client) is called as usual."""
+        pool: Any = self._pool  # redis-py types neither of the calls below
+        if pool is None:
+            client: Any = self._client
+            return await client.execute_command(*args)
+        if self._pid != os.getpid():
+            # A forked child: the parent's sockets are not its own to use.
+            self._idle, self._pid = [], os.getpid()
+        idle = self._idle
+        connection = idle.pop() if idle else await pool.get_connection()
+        try:
+            await connection.send_packed_command(connection.pack_command(*args), check_health=False)
+            reply = await connection.read_response()
+        except BaseException:
+            await pool.release(connection)
+            raise
+        idle.append(connection)
+        return reply
+
     def _failed(self, op: str, exc: Exception) -> None:
         with self._lock:
             first = self.available()
@@ -172,7 +206,7 @@ class AsyncOutcomeCache:
             return None
         redis_key = self.redis_key(scope, key)
         try:
-            raw = await self._client.get(redis_key)
+            raw = await self._call("GET", redis_key)
         except (RedisError, OSError) as exc:
             self._failed("GET", exc)
             return None
@@ -197,7 +231,7 @@ class AsyncOutcomeCache:
         if entry is None:
             return
         try:
-            await self._client.set(redis_key, entry, px=px)
+            await self._call("SET", redis_key, entry, "PX", px)
         except Exception as exc:  # after the commit: the outcome stands, whatever Redis does
             self._failed("SET", exc)
 
@@ -243,5 +277,22 @@ class AsyncOutcomeCache:
         except Exception as exc:  # after the commit: the outcomes stand, whatever Redis does
             self._failed("SET", exc)
 
+    async def release(self) -> None:
+        """Give the connections kept aside back to the client's pool (the client stays open)."""
+        idle, self._idle = self._idle, []
+        if self._pool is not None and self._pid == os.getpid():
+            for connection in idle:
+                await self._pool.release(connection)
+
     async def close(self) -> None:
+        await self.release()
         await self._client.aclose()
+
+
+def _plain_pool(client: object) -> ConnectionPool | None:
+    """The client's connection pool, if it is redis-py's plain one, which makes a connection
+    whenever asked (see AsyncOutcomeCache._call); else ``None``."""
+    if type(client) is not Redis or getattr(client, "connection", None) is not None:
+        return None
+    pool = getattr(client, "connection_pool", None)
+    return pool if type(pool) is ConnectionPool else None

@@ -295,12 +295,16 @@ class Outbox:
         """Dispose of the engine and Redis client if this object created them."""
         if event.contains(self.engine.pool, "connect", self._on_connect):
             event.remove(self.engine.pool, "connect", self._on_connect)
+        self._joined.close()
         if self._reader is not self.engine:
             self._reader.dispose()
         if self._owns_engine:
             self.engine.dispose()
-        if self._owns_redis and self.cache is not None:
-            self.cache.close()
+        if self.cache is not None:
+            if self._owns_redis:
+                self.cache.close()
+            else:
+                self.cache.release()  # your client stays open
 
     def __enter__(self) -> Outbox:
         return self

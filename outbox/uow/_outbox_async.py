@@ -305,12 +305,16 @@ class AsyncOutbox:
         """Dispose of the engine and Redis client if this object created them."""
         if event.contains(self.engine.sync_engine.pool, "connect", self._on_connect):
             event.remove(self.engine.sync_engine.pool, "connect", self._on_connect)
+        await self._joined.close()
         if self._reader is not self.engine:
             await self._reader.dispose()
         if self._owns_engine:
             await self.engine.dispose()
-        if self._owns_redis and self.cache is not None:
-            await self.cache.close()
+        if self.cache is not None:
+            if self._owns_redis:
+                await self.cache.close()
+            else:
+                await self.cache.release()  # your client stays open
 
     async def __aenter__(self) -> AsyncOutbox:
         return self
