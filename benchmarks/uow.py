@@ -420,6 +420,66 @@ async def _async_phase(
     return len(latencies) / seconds, percentile(latencies, 0.5), percentile(latencies, 0.99)
 
 
+async def _async_once(mode: str, engine: Any, aob: Any, prefix: str, i: int) -> None:
+    """Unit ``i`` of ``mode`` in the asyncio flavour, and the after-commit tasks it started."""
+    from outbox._pg import after_commit
+
+    params = {"customer": prefix, "amount": i}
+    if mode.startswith("joined"):
+        async with (
+            engine.begin() as conn,
+            aob.unit_of_work(f"{prefix}-{i}", scope="bench", connection=conn) as uow,
+        ):
+            await conn.execute(BUSINESS_INSERT, params)
+            uow.publish("orders.created", VALUE, key=prefix)
+            uow.result = {"order": i}
+    else:
+        async with aob.unit_of_work(f"{prefix}-{i}", scope="bench") as uow:
+            await uow.connection.execute(BUSINESS_INSERT, params)
+            uow.publish("orders.created", VALUE, key=prefix)
+            uow.result = {"order": i}
+    while after_commit._tasks:  # the read-back and cache write of a joined unit
+        await asyncio.gather(*list(after_commit._tasks))
+
+
+async def async_unit_costs(
+    url: str, redis_url: str, n: int
+) -> dict[str, tuple[float, float, float, float]]:
+    """:func:`unit_costs` of the asyncio flavour: owned and joined, with and without Redis, one
+    task, the after-commit tasks of each unit awaited before the counters are read."""
+    parsed = sa.make_url(url)
+    counter = WireCounter(parsed.host or "127.0.0.1", parsed.port or 5432)
+    costs: dict[str, tuple[float, float, float, float]] = {}
+    try:
+        through = proxied_url(url, counter)
+        for mode in ("uow", "uow-no-redis", "joined", "joined-no-redis"):
+            use_redis, wake = MODES[mode]
+            engine = create_async_engine(through, pool_size=2, max_overflow=0)
+            config = outbox.OutboxConfig(wake_relays=wake, cache_prefix=f"bench-{uuid.uuid4().hex}")
+            aob = outbox.AsyncOutbox(
+                engine, redis_url=redis_url if use_redis else None, config=config
+            )
+            prefix = f"c-{uuid.uuid4().hex[:8]}"
+
+            for i in range(-WARM_UP, 0):
+                await _async_once(mode, engine, aob, prefix, i)
+            with count_redis() as redis_commands:
+                trips0, statements0 = counter.read()
+                cpu0 = time.process_time()
+                for i in range(n):
+                    await _async_once(mode, engine, aob, prefix, i)
+                cpu = time.process_time() - cpu0
+                trips, statements = counter.read()
+                commands = redis_commands.commands
+            costs[mode] = ((trips - trips0) / n, (statements - statements0) / n, commands / n,
+                           cpu / n * 1e6)  # fmt: skip
+            await aob.close()
+            await engine.dispose()
+    finally:
+        counter.close()
+    return costs
+
+
 async def async_benchmark(url: str, sync_engine: sa.Engine, args: argparse.Namespace) -> None:
     """The asyncio flavour in one process: bare async transactions, units of work, joined."""
     counts = [int(c) for c in args.tasks.split(",")]
@@ -451,6 +511,20 @@ async def async_benchmark(url: str, sync_engine: sa.Engine, args: argparse.Names
     truncate(sync_engine)
     await aob.close()
     await engine.dispose()
+    print()
+    print(
+        f"per unit, counted ({args.count_units} units, one task, PostgreSQL's replies read "
+        "through a proxy; client CPU of this process):"
+    )
+    header = (
+        f"{'mode':<16} | {'PG round trips':>14} {'PG statements':>13} | {'Redis cmds':>10} | "
+        f"{'client CPU µs':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    costs = await async_unit_costs(url, args.redis_url, args.count_units)
+    for mode, (trips, sent, commands, cpu) in costs.items():
+        print(f"{mode:<16} | {trips:>14.2f} {sent:>13.2f} | {commands:>10.2f} | {cpu:>13.0f}")
 
 
 AVRO_ORDER = (
