@@ -11,7 +11,7 @@ from typing import Any
 
 from redis import ConnectionPool, Redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as ClosedConnection, RedisError
 from redis.retry import Retry
 
 from outbox._core.claim import StoredOutcome
@@ -162,14 +162,25 @@ class OutcomeCache:
             # A forked child: the parent's sockets are not its own to use.
             self._idle, self._pid = [], os.getpid()
         idle = self._idle
-        connection = idle.pop() if idle else pool.get_connection()
+        while idle:
+            # A kept connection that Redis closed meanwhile (a restart, its idle timeout) fails
+            # before its command ran: try the next one, then a new one, as redis-py's pool does
+            # when it hands out a connection. GET and SET are safe to send again.
+            connection = idle.pop()
+            try:
+                return self._send(pool, connection, args)
+            except ClosedConnection:
+                continue
+        return self._send(pool, pool.get_connection(), args)
+
+    def _send(self, pool: Any, connection: Any, args: tuple[Any, ...]) -> Any:
         try:
             connection.send_packed_command(connection.pack_command(*args), check_health=False)
             reply = connection.read_response()
         except BaseException:
-            pool.release(connection)
+            pool.release(connection)  # redis-py disconnected it: connected anew on use
             raise
-        idle.append(connection)
+        self._idle.append(connection)
         return reply
 
     def _failed(self, op: str, exc: Exception) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as ClosedConnection, RedisError
 
 from outbox._core.claim import StoredOutcome
 from outbox._core.redact import one_line, redact, redact_url
@@ -176,14 +176,25 @@ class AsyncOutcomeCache:
             # A forked child: the parent's sockets are not its own to use.
             self._idle, self._pid = [], os.getpid()
         idle = self._idle
-        connection = idle.pop() if idle else await pool.get_connection()
+        while idle:
+            # A kept connection that Redis closed meanwhile (a restart, its idle timeout) fails
+            # before its command ran: try the next one, then a new one, as redis-py's pool does
+            # when it hands out a connection. GET and SET are safe to send again.
+            connection = idle.pop()
+            try:
+                return await self._send(pool, connection, args)
+            except ClosedConnection:
+                continue
+        return await self._send(pool, await pool.get_connection(), args)
+
+    async def _send(self, pool: Any, connection: Any, args: tuple[Any, ...]) -> Any:
         try:
             await connection.send_packed_command(connection.pack_command(*args), check_health=False)
             reply = await connection.read_response()
         except BaseException:
-            await pool.release(connection)
+            await pool.release(connection)  # redis-py disconnected it: connected anew on use
             raise
-        idle.append(connection)
+        self._idle.append(connection)
         return reply
 
     def _failed(self, op: str, exc: Exception) -> None:
