@@ -19,6 +19,7 @@ class KeyReader:
         self._sql = sql
         self._idle: list[psycopg.Connection[Any]] = []
         self._pid = os.getpid()
+        self._closed = False
 
     def read(self, scope: str, key: str) -> tuple[Any, ...] | None:
         """The key's committed row, or ``None``; raises what the driver raises."""
@@ -34,7 +35,12 @@ class KeyReader:
             with contextlib.suppress(Exception):
                 driver.close()
             raise
-        idle.append(driver)
+        if self._closed:
+            # Closed while this read ran (an asyncio read-back is a task of its own, which
+            # the outbox's close does not wait for): nothing keeps the connection now.
+            driver.close()
+        else:
+            idle.append(driver)
         return None if row is None else tuple(row)
 
     def _connect(self) -> psycopg.Connection[Any]:
@@ -47,7 +53,8 @@ class KeyReader:
         return driver
 
     def close(self) -> None:
-        """Close the connections kept aside."""
+        """Close the connections kept aside, and from now on each one after its read."""
+        self._closed = True
         idle, self._idle = self._idle, []
         if self._pid != os.getpid():
             return

@@ -30,6 +30,7 @@ class AsyncKeyReader:
         self._sql = sql
         self._idle: list[psycopg.AsyncConnection[Any]] = []
         self._pid = os.getpid()
+        self._closed = False
 
     async def read(self, scope: str, key: str) -> tuple[Any, ...] | None:
         """The key's committed row, or ``None``; raises what the driver raises."""
@@ -45,7 +46,12 @@ class AsyncKeyReader:
             with contextlib.suppress(Exception):
                 await driver.close()
             raise
-        idle.append(driver)
+        if self._closed:
+            # Closed while this read ran (an asyncio read-back is a task of its own, which
+            # the outbox's close does not wait for): nothing keeps the connection now.
+            await driver.close()
+        else:
+            idle.append(driver)
         return None if row is None else tuple(row)
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
@@ -58,7 +64,8 @@ class AsyncKeyReader:
         return driver
 
     async def close(self) -> None:
-        """Close the connections kept aside."""
+        """Close the connections kept aside, and from now on each one after its read."""
+        self._closed = True
         idle, self._idle = self._idle, []
         if self._pid != os.getpid():
             return

@@ -69,6 +69,7 @@ class OutcomeCache:
         self._pool = _plain_pool(client)
         self._idle: list[Any] = []
         self._pid = os.getpid()
+        self._released = False
 
     @property
     def client(self) -> Redis:
@@ -180,7 +181,10 @@ class OutcomeCache:
         except BaseException:
             pool.release(connection)  # redis-py disconnected it: connected anew on use
             raise
-        self._idle.append(connection)
+        if self._released:  # after release(): the pool has it back at once
+            pool.release(connection)
+        else:
+            self._idle.append(connection)
         return reply
 
     def _failed(self, op: str, exc: Exception) -> None:
@@ -271,7 +275,9 @@ class OutcomeCache:
             self._failed("SET", exc)
 
     def release(self) -> None:
-        """Give the connections kept aside back to the client's pool (the client stays open)."""
+        """Give the connections kept aside back to the client's pool (the client stays open),
+        and from now on each one after its command."""
+        self._released = True
         idle, self._idle = self._idle, []
         if self._pool is not None and self._pid == os.getpid():
             for connection in idle:
