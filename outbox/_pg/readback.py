@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any
 
 import psycopg
+import sqlalchemy as sa
 from sqlalchemy import Engine
 
 
@@ -17,12 +19,21 @@ class KeyReader:
     def __init__(self, engine: Engine, sql: str) -> None:
         self._engine = engine
         self._sql = sql
+        # Another driver (an asyncpg engine) reads through SQLAlchemy, a connection of the
+        # engine's pool each time.
+        self._direct = engine.dialect.driver == "psycopg"
+        self._clause = sa.text(re.sub(r"%\((\w+)\)s", r":\1", sql))
         self._idle: list[psycopg.Connection[Any]] = []
         self._pid = os.getpid()
         self._closed = False
 
     def read(self, scope: str, key: str) -> tuple[Any, ...] | None:
         """The key's committed row, or ``None``; raises what the driver raises."""
+        if not self._direct:
+            with self._engine.connect() as conn:
+                result = conn.execute(self._clause, {"scope": scope, "key": key})
+                found = result.first()
+            return None if found is None else tuple(found)
         if self._pid != os.getpid():
             # A forked child: the parent's connections are not its own to use.
             self._idle, self._pid = [], os.getpid()

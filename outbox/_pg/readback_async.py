@@ -4,7 +4,8 @@ cache.
 The read is one statement in autocommit on a connection of the toolkit's own, so it runs in a
 snapshot of its own taken after the commit: a row found was committed. Its connections are
 opened from the reader engine (``outbox._pg.engines.reader_engine``) and detached from its
-pool, then kept aside, one for each reader at a time (a thread, or a task): a pool's check-out,
+pool (psycopg's; on another driver the read checks a connection out of the engine's pool),
+then kept aside, one for each reader at a time (a thread, or a task): a pool's check-out,
 and the ``ROLLBACK`` its check-in sends after a statement outside autocommit, cost more than
 the read itself, and the read follows every commit that contained a joined unit of work.
 
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any
 
 import psycopg
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 
@@ -28,12 +31,21 @@ class AsyncKeyReader:
     def __init__(self, engine: AsyncEngine, sql: str) -> None:
         self._engine = engine
         self._sql = sql
+        # Another driver (an asyncpg engine) reads through SQLAlchemy, a connection of the
+        # engine's pool each time.
+        self._direct = engine.dialect.driver == "psycopg"
+        self._clause = sa.text(re.sub(r"%\((\w+)\)s", r":\1", sql))
         self._idle: list[psycopg.AsyncConnection[Any]] = []
         self._pid = os.getpid()
         self._closed = False
 
     async def read(self, scope: str, key: str) -> tuple[Any, ...] | None:
         """The key's committed row, or ``None``; raises what the driver raises."""
+        if not self._direct:
+            async with self._engine.connect() as conn:
+                result = await conn.execute(self._clause, {"scope": scope, "key": key})
+                found = result.first()
+            return None if found is None else tuple(found)
         if self._pid != os.getpid():
             # A forked child: the parent's connections are not its own to use.
             self._idle, self._pid = [], os.getpid()
