@@ -47,6 +47,7 @@ from cpu import Meter, Usage, available as cpu_available, processes_named
 from pooler import pgbouncer
 from scratch import database_argument, scratch_database
 from sqlalchemy.ext.asyncio import create_async_engine
+from wire import WireCounter, count_redis, proxied_url
 
 import outbox
 from outbox._core import claim as _claim, codec as _codec, events as _events
@@ -80,6 +81,7 @@ MODES: dict[str, tuple[bool, bool]] = {
     "uow-no-redis": (False, True),
     "uow-no-wakeup": (True, False),
     "joined": (True, True),
+    "joined-no-redis": (False, True),
 }
 
 
@@ -151,18 +153,11 @@ class ByHand:
 WARM_UP = 20
 
 
-def _worker(
-    mode: str,
-    url: str,
-    redis_url: str,
-    seconds: float,
-    start: Any,
-    out: Any,
-    wid: int,
-    finish: Any,
-) -> None:
-    # "<mode>@pooler": the same through a transaction pooler (``--through-pooler``): no
-    # prepared statements there, for the baselines' statements either.
+def _setup(mode: str, url: str, redis_url: str) -> tuple[sa.Engine, Any, Any]:
+    """The engine, the outbox (``None`` for the baselines) and the function running unit ``n``
+    of ``mode``. "<mode>@pooler": the same through a transaction pooler
+    (``--through-pooler``): no prepared statements there, for the baselines' statements
+    either."""
     mode, _, pooled = mode.partition("@")
     connect_args = {"prepare_threshold": None} if pooled else {}
     engine = sa.create_engine(url, pool_size=1, max_overflow=0, connect_args=connect_args)
@@ -176,7 +171,7 @@ def _worker(
         )
         ob = outbox.Outbox(engine, redis_url=redis_url if use_redis else None, config=config)
     by_hand = ByHand(engine) if mode == "by hand" else None
-    prefix = f"{wid}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     def once(n: int) -> None:
         if by_hand is not None:
@@ -187,7 +182,7 @@ def _worker(
                 conn.execute(BARE_OUTBOX_INSERT, bare_outbox_params(prefix))
                 if mode == "floor":
                     conn.execute(FLOOR_KEY_INSERT, {"scope": "bench", "key": f"{prefix}-{n}"})
-        elif mode == "joined":
+        elif mode.startswith("joined"):
             with (
                 engine.begin() as conn,
                 ob.unit_of_work(f"{prefix}-{n}", scope="bench", connection=conn) as uow,
@@ -201,6 +196,20 @@ def _worker(
                 uow.publish("orders.created", VALUE, key=prefix)
                 uow.result = {"order": n}
 
+    return engine, ob, once
+
+
+def _worker(
+    mode: str,
+    url: str,
+    redis_url: str,
+    seconds: float,
+    start: Any,
+    out: Any,
+    wid: int,
+    finish: Any,
+) -> None:
+    engine, ob, once = _setup(mode, url, redis_url)
     for n in range(-WARM_UP, 0):
         once(n)
     latencies: list[float] = []
@@ -263,6 +272,43 @@ def run_phase(
         p.join()
     count = len(samples)
     return count / seconds, percentile(samples, 0.5), percentile(samples, 0.99), usage, count
+
+
+# What each mode costs a unit, counted rather than timed: the baselines, the unit of work with
+# and without Redis, and joined to the caller's transaction with and without Redis.
+COUNTED = ("floor", "uow", "uow-no-redis", "joined", "joined-no-redis")
+
+
+def unit_costs(url: str, redis_url: str, n: int) -> dict[str, tuple[float, float, float, float]]:
+    """Per unit of each of the ``COUNTED`` modes, ``n`` units in this one process after its
+    warm-up, every PostgreSQL connection through a counting proxy (benchmarks/wire.py):
+    PostgreSQL round trips and statements, Redis commands (each a round trip) and the client's
+    CPU time in µs (this process's: the proxy runs in another one)."""
+    parsed = sa.make_url(url)
+    counter = WireCounter(parsed.host or "127.0.0.1", parsed.port or 5432)
+    costs: dict[str, tuple[float, float, float, float]] = {}
+    try:
+        through = proxied_url(url, counter)
+        for mode in COUNTED:
+            engine, ob, once = _setup(mode, through, redis_url)
+            for i in range(-WARM_UP, 0):
+                once(i)
+            with count_redis() as redis_commands:
+                trips0, statements0 = counter.read()
+                cpu0 = time.process_time()
+                for i in range(n):
+                    once(i)
+                cpu = time.process_time() - cpu0
+                trips, statements = counter.read()
+                commands = redis_commands.commands
+            costs[mode] = ((trips - trips0) / n, (statements - statements0) / n, commands / n,
+                           cpu / n * 1e6)  # fmt: skip
+            if ob is not None:
+                ob.close()
+            engine.dispose()
+    finally:
+        counter.close()
+    return costs
 
 
 def truncate(engine: sa.Engine) -> None:
@@ -374,6 +420,66 @@ async def _async_phase(
     return len(latencies) / seconds, percentile(latencies, 0.5), percentile(latencies, 0.99)
 
 
+async def _async_once(mode: str, engine: Any, aob: Any, prefix: str, i: int) -> None:
+    """Unit ``i`` of ``mode`` in the asyncio flavour, and the after-commit tasks it started."""
+    from outbox._pg import after_commit
+
+    params = {"customer": prefix, "amount": i}
+    if mode.startswith("joined"):
+        async with (
+            engine.begin() as conn,
+            aob.unit_of_work(f"{prefix}-{i}", scope="bench", connection=conn) as uow,
+        ):
+            await conn.execute(BUSINESS_INSERT, params)
+            uow.publish("orders.created", VALUE, key=prefix)
+            uow.result = {"order": i}
+    else:
+        async with aob.unit_of_work(f"{prefix}-{i}", scope="bench") as uow:
+            await uow.connection.execute(BUSINESS_INSERT, params)
+            uow.publish("orders.created", VALUE, key=prefix)
+            uow.result = {"order": i}
+    while after_commit._tasks:  # the read-back and cache write of a joined unit
+        await asyncio.gather(*list(after_commit._tasks))
+
+
+async def async_unit_costs(
+    url: str, redis_url: str, n: int
+) -> dict[str, tuple[float, float, float, float]]:
+    """:func:`unit_costs` of the asyncio flavour: owned and joined, with and without Redis, one
+    task, the after-commit tasks of each unit awaited before the counters are read."""
+    parsed = sa.make_url(url)
+    counter = WireCounter(parsed.host or "127.0.0.1", parsed.port or 5432)
+    costs: dict[str, tuple[float, float, float, float]] = {}
+    try:
+        through = proxied_url(url, counter)
+        for mode in ("uow", "uow-no-redis", "joined", "joined-no-redis"):
+            use_redis, wake = MODES[mode]
+            engine = create_async_engine(through, pool_size=2, max_overflow=0)
+            config = outbox.OutboxConfig(wake_relays=wake, cache_prefix=f"bench-{uuid.uuid4().hex}")
+            aob = outbox.AsyncOutbox(
+                engine, redis_url=redis_url if use_redis else None, config=config
+            )
+            prefix = f"c-{uuid.uuid4().hex[:8]}"
+
+            for i in range(-WARM_UP, 0):
+                await _async_once(mode, engine, aob, prefix, i)
+            with count_redis() as redis_commands:
+                trips0, statements0 = counter.read()
+                cpu0 = time.process_time()
+                for i in range(n):
+                    await _async_once(mode, engine, aob, prefix, i)
+                cpu = time.process_time() - cpu0
+                trips, statements = counter.read()
+                commands = redis_commands.commands
+            costs[mode] = ((trips - trips0) / n, (statements - statements0) / n, commands / n,
+                           cpu / n * 1e6)  # fmt: skip
+            await aob.close()
+            await engine.dispose()
+    finally:
+        counter.close()
+    return costs
+
+
 async def async_benchmark(url: str, sync_engine: sa.Engine, args: argparse.Namespace) -> None:
     """The asyncio flavour in one process: bare async transactions, units of work, joined."""
     counts = [int(c) for c in args.tasks.split(",")]
@@ -405,6 +511,20 @@ async def async_benchmark(url: str, sync_engine: sa.Engine, args: argparse.Names
     truncate(sync_engine)
     await aob.close()
     await engine.dispose()
+    print()
+    print(
+        f"per unit, counted ({args.count_units} units, one task, PostgreSQL's replies read "
+        "through a proxy; client CPU of this process):"
+    )
+    header = (
+        f"{'mode':<16} | {'PG round trips':>14} {'PG statements':>13} | {'Redis cmds':>10} | "
+        f"{'client CPU µs':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    costs = await async_unit_costs(url, args.redis_url, args.count_units)
+    for mode, (trips, sent, commands, cpu) in costs.items():
+        print(f"{mode:<16} | {trips:>14.2f} {sent:>13.2f} | {commands:>10.2f} | {cpu:>13.0f}")
 
 
 AVRO_ORDER = (
@@ -499,6 +619,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--workers", default="1,4,16")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per mode")
+    parser.add_argument(
+        "--count-units",
+        type=int,
+        default=500,
+        help="units of work per mode whose round trips, statements and CPU time are counted",
+    )
     parser.add_argument(
         "--async",
         dest="use_async",
@@ -602,7 +728,9 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
     print(header)
     print("-" * len(header))
     budgets: list[str] = []
-    for workers in [int(w) for w in args.workers.split(",")]:
+    ratios: dict[str, list[float]] = {mode: [] for mode in COUNTED}
+    worker_counts = [int(w) for w in args.workers.split(",")]
+    for workers in worker_counts:
         best: dict[str, tuple[float, float, float, Usage, int]] = {}
         for _ in range(args.rounds):
             for mode in modes:
@@ -619,6 +747,9 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
             f"{w:>7.0f} {w / f:>6.2f} | {j:>7.0f} {j / f:>6.2f} | {h:>7.0f} {h / f:>6.2f}",
             flush=True,
         )
+        for mode in COUNTED:
+            if mode in best:
+                ratios[mode].append(best[mode][0] / f)
         for mode in ("floor", "uow", "uow-no-redis", "by hand"):
             _rate, _p50, _p99, usage, count = best[mode]
             budgets.append(f"{workers:>7} | {mode:<12} | {usage.per(count, 1000)}")
@@ -630,6 +761,27 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
         print("CPU µs per unit of work (or transaction), best round of each mode:")
         print("\n".join(budgets))
 
+    print()
+    costs = unit_costs(url_s, args.redis_url, args.count_units)
+    shown = "/".join(map(str, worker_counts))
+    print(
+        f"per unit, counted ({args.count_units} units in one process, PostgreSQL's replies read "
+        "through a proxy; client CPU of that process), beside the ratio to the floor at "
+        f"{shown} workers:"
+    )
+    header = (
+        f"{'mode':<16} | {'/floor at ' + shown:>22} | {'PG round trips':>14} "
+        f"{'PG statements':>13} | {'Redis cmds':>10} | {'client CPU µs':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for mode, (trips, sent, commands, cpu) in costs.items():
+        measured = " ".join(f"{r:.2f}" for r in ratios[mode]) or "-"
+        print(
+            f"{mode:<16} | {measured:>22} | {trips:>14.2f} {sent:>13.2f} | "
+            f"{commands:>10.2f} | {cpu:>13.0f}",
+            flush=True,
+        )
     print()
     p50, p99 = key_in_progress_latency(url_s, 2000)
     print(

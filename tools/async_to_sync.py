@@ -58,6 +58,8 @@ RULES: list[Rule] = [
     Rule(r"\b_AsyncAttempt\b", "_Attempt"),
     Rule(r"\bAsyncTransaction\b", "Transaction"),
     Rule(r"\bAsyncOutcomeCache\b", "OutcomeCache"),
+    Rule(r"\bAsyncKeyReader\b", "KeyReader"),
+    Rule(r"\bsettle_async\b", "settle"),
     Rule(r"\bmake_async_(cache|guard)_client\b", r"make_\1_client"),
     Rule(r"\bdatabase_answers_async\b", "database_answers"),
     Rule(r"\bAsyncRedisGuard\b", "RedisGuard"),

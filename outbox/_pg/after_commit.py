@@ -57,6 +57,20 @@ def spawn(coroutine: Coroutine[Any, Any, Any]) -> None:
     task.add_done_callback(_tasks.discard)
 
 
+async def settle_async(timeout: float = 5.0) -> None:
+    """Wait, up to ``timeout`` seconds, for the tasks :func:`spawn` started on the running loop
+    (an asyncio outbox that closes lets its read-backs finish on connections it still has)."""
+    loop = asyncio.get_running_loop()
+    running = [task for task in _tasks if task.get_loop() is loop]
+    if running:
+        await asyncio.wait(running, timeout=timeout)
+
+
+def settle(timeout: float = 5.0) -> None:
+    """:func:`settle_async` of the sync flavour, whose after-commit work runs in the thread that
+    commits: there is nothing to wait for."""
+
+
 def defer(target: Session | sa.Connection, callback: Callback) -> None:
     """Run ``callback`` after ``target``'s current transaction commits; drop it on rollback."""
     if isinstance(target, Session):

@@ -237,7 +237,7 @@ class JoinedStatements:
     idempotency_key_claim: sa.TextClause
     idempotency_key_fail: sa.TextClause
     idempotency_key_relock: sa.TextClause
-    idempotency_key_read: sa.TextClause
+    idempotency_key_read: str  # driver-level SQL (outbox._pg.readback_async)
     idempotency_key_held: sa.TextClause
 
 
@@ -261,10 +261,10 @@ def joined_statements(schema: str | None) -> JoinedStatements:
         idempotency_key_relock=sa.text("SELECT pg_try_advisory_xact_lock(:lock_id)"),
         # After the caller's commit, on a connection of the toolkit's own: the key's committed
         # row, if any (what the cache may learn).
-        idempotency_key_read=sa.text(
+        idempotency_key_read=(
             "SELECT status, fingerprint, result::text AS result, error, "
             "EXTRACT(EPOCH FROM now() - updated_at)::float8 AS age "
-            f"FROM {keys} WHERE scope = :scope AND key = :key"
+            f"FROM {keys} WHERE scope = %(scope)s AND key = %(key)s"
         ),
         # Does this server session hold the key's advisory lock already? (A bigint lock shows
         # in pg_locks as its high and low 32 bits.)

@@ -18,13 +18,15 @@ This asyncio module is the source; ``cache.py`` (the sync flavour) is generated 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as ClosedConnection, RedisError
 
 from outbox._core.claim import StoredOutcome
 from outbox._core.redact import one_line, redact, redact_url
@@ -76,6 +78,12 @@ class AsyncOutcomeCache:
         self._signer: Signer | None = None
         self._generation = 0
         self._untrusted_warned = False
+        # Connections of the client's pool kept checked out for the cache's own GET and SET
+        # (see _call), with the process they belong to.
+        self._pool = _plain_pool(client)
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+        self._released = False
 
     @property
     def client(self) -> Redis:
@@ -152,6 +160,47 @@ class AsyncOutcomeCache:
 
     # -- entries -----------------------------------------------------------------------------
 
+    async def _call(self, *args: Any) -> Any:
+        """One command and its reply, on a connection of the client's pool kept aside for the
+        cache: redis-py's pool check-out and reply handling cost about twice the round trip
+        itself, on every first attempt of a key (its GET, then its SET). Each caller -- a
+        thread or a task -- takes a connection of its own off the idle list, so a reply is
+        always read by the one who sent the command; a connection that failed (redis-py
+        disconnects it then) goes back to the pool, which connects it anew when it is used
+        again. A client whose pool is not redis-py's plain one (Redis Cluster, a blocking pool
+        of a set size, a single-connection client) is called as usual."""
+        pool: Any = self._pool  # redis-py types neither of the calls below
+        if pool is None:
+            client: Any = self._client
+            return await client.execute_command(*args)
+        if self._pid != os.getpid():
+            # A forked child: the parent's sockets are not its own to use.
+            self._idle, self._pid = [], os.getpid()
+        idle = self._idle
+        while idle:
+            # A kept connection that Redis closed meanwhile (a restart, its idle timeout) fails
+            # before its command ran: try the next one, then a new one, as redis-py's pool does
+            # when it hands out a connection. GET and SET are safe to send again.
+            connection = idle.pop()
+            try:
+                return await self._send(pool, connection, args)
+            except ClosedConnection:
+                continue
+        return await self._send(pool, await pool.get_connection(), args)
+
+    async def _send(self, pool: Any, connection: Any, args: tuple[Any, ...]) -> Any:
+        try:
+            await connection.send_packed_command(connection.pack_command(*args), check_health=False)
+            reply = await connection.read_response()
+        except BaseException:
+            await pool.release(connection)  # redis-py disconnected it: connected anew on use
+            raise
+        if self._released:  # after release(): the pool has it back at once
+            await pool.release(connection)
+        else:
+            self._idle.append(connection)
+        return reply
+
     def _failed(self, op: str, exc: Exception) -> None:
         with self._lock:
             first = self.available()
@@ -172,7 +221,7 @@ class AsyncOutcomeCache:
             return None
         redis_key = self.redis_key(scope, key)
         try:
-            raw = await self._client.get(redis_key)
+            raw = await self._call("GET", redis_key)
         except (RedisError, OSError) as exc:
             self._failed("GET", exc)
             return None
@@ -197,7 +246,7 @@ class AsyncOutcomeCache:
         if entry is None:
             return
         try:
-            await self._client.set(redis_key, entry, px=px)
+            await self._call("SET", redis_key, entry, "PX", px)
         except Exception as exc:  # after the commit: the outcome stands, whatever Redis does
             self._failed("SET", exc)
 
@@ -243,5 +292,24 @@ class AsyncOutcomeCache:
         except Exception as exc:  # after the commit: the outcomes stand, whatever Redis does
             self._failed("SET", exc)
 
+    async def release(self) -> None:
+        """Give the connections kept aside back to the client's pool (the client stays open),
+        and from now on each one after its command."""
+        self._released = True
+        idle, self._idle = self._idle, []
+        if self._pool is not None and self._pid == os.getpid():
+            for connection in idle:
+                await self._pool.release(connection)
+
     async def close(self) -> None:
+        await self.release()
         await self._client.aclose()
+
+
+def _plain_pool(client: object) -> ConnectionPool | None:
+    """The client's connection pool, if it is redis-py's plain one, which makes a connection
+    whenever asked (see AsyncOutcomeCache._call); else ``None``."""
+    if type(client) is not Redis or getattr(client, "connection", None) is not None:
+        return None
+    pool = getattr(client, "connection_pool", None)
+    return pool if type(pool) is ConnectionPool else None

@@ -33,6 +33,9 @@ _MAC_CHARS = 2 * _MAC_BYTES  # hex
 _MAC_FIELD = b',"m":"'
 _TAIL = len(_MAC_FIELD) + _MAC_CHARS + 2  # ,"m":"<32 hex digits>"}
 _PERSON = b"outbox-cache-v1"
+# One encoder for every entry (json.dumps with options builds a new one at each call); the same
+# bytes as json.dumps(entry, ensure_ascii=False, separators=(",", ":")).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def derive_key(
@@ -82,7 +85,7 @@ def encode_entry(
     else:
         entry["e"] = outcome.error
     entry["x"] = int(expires_ms)
-    body = json.dumps(entry, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    body = _ENCODER.encode(entry).encode("utf-8")
     signed = body[:-1]  # without the closing brace
     if len(signed) + _TAIL > MAX_ENTRY_BYTES:
         return None

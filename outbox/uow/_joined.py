@@ -25,6 +25,7 @@ from outbox._pg.errors import (
     unmigrated,
 )
 from outbox._pg.literals import untranslatable
+from outbox._pg.readback import KeyReader
 from outbox._pg.statements import (
     JoinedStatements,
     idempotency_key_complete_joined,
@@ -70,11 +71,11 @@ class JoinedUnits:
     ) -> None:
         self.config = config
         self._outcomes = outcomes
-        self._reader = reader
         self._cache = cache
         self._notify = notify
         self._pooled = pooled
         self._sql: JoinedStatements = joined_statements(config.schema)
+        self._reader = KeyReader(reader, self._sql.idempotency_key_read)
 
     def begin(
         self,
@@ -137,6 +138,10 @@ class JoinedUnits:
         replay = self._outcomes.replay_claimed(scope, key, fingerprint, typed, acquired, *row)
         return replay, None
 
+    def close(self) -> None:
+        """Close the connections the read-backs keep aside."""
+        self._reader.close()
+
     def _after_commit(self, scope: str, key: str, wake: bool) -> Callable[[], None]:
         cache = self._cache
 
@@ -157,9 +162,7 @@ class JoinedUnits:
         means the commit did not contain it. Nothing is written then.
         """
         try:
-            with self._reader.connect() as conn:
-                result = conn.execute(self._sql.idempotency_key_read, {"scope": scope, "key": key})
-                row = result.first()
+            row = self._reader.read(scope, key)
         except Exception:  # the cache is only a cache: the next attempt asks PostgreSQL
             log.warning("event=joined_cache_write_skipped scope=%r key=%r", scope, key)
             return

@@ -29,6 +29,7 @@ from outbox._pg.errors import (
     unmigrated,
 )
 from outbox._pg.literals import untranslatable
+from outbox._pg.readback_async import AsyncKeyReader
 from outbox._pg.statements import (
     JoinedStatements,
     idempotency_key_complete_joined,
@@ -74,11 +75,11 @@ class AsyncJoinedUnits:
     ) -> None:
         self.config = config
         self._outcomes = outcomes
-        self._reader = reader
         self._cache = cache
         self._notify = notify
         self._pooled = pooled
         self._sql: JoinedStatements = joined_statements(config.schema)
+        self._reader = AsyncKeyReader(reader, self._sql.idempotency_key_read)
 
     async def begin(
         self,
@@ -141,6 +142,10 @@ class AsyncJoinedUnits:
         replay = await self._outcomes.replay_claimed(scope, key, fingerprint, typed, acquired, *row)
         return replay, None
 
+    async def close(self) -> None:
+        """Close the connections the read-backs keep aside."""
+        await self._reader.close()
+
     def _after_commit(self, scope: str, key: str, wake: bool) -> Callable[[], None]:
         cache = self._cache
 
@@ -161,11 +166,7 @@ class AsyncJoinedUnits:
         means the commit did not contain it. Nothing is written then.
         """
         try:
-            async with self._reader.connect() as conn:
-                result = await conn.execute(
-                    self._sql.idempotency_key_read, {"scope": scope, "key": key}
-                )
-                row = result.first()
+            row = await self._reader.read(scope, key)
         except Exception:  # the cache is only a cache: the next attempt asks PostgreSQL
             log.warning("event=joined_cache_write_skipped scope=%r key=%r", scope, key)
             return

@@ -1,0 +1,86 @@
+"""A key's committed row, read back after the caller's commit: what a joined unit of work may
+cache.
+
+The read is one statement in autocommit on a connection of the toolkit's own, so it runs in a
+snapshot of its own taken after the commit: a row found was committed. Its connections are
+opened from the reader engine (``outbox._pg.engines.reader_engine``) and detached from its
+pool (psycopg's; on another driver the read checks a connection out of the engine's pool),
+then kept aside, one for each reader at a time (a thread, or a task): a pool's check-out,
+and the ``ROLLBACK`` its check-in sends after a statement outside autocommit, cost more than
+the read itself, and the read follows every commit that contained a joined unit of work.
+
+This asyncio module is the source; ``readback.py`` (the sync flavour) is generated from it by
+``tools/async_to_sync.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+
+class AsyncKeyReader:
+    """Reads one key's row with ``sql`` (parameters ``scope`` and ``key``) in autocommit."""
+
+    def __init__(self, engine: AsyncEngine, sql: str) -> None:
+        self._engine = engine
+        self._sql = sql
+        # Another driver (an asyncpg engine) reads through SQLAlchemy, a connection of the
+        # engine's pool each time.
+        self._direct = engine.dialect.driver == "psycopg"
+        self._clause = sa.text(re.sub(r"%\((\w+)\)s", r":\1", sql))
+        self._idle: list[psycopg.AsyncConnection[Any]] = []
+        self._pid = os.getpid()
+        self._closed = False
+
+    async def read(self, scope: str, key: str) -> tuple[Any, ...] | None:
+        """The key's committed row, or ``None``; raises what the driver raises."""
+        if not self._direct:
+            async with self._engine.connect() as conn:
+                result = await conn.execute(self._clause, {"scope": scope, "key": key})
+                found = result.first()
+            return None if found is None else tuple(found)
+        if self._pid != os.getpid():
+            # A forked child: the parent's connections are not its own to use.
+            self._idle, self._pid = [], os.getpid()
+        idle = self._idle
+        driver = idle.pop() if idle else await self._connect()
+        try:
+            cursor = await driver.execute(self._sql, {"scope": scope, "key": key})
+            row = await cursor.fetchone()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await driver.close()
+            raise
+        if self._closed:
+            # Closed while this read ran (an asyncio read-back is a task of its own, which
+            # the outbox's close does not wait for): nothing keeps the connection now.
+            await driver.close()
+        else:
+            idle.append(driver)
+        return None if row is None else tuple(row)
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        fairy = await self._engine.raw_connection()
+        driver = fairy.driver_connection
+        fairy.detach()  # the toolkit's own from now on: the pool forgets it
+        if not isinstance(driver, psycopg.AsyncConnection):
+            raise TypeError("outbox-kit needs the psycopg 3 driver (postgresql+psycopg://)")
+        await driver.set_autocommit(True)
+        return driver
+
+    async def close(self) -> None:
+        """Close the connections kept aside, and from now on each one after its read."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        if self._pid != os.getpid():
+            return
+        for driver in idle:
+            with contextlib.suppress(Exception):
+                await driver.close()
