@@ -195,6 +195,7 @@ class MicroBatches:
                 if (
                     not batch.usable()
                     or batch.staged_bytes >= _BATCH_BYTES
+                    or batch.full()
                     or self._stopping.is_set()
                     or self._partitions.get(sl.tp) is not sl.state
                 ):

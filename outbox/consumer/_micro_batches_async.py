@@ -204,6 +204,7 @@ class AsyncMicroBatches:
                 if (
                     not batch.usable()
                     or batch.staged_bytes >= _BATCH_BYTES
+                    or batch.full()
                     or self._stopping.is_set()
                     or self._partitions.get(sl.tp) is not sl.state
                 ):

@@ -3,6 +3,7 @@
 Invariant: until :meth:`AsyncBatch.commit` returns, nothing of the batch is committed, and every
 key's advisory lock is taken before the first savepoint, so it stays held across a unit's
 failure: a permanent failure is recorded with no gap in which another attempt could run the key.
+A batch releases at most ``MAX_SAVEPOINTS`` savepoints that wrote something.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ log = logging.getLogger("outbox.uow")
 # Up to this many bytes of event values, the final statement and COMMIT share one round trip (as
 # in a single unit of work); above it the values go as binary parameters.
 _INLINE_LIMIT = 64 * 1024
+
+# A released savepoint that wrote something keeps its subtransaction id in the transaction until
+# the commit, and PostgreSQL caches 64 of them per backend: past that the transaction is
+# "suboverflowed", and every snapshot that meets its rows -- in any session -- reads pg_subtrans
+# for them (the subtransaction cliff). A batch is full once it released this many (rolled-back
+# savepoints do not count: their ids leave the cache).
+MAX_SAVEPOINTS = 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +103,8 @@ class AsyncBatch:
       writes go. The locks stay held (they were taken before the savepoint). Success releases
       the savepoint and sets the next one in one round trip -- and only if the body touched the
       connection or the session at all; a body that only publishes and returns costs none.
+      After :data:`MAX_SAVEPOINTS` such releases the batch is :meth:`full`: its caller commits
+      it and opens another for the keys left.
     * :meth:`commit` writes every key's final row and every outbox row in one statement and
       commits in the same round trip, after the last unit of work's business writes took their
       locks (as a single unit of work does); the outcomes go to Redis only after the commit.
@@ -119,6 +129,7 @@ class AsyncBatch:
         self._errors: list[str | None] = []
         self._events: list[Event] = []
         self.staged_bytes = 0
+        self.savepoints = 0  # released after writing: subtransaction ids the transaction holds
         # Outcomes for Redis after the commit; and outcomes read from PostgreSQL, already
         # committed, to warm it with whatever becomes of the batch.
         self._outcomes: list[tuple[str, StoredOutcome, float | None]] = []
@@ -165,6 +176,12 @@ class AsyncBatch:
     def usable(self) -> bool:
         """True while more units of work can run and the batch can still commit."""
         return self._tx is not None and self._tx.usable()
+
+    def full(self) -> bool:
+        """True once the batch released :data:`MAX_SAVEPOINTS` savepoints that wrote: another
+        unit of work that writes would take the transaction past PostgreSQL's cache of
+        subtransactions."""
+        return self.savepoints >= MAX_SAVEPOINTS
 
     def unit_of_work(
         self, key: str, scope: str, fingerprint: str | None = None
@@ -218,6 +235,7 @@ class AsyncBatch:
                 done = [await uow.complete() for uow in units]
                 if touched:
                     await tx.renew(rollback=False)
+                    self.savepoints += 1
             except BaseException:
                 await self._roll_back(units, touched)
                 raise
