@@ -3,6 +3,7 @@
     python benchmarks/consumer.py [--database-url URL] [--redis-url URL]
                                   [--bootstrap-servers HOST:PORT] [--messages 20000]
                                   [--partitions 4] [--batch-sizes 1,100,500]
+                                  [--savepoint-chunks 32]
                                   [--without-redis] [--round-trips] [--profile DIR]
 
 In one run, on the same broker and database, it measures:
@@ -15,7 +16,9 @@ In one run, on the same broker and database, it measures:
   every message durably. It runs before and after the runners; the ratios use the mean;
 * **runner**: ``outbox consume`` as a separate process (Redis on), one per batch size, with a
   handler that inserts one business row per message (``handle(uow, message)``; and, at
-  ``--batch-handler-sizes``, a ``@batch_handler`` inserting the batch's rows in one statement):
+  ``--batch-handler-sizes``, a ``@batch_handler`` inserting the batch's rows in one statement;
+  and, at the largest batch size, the per-message handler with each of ``--savepoint-chunks``
+  messages sharing a savepoint):
   first ``--messages`` new keys, then the same messages again (every one a duplicate, answered
   by the Redis fast path) through a second process of the same scope in a new group.
   ``--without-redis`` adds the same phases without Redis.
@@ -382,6 +385,7 @@ def runner_phase(
     count: int,
     scope: str,
     batch_size: int,
+    chunk: int,
     handler: str,
     handler_dir: str,
     profile: Path | None,
@@ -394,6 +398,7 @@ def runner_phase(
     argv = [sys.executable, "-m", "outbox.cli", "consume", handler,
             "--topic", topic, "--group", group, "--scope", scope, "--database-url", url,
             "--bootstrap-servers", bootstrap, "--batch-size", str(batch_size),
+            "--savepoint-chunk", str(chunk),
             "--metrics-port", str(port), "--log-level", "WARNING",
             *(f"--kafka-config={k}={v}" for k, v in KAFKA.items()),
             *(["--redis-url", redis_url] if redis_url else [])]  # fmt: skip
@@ -447,6 +452,12 @@ def main() -> None:
         help="batch sizes of the @batch_handler (default 500; '' for none)",
     )
     parser.add_argument(
+        "--savepoint-chunks",
+        default="32",
+        help="savepoint chunks of the per-message handler at the largest batch size "
+        "(default 32; '' for none)",
+    )
+    parser.add_argument(
         "--without-redis", action="store_true", help="also run the runner phases without Redis"
     )
     parser.add_argument(
@@ -462,9 +473,15 @@ def main() -> None:
         help="run the runners under py-spy record (stacks in DIR)",
     )
     args = parser.parse_args()  # fmt: skip
-    runners = [(f"batch {int(b)}", int(b), "handle") for b in args.batch_sizes.split(",") if b]
+    runners = [(f"batch {int(b)}", int(b), "handle", 1) for b in args.batch_sizes.split(",") if b]
+    largest = max((size for _, size, _, _ in runners), default=500)
     runners += [
-        (f"batch {int(b)}, batch handler", int(b), "handle_batch")
+        (f"batch {largest}, chunk {int(c)}", largest, "handle", int(c))
+        for c in args.savepoint_chunks.split(",")
+        if c
+    ]
+    runners += [
+        (f"batch {int(b)}, batch handler", int(b), "handle_batch", 1)
         for b in args.batch_handler_sizes.split(",")
         if b
     ]
@@ -520,7 +537,7 @@ def main() -> None:
         floor(f"{FLOOR} (before)")
 
         for redis_url in [args.redis_url, *([None] if args.without_redis else [])]:
-            for base, size, handler in runners:
+            for base, size, handler, chunk in runners:
                 scope = f"bench-{uuid.uuid4().hex[:8]}"
                 scopes.append(scope)
                 run = uuid.uuid4().hex[:8]
@@ -538,7 +555,7 @@ def main() -> None:
                     before, turns = transactions(url), turns_of(wire)
                     seconds, commit, received = runner_phase(
                         url=measured_url, redis_url=redis_url, bootstrap=bootstrap, topic=topic,
-                        partitions=parts, count=n, scope=scope, batch_size=size,
+                        partitions=parts, count=n, scope=scope, batch_size=size, chunk=chunk,
                         handler=f"bench_handler:{handler}", handler_dir=handler_dir,
                         profile=profile,
                     )  # fmt: skip
@@ -558,7 +575,7 @@ def main() -> None:
         for key in client.scan_iter(match=f"outbox:{len(scope)}:{scope}:*", count=1000):
             client.unlink(key)
     client.close()
-    summary(results, n, [name for name, _, _ in runners], args.without_redis)
+    summary(results, n, [name for name, _, _, _ in runners], args.without_redis)
 
 
 def summary(results: list[Result], n: int, names: list[str], without_redis: bool) -> None:
@@ -592,9 +609,11 @@ def summary(results: list[Result], n: int, names: list[str], without_redis: bool
             vs_dup = f"{dup / one_dup:>11.2f}x" if one_dup else f"{'':>12}"
             print(f"{base + suffix:<32} {new / floor:>9.2f}x {dup / new:>7.2f}x {vs_new} {vs_dup}")
             if base.endswith(", batch handler"):
-                each = rate.get(f"runner {base.removesuffix(', batch handler')}{suffix}, new keys")
-                if each is not None:
-                    handler_vs_batch.append(f"{base.split(',')[0]}{suffix}: {each / new:.2f}x")
+                size = base.removesuffix(", batch handler")
+                for each in names:
+                    got = rate.get(f"runner {each}{suffix}, new keys")
+                    if got is not None and each.split(",")[0] == size and each != base:
+                        handler_vs_batch.append(f"{each}{suffix}: {got / new:.2f}x")
     if handler_vs_batch:
         print("per-message handler / batch handler, new keys (same batch size): "
               + ", ".join(handler_vs_batch))  # fmt: skip

@@ -71,9 +71,12 @@ def subtrans_reads(conn: psycopg.Connection[Any]) -> int:
     return int(row[0])
 
 
-def test_a_long_micro_batch_never_overflows_the_subtransaction_cache(
-    kafka_bootstrap: str, private_url: str, reader: psycopg.Connection[Any]
-) -> None:
+def consume_all(
+    kafka_bootstrap: str, url: str, reader: psycopg.Connection[Any], **options: Any
+) -> int:
+    """Run a per-message consumer over MESSAGES messages (all of them there before it starts,
+    so that its first micro-batch is long) while another session commits and scans after every
+    message; the pg_subtrans reads it cost."""
     topic = topic_with_dead_letters(kafka_bootstrap, "subtrans", partitions=1)
     produce(kafka_bootstrap, topic, [keyed(f"k{i}", "x", 0) for i in range(MESSAGES)])
     insert = sa.text("INSERT INTO effects (key) VALUES (:k)")
@@ -90,12 +93,12 @@ def test_a_long_micro_batch_never_overflows_the_subtransaction_cache(
         seen.append(int(row[0]))
 
     before = subtrans_reads(reader)
-    outbox = Outbox(private_url)
+    outbox = Outbox(url)
     registry = CollectorRegistry()
     runner = ConsumerRunner(
         outbox, handle, topics=[topic], group=f"g-{uuid.uuid4().hex[:8]}",
         bootstrap_servers=kafka_bootstrap, kafka_config=KAFKA, batch_size=500,
-        metrics_registry=registry,
+        metrics_registry=registry, **options,
     )  # fmt: skip
     running = Running(runner, registry)
     try:
@@ -107,8 +110,24 @@ def test_a_long_micro_batch_never_overflows_the_subtransaction_cache(
     assert len(seen) == MESSAGES
     with psycopg.connect(reader.info.dsn, autocommit=True) as conn:
         keys = conn.execute("SELECT count(*), count(DISTINCT key) FROM effects").fetchone()
+        conn.execute("TRUNCATE effects")
     assert keys == (MESSAGES, MESSAGES)
+    return subtrans_reads(reader) - before
+
+
+def test_a_long_micro_batch_never_overflows_the_subtransaction_cache(
+    kafka_bootstrap: str, private_url: str, reader: psycopg.Connection[Any]
+) -> None:
+    reads = consume_all(kafka_bootstrap, private_url, reader)
     # Each savepoint that writes records its parent in pg_subtrans once (a page read): one
     # per message. Past 64 in a transaction, every row the reader met would cost another.
     assert MESSAGES > 64 > MAX_SAVEPOINTS
-    assert subtrans_reads(reader) - before <= MESSAGES + 20
+    assert reads <= MESSAGES + 20
+
+
+def test_a_chunk_of_messages_takes_one_subtransaction(
+    kafka_bootstrap: str, private_url: str, reader: psycopg.Connection[Any]
+) -> None:
+    reads = consume_all(kafka_bootstrap, private_url, reader, savepoint_chunk=50)
+    # One savepoint, so one subtransaction id and one pg_subtrans read, per 50 messages.
+    assert reads <= MESSAGES // 50 + 20
