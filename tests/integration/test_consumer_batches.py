@@ -4,15 +4,12 @@ Many messages run in one PostgreSQL transaction, each in a savepoint; the guaran
 one transaction per message: offsets only behind committed work, per-partition order, a poison
 message dead-lettered alone, a transient failure retried without losing the rest of its batch,
 Redis written only after the commit, duplicates from Redis without a transaction, a key held
-elsewhere never waited for -- and a batch handler that gets the batch at once. With
-``savepoint_chunk`` several messages share a savepoint: a failure rolls its chunk back, the
-others run once more in the next micro-batch, the failing one alone, every effect still once.
+elsewhere never waited for -- and a batch handler that gets the batch at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 import uuid
@@ -523,139 +520,3 @@ def test_lag_per_partition_counts_the_messages_not_finished(
     # batch_size=1: every message is a micro-batch of one (tried alone), counted all the same
     assert metric(running, "outbox_consumer_batch_size_sum") == 10
     assert metric(running, "outbox_consumer_batch_size_count") == 10
-
-
-# -- savepoint_chunk: messages sharing savepoints ------------------------------------------
-
-
-def test_a_poison_message_rolls_back_only_its_chunk_and_runs_alone_after(
-    kafka_bootstrap: str, topic: str, outbox: Outbox, effects: sa.Engine, start: Any
-) -> None:
-    calls: Counter[str] = Counter()
-
-    def handle(uow: Any, message: Any) -> None:
-        calls[uow.key] += 1
-        uow.connection.execute(INSERT, {"k": uow.key, "v": "x"})
-        uow.publish("orders.accepted", {"key": uow.key})
-        if uow.key == "k6":
-            raise PermanentError("cannot apply k6")
-
-    records = [keyed(f"k{i}", "x", 0) for i in range(10)] + [keyed("j0", "x", 1)]
-    produce(kafka_bootstrap, topic, records)
-    running = start(outbox, handle, topic, savepoint_chunk=4)
-    all_committed(kafka_bootstrap, running, topic, [10, 1])
-    running.stop()
-
-    # k4 and k5 shared k6's savepoint (k0..k3 had the one before): they ran again; k6 once.
-    assert calls == {**dict.fromkeys([f"k{i}" for i in range(10)] + ["j0"], 1), "k4": 2, "k5": 2}
-    letters = read_topic(kafka_bootstrap, topic + ".dlq", 1)
-    assert [m.offset() for m in letters] == [0]
-    done = [k for k in applied(effects)]
-    assert sorted(done) == sorted(["j0", *(f"k{i}" for i in range(10) if i != 6)])  # each once
-    assert [k for k in done if k.startswith("k")] == [f"k{i}" for i in range(10) if i != 6]
-    keys = statuses(effects)
-    assert keys["k6"] == "failed"
-    assert sum(1 for s in keys.values() if s == "completed") == 10
-    with effects.connect() as conn:
-        assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 10
-
-
-@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
-def test_a_transient_failure_in_a_chunk_is_retried_alone_and_its_chunk_commits_next(
-    kafka_bootstrap: str,
-    topic: str,
-    database_url: str,
-    redis_url: str,
-    redis_prefix: str,
-    effects: sa.Engine,
-    start: Any,
-    flavour: str,
-) -> None:
-    calls: Counter[str] = Counter()
-    failures = {"k5": 2}
-
-    def apply(uow: Any) -> None:
-        calls[uow.key] += 1
-        if failures.get(uow.key, 0):
-            failures[uow.key] -= 1
-            raise Boom("database blip")
-
-    def handle(uow: Any, message: Any) -> None:
-        uow.connection.execute(INSERT, {"k": uow.key, "v": "x"})
-        apply(uow)
-
-    async def handle_async(uow: Any, message: Any) -> None:
-        await uow.connection.execute(INSERT, {"k": uow.key, "v": "x"})
-        apply(uow)
-
-    produce(kafka_bootstrap, topic, [keyed(f"k{i}", "x", 0) for i in range(10)])
-    config = OutboxConfig(cache_prefix=redis_prefix)
-    store: Any
-    if flavour == "sync":
-        store, handler = Outbox(database_url, redis_url=redis_url, config=config), handle
-    else:  # closed in its runner's loop
-        store, handler = AsyncOutbox(database_url, redis_url=redis_url, config=config), handle_async
-    try:
-        running = start(store, handler, topic, savepoint_chunk=4, retry_backoff=0.05)
-        all_committed(kafka_bootstrap, running, topic, [10, -1001])
-        running.stop()
-    finally:
-        if flavour == "sync":
-            store.close()
-    # k4 shared k5's savepoint and ran again once; k5's second failure was its own, alone.
-    assert calls == {**{f"k{i}": 1 for i in range(10)}, "k4": 2, "k5": 3}
-    assert applied(effects) == [f"k{i}" for i in range(10)]
-
-
-def test_per_partition_order_holds_across_chunks_and_retries(
-    kafka_bootstrap: str, outbox: Outbox, effects: sa.Engine, start: Any
-) -> None:
-    name = topic_with_dead_letters(kafka_bootstrap, "chunks", partitions=4)
-    flaky = {f"m{i}" for i in range(400) if i % 7 == 3}
-    failed: set[str] = set()
-
-    def handle(uow: Any, message: Any) -> None:
-        uow.connection.execute(INSERT, {"k": uow.key, "v": str(message.partition())})
-        if uow.key in flaky and uow.key not in failed:
-            failed.add(uow.key)
-            raise Boom("once")
-
-    produce(kafka_bootstrap, name, [keyed(f"m{i}", "x", i % 4) for i in range(400)])
-    running = start(outbox, handle, name, retry_backoff=0.01, retry_backoff_max=0.02,
-                    batch_size=64, savepoint_chunk=8)  # fmt: skip
-    group = running.runner.config.group
-    wait_for(lambda: committed(kafka_bootstrap, group, name, 4) == [100] * 4, 60,
-             "every offset committed", interval=0.1)  # fmt: skip
-    running.stop()
-    with effects.connect() as conn:
-        got = conn.execute(sa.text("SELECT key, value FROM effects ORDER BY seq")).all()
-    assert sorted(k for k, _ in got) == sorted(f"m{i}" for i in range(400))  # each once
-    for p in range(4):
-        in_partition = [int(k[1:]) for k, v in got if v == str(p)]
-        assert in_partition == sorted(in_partition), f"partition {p} out of order"
-    assert failed == flaky
-
-
-def test_a_handler_that_swallows_a_database_error_fails_alone_in_a_chunk(
-    kafka_bootstrap: str, topic: str, outbox: Outbox, effects: sa.Engine, start: Any
-) -> None:
-    calls: Counter[str] = Counter()
-
-    def handle(uow: Any, message: Any) -> None:
-        calls[uow.key] += 1
-        uow.connection.execute(INSERT, {"k": uow.key, "v": "x"})
-        if uow.key == "k5":
-            with contextlib.suppress(sa.exc.DBAPIError):  # the transaction stays failed
-                uow.connection.execute(sa.text("SELECT 1 / 0"))
-
-    produce(kafka_bootstrap, topic, [keyed(f"k{i}", "x", 0) for i in range(10)])
-    running = start(outbox, handle, topic, savepoint_chunk=4, max_attempts=2,
-                    retry_backoff=0.05)  # fmt: skip
-    all_committed(kafka_bootstrap, running, topic, [10, -1001])
-    running.stop()
-    # k5 is the one that failed (twice, then dead-lettered), not the message after it; k4,
-    # which shared its savepoint, ran once more.
-    assert calls == {**{f"k{i}": 1 for i in range(10)}, "k4": 2, "k5": 2}
-    letters = read_topic(kafka_bootstrap, topic + ".dlq", 1)
-    assert [DeadLetterInfo.from_headers(m.headers()).offset for m in letters] == [5]
-    assert applied(effects) == [f"k{i}" for i in range(10) if i != 5]
