@@ -161,7 +161,7 @@ class Batch:
             raise ConfigurationError(f"chunk must be a positive integer, got {chunk!r}")
         sql = many_statements(outbox.config.schema)
         outbox._check_sessions()
-        tx = Transaction.open(outbox.engine, pooled=outbox._pooled)
+        tx = outbox._transactions.open(outbox.engine, pooled=outbox._pooled)
         try:
             locks, rows = tx.begin_with_many(
                 [sql.idempotency_keys_lock, sql.idempotency_keys_read],
@@ -373,8 +373,7 @@ class Batch:
             tx.commit_with(statement, params)
         else:
             # Large values go as binary parameters rather than quoted literals.
-            tx.execute(statement.direct, params)
-            tx.commit()
+            tx.commit_bound(statement, params)
         self.committed = True
         self.close()
         self._after(committed=True)
