@@ -384,6 +384,9 @@ class Transaction:
             pq.TransactionStatus.INERROR,
         )
 
+    # failed() answers without a round trip: savepoints can be shared (savepoint_chunk).
+    tells_failures = True
+
     def failed(self) -> bool:
         """True when a statement failed in the transaction: it awaits a rollback to a savepoint
         (known without a round trip)."""

@@ -411,6 +411,9 @@ class AsyncTransaction:
             pq.TransactionStatus.INERROR,
         )
 
+    # failed() answers without a round trip: savepoints can be shared (savepoint_chunk).
+    tells_failures = True
+
     def failed(self) -> bool:
         """True when a statement failed in the transaction: it awaits a rollback to a savepoint
         (known without a round trip)."""

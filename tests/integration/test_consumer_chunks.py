@@ -9,15 +9,18 @@ with the rest of its poll.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections import Counter
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox import AsyncOutbox, Outbox, OutboxConfig, PermanentError
-from outbox.consumer import DeadLetterInfo
+from outbox.consumer import AsyncConsumerRunner, DeadLetterInfo
+from outbox.errors import ConfigurationError
 from tests.fixtures.common import wait_for
 from tests.fixtures.consumer import committed, keyed, produce, read_topic, topic_with_dead_letters
 from tests.integration import test_consumer_batches as batches
@@ -162,3 +165,19 @@ def test_a_handler_that_swallows_a_database_error_fails_alone_in_a_chunk(
     letters = read_topic(kafka_bootstrap, topic + ".dlq", 1)
     assert [DeadLetterInfo.from_headers(m.headers()).offset for m in letters] == [5]
     assert applied(effects) == [f"k{i}" for i in range(10) if i != 5]
+
+
+def test_shared_savepoints_are_refused_on_an_asyncpg_engine(database_url: str) -> None:
+    async def handle(uow: Any, message: Any) -> None:
+        pass
+
+    url = database_url.replace("postgresql+psycopg://", "postgresql+asyncpg://")
+    ob = AsyncOutbox(create_async_engine(url))
+    try:
+        with pytest.raises(ConfigurationError, match=r"^savepoint_chunk=4 needs a psycopg engine"):
+            AsyncConsumerRunner(ob, handle, topics=["t"], group="g",
+                                bootstrap_servers="127.0.0.1:9092", savepoint_chunk=4)  # fmt: skip
+        AsyncConsumerRunner(ob, handle, topics=["t"], group="g",
+                            bootstrap_servers="127.0.0.1:9092")  # fmt: skip
+    finally:
+        asyncio.run(ob.close())
