@@ -3,7 +3,8 @@
     python benchmarks/consumer.py [--database-url URL] [--redis-url URL]
                                   [--bootstrap-servers HOST:PORT] [--messages 20000]
                                   [--partitions 4] [--batch-sizes 1,100,500]
-                                  [--without-redis] [--profile DIR]
+                                  [--savepoint-chunks 32]
+                                  [--without-redis] [--round-trips] [--profile DIR]
 
 In one run, on the same broker and database, it measures:
 
@@ -15,7 +16,9 @@ In one run, on the same broker and database, it measures:
   every message durably. It runs before and after the runners; the ratios use the mean;
 * **runner**: ``outbox consume`` as a separate process (Redis on), one per batch size, with a
   handler that inserts one business row per message (``handle(uow, message)``; and, at
-  ``--batch-handler-sizes``, a ``@batch_handler`` inserting the batch's rows in one statement):
+  ``--batch-handler-sizes``, a ``@batch_handler`` inserting the batch's rows in one statement;
+  and, at the largest batch size, the per-message handler with each of ``--savepoint-chunks``
+  messages sharing a savepoint):
   first ``--messages`` new keys, then the same messages again (every one a duplicate, answered
   by the Redis fast path) through a second process of the same scope in a new group.
   ``--without-redis`` adds the same phases without Redis.
@@ -29,7 +32,12 @@ later: the ``commit`` column is the time until the group's committed offsets cov
 message. The loops are timed from their first message to their last offset commit. After each
 phase the business rows are counted: exactly one per key, or the run fails. ``PG tx`` is how
 many transactions the scratch database counted during the phase (``pg_stat_database``; about 6
-are the benchmark's own and the runner's start-up).
+are the benchmark's own and the runner's start-up), ``tx/msg`` the same per message.
+
+``--round-trips`` sends the floor's and the runners' database connections through a relay that
+counts round trips (benchmarks/wire.py: one for each ReadyForQuery the server sends;
+readiness checks and start-up included): the ``rt/msg`` column. The relay adds its latency to
+every round trip, so compare such a run's rates only with each other.
 
 ``--profile DIR`` attaches ``py-spy record`` to each runner process from its first message to
 its last (raw collapsed stacks of every thread, idle time included, in DIR; the figures of such
@@ -62,6 +70,7 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from scratch import database_argument, scratch_database
+from wire import WireCounter, proxied_url
 
 KAFKA = {"session.timeout.ms": 6000}
 HEADER = "X-Idempotency-Key"
@@ -178,6 +187,7 @@ class Result:
     commit_seconds: float | None = None  # until the group's offsets covered every message
     transactions: int | None = None
     effects: str = ""
+    round_trips: int | None = None
 
     def rate(self, count: int) -> float:
         return count / self.seconds
@@ -333,6 +343,28 @@ class Runner:
                 raise RuntimeError(f"outbox consume exited {code}:\n{self.output()}")
 
 
+@contextlib.contextmanager
+def counting(url: str, enabled: bool) -> Iterator[tuple[WireCounter | None, str]]:
+    """The URL the measured clients use: ``url`` itself, or through a round-trip counter."""
+    if not enabled:
+        yield None, url
+        return
+    db = sa.make_url(url)
+    wire = WireCounter(db.host or "127.0.0.1", db.port or 5432)
+    try:
+        yield wire, proxied_url(url, wire)
+    finally:
+        wire.close()
+
+
+def turns_of(wire: WireCounter | None) -> int | None:
+    return None if wire is None else wire.read()[0]
+
+
+def delta(wire: WireCounter | None, before: int | None) -> int | None:
+    return None if wire is None or before is None else wire.read()[0] - before
+
+
 def committed_total(admin: AdminClient, group: str, topic: str, partitions: int) -> int:
     request = ConsumerGroupTopicPartitions(
         group, [TopicPartition(topic, p) for p in range(partitions)]
@@ -352,6 +384,7 @@ def runner_phase(
     count: int,
     scope: str,
     batch_size: int,
+    chunk: int,
     handler: str,
     handler_dir: str,
     profile: Path | None,
@@ -364,6 +397,7 @@ def runner_phase(
     argv = [sys.executable, "-m", "outbox.cli", "consume", handler,
             "--topic", topic, "--group", group, "--scope", scope, "--database-url", url,
             "--bootstrap-servers", bootstrap, "--batch-size", str(batch_size),
+            "--savepoint-chunk", str(chunk),
             "--metrics-port", str(port), "--log-level", "WARNING",
             *(f"--kafka-config={k}={v}" for k, v in KAFKA.items()),
             *(["--redis-url", redis_url] if redis_url else [])]  # fmt: skip
@@ -417,7 +451,18 @@ def main() -> None:
         help="batch sizes of the @batch_handler (default 500; '' for none)",
     )
     parser.add_argument(
+        "--savepoint-chunks",
+        default="32",
+        help="savepoint chunks of the per-message handler at the largest batch size "
+        "(default 32; '' for none)",
+    )
+    parser.add_argument(
         "--without-redis", action="store_true", help="also run the runner phases without Redis"
+    )
+    parser.add_argument(
+        "--round-trips",
+        action="store_true",
+        help="count the database round trips of the floor and the runners (adds a relay)",
     )
     parser.add_argument(
         "--profile",
@@ -427,9 +472,15 @@ def main() -> None:
         help="run the runners under py-spy record (stacks in DIR)",
     )
     args = parser.parse_args()  # fmt: skip
-    runners = [(f"batch {int(b)}", int(b), "handle") for b in args.batch_sizes.split(",") if b]
+    runners = [(f"batch {int(b)}", int(b), "handle", 1) for b in args.batch_sizes.split(",") if b]
+    largest = max((size for _, size, _, _ in runners), default=500)
     runners += [
-        (f"batch {int(b)}, batch handler", int(b), "handle_batch")
+        (f"batch {largest}, chunk {int(c)}", largest, "handle", int(c))
+        for c in args.savepoint_chunks.split(",")
+        if c
+    ]
+    runners += [
+        (f"batch {int(b)}, batch handler", int(b), "handle_batch", 1)
         for b in args.batch_handler_sizes.split(",")
         if b
     ]
@@ -449,6 +500,7 @@ def main() -> None:
         broker as bootstrap,
         scratch_database(args.database_url, *BENCH_DDL) as url,
         tempfile.TemporaryDirectory() as handler_dir,
+        counting(url, args.round_trips) as (wire, measured_url),
     ):
         (Path(handler_dir) / "bench_handler.py").write_text(HANDLER)
         print(f"{n} messages per scenario, {parts} partitions, broker {bootstrap}", flush=True)
@@ -456,17 +508,18 @@ def main() -> None:
         def report(result: Result) -> None:
             results.append(result)
             commit = f"{result.commit_seconds:6.2f}s" if result.commit_seconds else ""
+            rts = "" if result.round_trips is None else f"{result.round_trips / n:.2f} rt/msg"
             print(f"  {result.label:<48} {result.rate(n):>9.0f} msg/s {commit:>8} "
                   f"{result.transactions if result.transactions is not None else '':>7} "
-                  f"{result.effects}", flush=True)  # fmt: skip
+                  f"{rts:>12} {result.effects}", flush=True)  # fmt: skip
 
         def floor(label: str) -> None:
             topic = make_topic(bootstrap, parts)
             run = uuid.uuid4().hex[:8]
             produce(bootstrap, topic, n, run)
-            before = transactions(url)
-            seconds = floor_loop(url, bootstrap, topic, n)
-            spent = transactions(url) - before
+            before, turns = transactions(url), turns_of(wire)
+            seconds = floor_loop(measured_url, bootstrap, topic, n)
+            spent, turns = transactions(url) - before, delta(wire, turns)
             with psycopg.connect(libpq(url), autocommit=True) as conn:
                 row = conn.execute(
                     "SELECT count(*) FROM bench_floor WHERE key LIKE %s", (f"{run}-%",)
@@ -474,7 +527,7 @@ def main() -> None:
             rows = int(row[0]) if row else 0
             if rows != n:
                 raise RuntimeError(f"floor: {rows} rows for {n} keys")
-            report(Result(label, seconds, None, spent, f"{rows} rows = {n} keys"))
+            report(Result(label, seconds, None, spent, f"{rows} rows = {n} keys", turns))
 
         topic = make_topic(bootstrap, parts)
         produce(bootstrap, topic, n, "bare")
@@ -483,7 +536,7 @@ def main() -> None:
         floor(f"{FLOOR} (before)")
 
         for redis_url in [args.redis_url, *([None] if args.without_redis else [])]:
-            for base, size, handler in runners:
+            for base, size, handler, chunk in runners:
                 scope = f"bench-{uuid.uuid4().hex[:8]}"
                 scopes.append(scope)
                 run = uuid.uuid4().hex[:8]
@@ -498,21 +551,21 @@ def main() -> None:
                     if args.profile is not None:
                         stem = "-".join(f"{name}-{phase.split()[0]}".replace(",", "").split())
                         profile = args.profile / f"{stem.rstrip('%')}.txt"
-                    before = transactions(url)
+                    before, turns = transactions(url), turns_of(wire)
                     seconds, commit, received = runner_phase(
-                        url=url, redis_url=redis_url, bootstrap=bootstrap, topic=topic,
-                        partitions=parts, count=n, scope=scope, batch_size=size,
+                        url=measured_url, redis_url=redis_url, bootstrap=bootstrap, topic=topic,
+                        partitions=parts, count=n, scope=scope, batch_size=size, chunk=chunk,
                         handler=f"bench_handler:{handler}", handler_dir=handler_dir,
                         profile=profile,
                     )  # fmt: skip
-                    spent = transactions(url) - before
+                    spent, turns = transactions(url) - before, delta(wire, turns)
                     rows, keys = effects(url, run)
                     if rows != n or keys != n:
                         raise RuntimeError(f"{name}, {phase}: {rows} rows for {keys} of {n} keys")
                     note = f"{rows} rows = {keys} keys"
                     if received != n:
                         note += f" ({received} messages received)"
-                    report(Result(f"runner {name}, {phase}", seconds, commit, spent, note))
+                    report(Result(f"runner {name}, {phase}", seconds, commit, spent, note, turns))
 
         floor(f"{FLOOR} (after)")
 
@@ -521,24 +574,28 @@ def main() -> None:
         for key in client.scan_iter(match=f"outbox:{len(scope)}:{scope}:*", count=1000):
             client.unlink(key)
     client.close()
-    summary(results, n, [name for name, _, _ in runners], args.without_redis)
+    summary(results, n, [name for name, _, _, _ in runners], args.without_redis)
 
 
 def summary(results: list[Result], n: int, names: list[str], without_redis: bool) -> None:
     rate = {r.label: r.rate(n) for r in results}
     floor = (rate[f"{FLOOR} (before)"] + rate[f"{FLOOR} (after)"]) / 2
     print()
-    print(f"{'scenario':<48} {'msg/s':>9} {'us/msg':>8} {'commit':>7} {'PG tx':>6}  effects")
+    print(f"{'scenario':<48} {'msg/s':>9} {'us/msg':>8} {'commit':>7} {'PG tx':>6} "
+          f"{'tx/msg':>7} {'rt/msg':>7}  effects")  # fmt: skip
     for r in results:
         commit = f"{r.commit_seconds:6.2f}s" if r.commit_seconds else ""
         tx = "" if r.transactions is None else str(r.transactions)
-        print(f"{r.label:<48} {r.rate(n):>9.0f} {1e6 / r.rate(n):>8.1f} {commit:>7} {tx:>6}  "
-              f"{r.effects}")  # fmt: skip
+        per = "" if r.transactions is None else f"{r.transactions / n:.3f}"
+        rts = "" if r.round_trips is None else f"{r.round_trips / n:.3f}"
+        print(f"{r.label:<48} {r.rate(n):>9.0f} {1e6 / r.rate(n):>8.1f} {commit:>7} {tx:>6} "
+              f"{per:>7} {rts:>7}  {r.effects}")  # fmt: skip
     print()
     print(f"floor (mean of before and after): {floor:.0f} msg/s")
     print(
         f"{'runner':<32} {'new/floor':>10} {'dup/new':>8} {'new/batch 1':>12} {'dup/batch 1':>12}"
     )
+    handler_vs_batch = []
     for suffix in ("", ", no Redis") if without_redis else ("",):
         one_new = rate.get(f"runner batch 1{suffix}, new keys")
         one_dup = rate.get(f"runner batch 1{suffix}, 100% duplicates")
@@ -550,6 +607,15 @@ def summary(results: list[Result], n: int, names: list[str], without_redis: bool
             vs_new = f"{new / one_new:>11.2f}x" if one_new else f"{'':>12}"
             vs_dup = f"{dup / one_dup:>11.2f}x" if one_dup else f"{'':>12}"
             print(f"{base + suffix:<32} {new / floor:>9.2f}x {dup / new:>7.2f}x {vs_new} {vs_dup}")
+            if base.endswith(", batch handler"):
+                size = base.removesuffix(", batch handler")
+                for each in names:
+                    got = rate.get(f"runner {each}{suffix}, new keys")
+                    if got is not None and each.split(",")[0] == size and each != base:
+                        handler_vs_batch.append(f"{each}{suffix}: {got / new:.2f}x")
+    if handler_vs_batch:
+        print("per-message handler / batch handler, new keys (same batch size): "
+              + ", ".join(handler_vs_batch))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -288,6 +288,10 @@ class ConsumerConfig:
     # that is not full waits for more after its first message (docs/consumer.md, "Batches").
     batch_size: int = 500
     batch_wait: float = 0.005
+    # Messages of a micro-batch per savepoint: more saves a round trip per message, and a
+    # handler's failure then rolls back the others of its chunk, which run again in the next
+    # micro-batch (docs/consumer.md, "Savepoints").
+    savepoint_chunk: int = 1
     poll_timeout: float = 0.5
     commit_interval: float = 1.0
     # How a message's stored trace context relates to its `process` span (docs/tracing.md):
@@ -358,6 +362,7 @@ class ConsumerConfig:
         _validate.check_header_name(self.key_header, ConfigurationError)
         check_int("max_attempts", self.max_attempts, 1, 1_000_000)
         check_int("batch_size", self.batch_size, 1, 1_000_000)
+        check_int("savepoint_chunk", self.savepoint_chunk, 1, 1_000_000)
         for name in (
             "retry_backoff",
             "retry_backoff_max",

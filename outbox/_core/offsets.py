@@ -54,13 +54,16 @@ class Partition(Tries, Generic[M]):
     tries messages behind the head: what their attempts came to is kept in ``ahead``, by
     offset, until they become the head. ``next_offset`` is the offset to commit; ``committed``
     the last one the broker confirmed. Messages up to offset ``isolated_to`` run one per
-    transaction: a batch of theirs failed as a whole, and alone each failure is its own.
+    transaction: a batch of theirs failed as a whole, and alone each failure is its own. The
+    message at ``alone_at`` runs by itself too: its failure rolled back the others of its
+    savepoint once, and must not do so again.
     """
 
     backlog: deque[M] = field(default_factory=deque)
     next_offset: int | None = None
     committed: int | None = None
     isolated_to: int = -1
+    alone_at: int = -1
     ahead: dict[int, Tries] = field(default_factory=dict)
 
     def finish(self, offset: int, next_head: int | None = None) -> None:

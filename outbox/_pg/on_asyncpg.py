@@ -147,6 +147,14 @@ class AsyncpgTransaction(AsyncTransaction):
         except Exception as exc:
             raise await self._translate(sql, {}, exc) from exc
 
+    # asyncpg does not say whether a statement failed in its transaction (only a round trip
+    # would), so a body that caught its statement's error cannot be told from one that
+    # succeeded: messages cannot share a savepoint.
+    tells_failures = False
+
+    def failed(self) -> bool:
+        return False
+
     def usable(self) -> bool:
         pg = self._pg
         if pg.is_closed() or self.connection.invalidated:

@@ -384,6 +384,14 @@ class Transaction:
             pq.TransactionStatus.INERROR,
         )
 
+    # failed() answers without a round trip: savepoints can be shared (savepoint_chunk).
+    tells_failures = True
+
+    def failed(self) -> bool:
+        """True when a statement failed in the transaction: it awaits a rollback to a savepoint
+        (known without a round trip)."""
+        return self._driver.pgconn.transaction_status == pq.TransactionStatus.INERROR
+
     def execute(self, sql: str, params: dict[str, Any]) -> Any:
         """Run ``sql`` in the transaction (bound by the driver); ``unit``, the claim's token,
         is bound with ``params``."""

@@ -96,6 +96,12 @@ def register(subparsers: Any) -> None:
         help="seconds a batch that is not full waits for more messages "
         f"(default {ConsumerConfig.batch_wait:g})",
     )  # fmt: skip
+    p.add_argument(
+        "--savepoint-chunk", type=int, default=ConsumerConfig.savepoint_chunk,
+        help="messages of a batch per savepoint: more saves a round trip each, and a failing "
+        "message then sends the others of its chunk to the next batch "
+        f"(default {ConsumerConfig.savepoint_chunk})",
+    )  # fmt: skip
     add_flags(p, CONSUMER_METRICS_PORT, "metrics_host", "trace_context", "log_level")
     p.set_defaults(func=command)
 
@@ -119,6 +125,7 @@ def config_from_args(args: argparse.Namespace) -> ConsumerConfig:
         dlq_topic_suffix=args.dlq_suffix,
         batch_size=batch_size,
         batch_wait=args.batch_wait,
+        savepoint_chunk=args.savepoint_chunk,
         trace_context=args.trace_context,
     ).validate()
 

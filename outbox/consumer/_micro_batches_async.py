@@ -98,10 +98,13 @@ class AsyncMicroBatches:
             tries = state.tries(entry.offset, head)
             if not head and tries.retry_at > time.monotonic():
                 break  # tried before in a batch that did not commit: it waits its turn
-            if head and (self.config.batch_size == 1 or entry.offset <= state.isolated_to):
+            alone = entry.offset <= state.isolated_to or entry.offset == state.alone_at
+            if head and (self.config.batch_size == 1 or alone):
                 if await self._alone(mb, sl, entry):
                     continue
                 break
+            if entry.offset == state.alone_at:
+                break  # its failure cost its chunk once: it runs alone once it is the head
             read = await self._attempts.read(message, tries, validate=True)
             if isinstance(read, Outcome):
                 if not self._place(mb, sl, entry, read):
@@ -172,7 +175,10 @@ class AsyncMicroBatches:
             return
         mb.moved = True
         try:
-            batch = await AsyncBatch.open(attempts.outbox, self._scope, [e.key for e in todo])
+            batch = await AsyncBatch.open(
+                attempts.outbox, self._scope, [e.key for e in todo],
+                chunk=self.config.savepoint_chunk,
+            )  # fmt: skip
         except Exception as exc:
             await self._batch_failed(slices, exc)
             return
@@ -204,15 +210,39 @@ class AsyncMicroBatches:
                 if (
                     not batch.usable()
                     or batch.staged_bytes >= _BATCH_BYTES
+                    or batch.full()
                     or self._stopping.is_set()
                     or self._partitions.get(sl.tp) is not sl.state
                 ):
                     del sl.entries[i:]
                     break
                 self._beat()
-                if not await self._run_one(mb, attempts, batch, sl, entry):
+                placed = await self._run_one(mb, attempts, batch, sl, entry)
+                lost = batch.take_lost()
+                if lost:
+                    # It failed in the savepoint it shared with them: they run again in the
+                    # next batch, and it alone.
+                    sl.state.alone_at = entry.offset
+                    if self._cut(slices, set(lost), sl):
+                        break
+                if not placed:
                     del sl.entries[i:]
                     break
+
+    @staticmethod
+    def _cut(slices: list[Slice[Message]], lost: set[str], current: Slice[Message]) -> bool:
+        """Cut every partition's share of the batch at its first message whose unit of work was
+        lost, so that its order holds; True when ``current`` was cut."""
+        cut = False
+        for sl in slices:
+            first = next(
+                (i for i, e in enumerate(sl.entries) if e.fate is Fate.PENDING and e.key in lost),
+                None,
+            )
+            if first is not None:
+                del sl.entries[first:]
+                cut = cut or sl is current
+        return cut
 
     async def _run_one(
         self,

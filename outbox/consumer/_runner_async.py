@@ -195,6 +195,14 @@ class AsyncConsumerRunner:
             _check_guarded(self.config, handler)
             self.guard = outbox
         else:
+            if self.config.savepoint_chunk > 1 and not getattr(
+                outbox._transactions, "tells_failures", True
+            ):
+                raise ConfigurationError(
+                    f"savepoint_chunk={self.config.savepoint_chunk} needs a psycopg engine "
+                    "(postgresql+psycopg://): asyncpg does not tell the runner which message's "
+                    "statement failed in a shared savepoint; use savepoint_chunk=1 with asyncpg"
+                )
             self.outbox = outbox
         self._store = outbox  # where each key's outcome is kept
         self._handler = handler

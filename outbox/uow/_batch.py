@@ -31,6 +31,13 @@ log = logging.getLogger("outbox.uow")
 # in a single unit of work); above it the values go as binary parameters.
 _INLINE_LIMIT = 64 * 1024
 
+# A released savepoint that wrote something keeps its subtransaction id in the transaction until
+# the commit, and PostgreSQL caches 64 of them per backend: past that the transaction is
+# "suboverflowed", and every snapshot that meets its rows -- in any session -- reads pg_subtrans
+# for them (the subtransaction cliff). A batch is full once it released this many (rolled-back
+# savepoints do not count: their ids leave the cache).
+MAX_SAVEPOINTS = 48
+
 
 @dataclass(frozen=True, slots=True)
 class KeyLookup:
@@ -92,6 +99,14 @@ class Batch:
       writes go. The locks stay held (they were taken before the savepoint). Success releases
       the savepoint and sets the next one in one round trip -- and only if the body touched the
       connection or the session at all; a body that only publishes and returns costs none.
+      After :data:`MAX_SAVEPOINTS` such releases the batch is :meth:`full`: its caller commits
+      it and opens another for the keys left.
+    * With ``chunk`` > 1 (``open(..., chunk=32)``), up to ``chunk`` units of work share one
+      savepoint: the round trip that releases it is paid once per chunk, and only when another
+      unit of work is about to begin. A unit that fails after touching the connection rolls the
+      whole chunk back: the chunk's other units of work are then *lost* -- not recorded, their
+      keys not to be used again in this batch -- and :meth:`take_lost` names them, so that the
+      caller runs them again in another batch.
     * :meth:`commit` writes every key's final row and every outbox row in one statement and
       commits in the same round trip, after the last unit of work's business writes took their
       locks (as a single unit of work does); the outcomes go to Redis only after the commit.
@@ -101,9 +116,21 @@ class Batch:
     """
 
     def __init__(
-        self, outbox: Outbox, scope: str, tx: Transaction, lookups: dict[str, KeyLookup]
+        self,
+        outbox: Outbox,
+        scope: str,
+        tx: Transaction,
+        lookups: dict[str, KeyLookup],
+        chunk: int = 1,
     ) -> None:
         self._outbox = outbox
+        self.chunk = chunk
+        # Units of work that ended well in the current savepoint, not staged yet (it may still
+        # be rolled back); whether any of them touched the connection; and the keys of units of
+        # work lost with a savepoint since take_lost() last asked.
+        self._pending: list[Completion] = []
+        self._dirty = False
+        self._lost: list[str] = []
         self.scope = scope
         self._tx: Transaction | None = tx
         self._lookups = lookups
@@ -116,6 +143,7 @@ class Batch:
         self._errors: list[str | None] = []
         self._events: list[Event] = []
         self.staged_bytes = 0
+        self.savepoints = 0  # released after writing: subtransaction ids the transaction holds
         # Outcomes for Redis after the commit; and outcomes read from PostgreSQL, already
         # committed, to warm it with whatever becomes of the batch.
         self._outcomes: list[tuple[str, StoredOutcome, float | None]] = []
@@ -123,12 +151,14 @@ class Batch:
         self.committed = False
 
     @classmethod
-    def open(cls, outbox: Outbox, scope: str, keys: list[str]) -> Batch:
+    def open(cls, outbox: Outbox, scope: str, keys: list[str], *, chunk: int = 1) -> Batch:
         """Begin the batch's transaction, take every key's lock and read every key's outcome
         (``keys``: distinct, already validated) in one round trip; raises what the database
-        raised (nothing is held then)."""
+        raised (nothing is held then). ``chunk``: units of work per savepoint."""
         if len(set(keys)) != len(keys):
             raise ConfigurationError("a batch claims each key once")
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise ConfigurationError(f"chunk must be a positive integer, got {chunk!r}")
         sql = many_statements(outbox.config.schema)
         outbox._check_sessions()
         tx = outbox._transactions.open(outbox.engine, pooled=outbox._pooled)
@@ -153,7 +183,7 @@ class Batch:
         for key, acquired in zip(keys, locks[0][0], strict=True):
             outcome, age = stored.get(key, (None, None))
             lookups[key] = KeyLookup(bool(acquired), outcome, age)
-        return cls(outbox, scope, tx, lookups)
+        return cls(outbox, scope, tx, lookups, chunk)
 
     def lookup(self, key: str) -> KeyLookup:
         """What the batch's lookup learned about ``key`` (one of the keys it was opened with)."""
@@ -162,6 +192,19 @@ class Batch:
     def usable(self) -> bool:
         """True while more units of work can run and the batch can still commit."""
         return self._tx is not None and self._tx.usable()
+
+    def full(self) -> bool:
+        """True once the batch released :data:`MAX_SAVEPOINTS` savepoints that wrote: another
+        unit of work that writes would take the transaction past PostgreSQL's cache of
+        subtransactions."""
+        return self.savepoints >= MAX_SAVEPOINTS
+
+    def take_lost(self) -> list[str]:
+        """The keys whose units of work ended well but were rolled back with their savepoint
+        (a later unit of work of its chunk failed) since the last call: none of them is
+        recorded, and none may have another unit of work in this batch."""
+        lost, self._lost = self._lost, []
+        return lost
 
     def unit_of_work(self, key: str, scope: str, fingerprint: str | None = None) -> _BatchAttempt:
         """The unit of work of ``key`` in this batch: the same outcomes as
@@ -211,14 +254,22 @@ class Batch:
         if exc is None:
             try:
                 done = [uow.complete() for uow in units]
-                if touched:
+                # Sharing a savepoint, a body whose statement failed (the error caught) still
+                # ends here, on the savepoint it broke: RELEASE then fails it, as alone.
+                if touched and (self.chunk == 1 or tx.failed()):
                     tx.renew(rollback=False)
+                    self.savepoints += 1
             except BaseException:
                 self._roll_back(units, touched)
                 raise
             _close(units)
-            for completion in done:
-                self._stage_completed(completion)
+            self.staged_bytes += sum(len(e.value or b"") for d in done for e in d.events)
+            if self.chunk == 1:
+                for completion in done:
+                    self._stage_completed(completion)
+            else:  # staged once their savepoint is released (_make_room, commit)
+                self._pending.extend(done)
+                self._dirty = self._dirty or touched
             return
         self._roll_back(units, touched)
         if len(units) == 1 and is_permanent(exc, self._outbox.config.permanent_errors):
@@ -233,14 +284,39 @@ class Batch:
             _close(units)
         finally:
             tx = self._tx
-            if touched and tx is not None and tx.usable():
-                tx.renew(rollback=True)
+            if touched:
+                # The chunk's earlier units of work go with the savepoint -- also those that
+                # wrote nothing: a message of their partition may be among the lost, and
+                # effects commit in partition order.
+                self._lost.extend(c.key for c in self._pending)
+                self.staged_bytes -= sum(len(e.value or b"") for c in self._pending
+                                         for e in c.events)  # fmt: skip
+                self._pending = []
+                self._dirty = False
+                if tx is not None and tx.usable():
+                    tx.renew(rollback=True)
+
+    def _make_room(self) -> None:
+        """Before a unit of work begins: a full chunk's savepoint is released and the next one
+        set (one round trip; none if the chunk wrote nothing), and its units of work staged."""
+        if len(self._pending) < self.chunk:
+            return
+        tx = self._tx
+        if self._dirty and tx is not None:
+            tx.renew(rollback=False)
+            self.savepoints += 1
+        self._stage_pending()
+
+    def _stage_pending(self) -> None:
+        for completion in self._pending:
+            self._stage_completed(completion)
+        self._pending = []
+        self._dirty = False
 
     def _stage_completed(self, done: Completion) -> None:
         self._stage(done.key, claim.STATUS_COMPLETED, done.fingerprint, done.result_json,
                     done.result, None)  # fmt: skip
         self._events.extend(done.events)
-        self.staged_bytes += sum(len(e.value or b"") for e in done.events)
 
     def _stage(
         self,
@@ -266,6 +342,7 @@ class Batch:
         tx = self._tx
         if tx is None:
             raise ConfigurationError("the batch has ended")
+        self._stage_pending()  # COMMIT releases the last savepoint
         if not self._keys:
             tx.finish()  # nothing to write: no statement, no COMMIT record to wait for
             self._tx = None
@@ -368,6 +445,7 @@ class _BatchGroup:
         self._units: list[BatchUnitOfWork] = []
 
     def __enter__(self) -> list[BatchUnitOfWork]:
+        self._batch._make_room()
         for key, scope, fingerprint in self._keys:
             self._units.append(self._batch._begin(key, scope, fingerprint))
         return self._units

@@ -12,6 +12,7 @@ micro-batches (a kill lands in the middle of one), and once with one transaction
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -61,6 +62,16 @@ async def handle_async(uow: Any, message: Any) -> dict[str, int]:
     if body["poison"]:
         raise PermanentError(f"message {body['n']} cannot be applied")
     await uow.connection.execute(INSERT_EFFECT, {"key": uow.key, "n": body["n"]})
+    return {"n": body["n"]}
+
+
+def handle_after_writing(uow: Any, message: Any) -> dict[str, int]:
+    """The handler with the poison found after its write: its failure rolls the write back
+    (with the rest of its savepoint)."""
+    body = json.loads(message.value())
+    uow.connection.execute(INSERT_EFFECT, {"key": uow.key, "n": body["n"]})
+    if body["poison"]:
+        raise PermanentError(f"message {body['n']} cannot be applied")
     return {"n": body["n"]}
 
 
@@ -298,3 +309,71 @@ def test_kill_restart_three_consumers_exactly_once(
     per_kill = 1 if batch_size == 1 else 10
     extra = letters - (POISON + KEYLESS)
     assert extra <= consumers.kills * per_kill + len(duplicated_poison)
+
+
+# SIGKILLs of the storm below; OUTBOX_TEST_KILL_STORM raises it for a longer run by hand.
+STORM_KILLS = int(os.environ.get("OUTBOX_TEST_KILL_STORM", "20"))
+
+
+@pytest.mark.slow
+def test_a_storm_of_kills_on_chunked_savepoints_leaves_one_effect_per_key(
+    kafka_bootstrap: str,
+    database_url: str,
+    engine: sa.Engine,
+    private_redis: Any,
+    fleet: Callable[[list[str]], Fleet],
+) -> None:
+    """One consumer with 16 messages per savepoint, SIGKILLed and restarted STORM_KILLS times
+    as soon as its effects grew past the last kill's count, so that every kill lands while
+    micro-batches are in flight; poison messages fail after writing, so each rolls its chunk
+    back among them. Still every good key has exactly one effect and every offset is
+    committed."""
+    rng = random.Random(41)
+    good, poison, keyless, duplicates = 2000, 20, 10, 400
+    topic = f"storm-{uuid.uuid4().hex[:10]}"
+    group = f"storm-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_bootstrap, topic, partitions=PARTITIONS)
+    create_topic(kafka_bootstrap, topic + ".dlq", partitions=1)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE effects (key text NOT NULL, n int, pid int)"))
+    messages = build_messages(rng, good, poison, keyless, duplicates)
+    per_partition = produce(kafka_bootstrap, topic, messages)
+    command = [
+        OUTBOX_BIN, "consume", f"{__name__}:handle_after_writing", "--topic", topic,
+        "--group", group, "--database-url", database_url, "--redis-url", private_redis().url,
+        "--bootstrap-servers", kafka_bootstrap, "--log-level", "WARNING",
+        "--batch-size", "200", "--savepoint-chunk", "16",
+    ]  # fmt: skip
+    for name, value in KAFKA.items():
+        command += ["--kafka-config", f"{name}={value}"]
+    consumer = fleet(command)
+    consumer.start(0)
+
+    def effects() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text("SELECT count(*) FROM effects")).scalar_one())
+
+    # Kill once the effects moved past the last kill's count: the restarted process did work.
+    step = max(1, good // (STORM_KILLS + 2))
+    for k in range(STORM_KILLS):
+        wait_for(
+            lambda t=(k + 1) * step: effects() >= t, 120,
+            f"{(k + 1) * step} effects before kill {k + 1}\n{consumer.logs()}", interval=0.01,
+        )  # fmt: skip
+        consumer.kill(0)
+        consumer.start(0)
+    assert consumer.kills == STORM_KILLS
+
+    wait_for(
+        lambda: committed(kafka_bootstrap, group, topic) == per_partition,
+        180, f"every offset committed (want {per_partition})\n{consumer.logs()}", interval=0.2,
+    )  # fmt: skip
+    assert consumer.terminate_all() == [0], consumer.logs()
+    with engine.connect() as conn:
+        counts = dict(conn.execute(sa.text("SELECT key, count(*) FROM effects GROUP BY key")).all())
+    assert set(counts) == {f"good-{i}" for i in range(good)}
+    assert {k: c for k, c in counts.items() if c != 1} == {}
+    letters = check_dead_letters(kafka_bootstrap, topic, good, poison, keyless)
+    # A kill may repeat the dead letters of the micro-batch in flight (see above).
+    duplicated_poison = {m["key"] for m in messages if m["poison"] and m["n"] == -1}
+    assert letters - (poison + keyless) <= consumer.kills * 10 + len(duplicated_poison)

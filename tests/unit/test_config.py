@@ -9,7 +9,7 @@ from outbox import OutboxConfig
 from outbox._core.claim import lock_id
 from outbox._pg.statements import idempotency_key_complete, statements
 from outbox.cli._common import parse_kafka_config
-from outbox.config import POOLERS, normalize_database_url, redact_url
+from outbox.config import POOLERS, ConsumerConfig, normalize_database_url, redact_url
 from outbox.errors import ConfigurationError
 
 
@@ -132,3 +132,22 @@ def test_pooler_is_one_of_the_pooling_modes(value: object) -> None:
     connection exists."""
     with pytest.raises(ConfigurationError, match="pooler must be None"):
         OutboxConfig(pooler=value).validate()  # type: ignore[arg-type]
+
+
+@given(
+    st.one_of(
+        st.integers(max_value=0),
+        st.integers(min_value=1_000_001),
+        st.booleans(),
+        st.floats(),
+        st.text(max_size=5),
+        st.none(),
+    )
+)
+def test_a_savepoint_chunk_that_is_not_an_integer_in_range_is_refused_by_name(
+    chunk: object,
+) -> None:
+    with pytest.raises(ConfigurationError, match=r"^savepoint_chunk must be"):
+        ConsumerConfig(
+            topics=("t",), group="g", bootstrap_servers="127.0.0.1:9092", savepoint_chunk=chunk
+        ).validate()  # type: ignore[arg-type]
