@@ -74,7 +74,7 @@ def layer(module: str) -> str:
         return "schema"
     if second in ("_pg", "_redis", "_kafka", "_otel"):
         return "adapter"
-    if second == "cli":
+    if second in ("cli", "__main__"):  # `python -m outbox` is the command
         return "cli"
     return "service"
 
