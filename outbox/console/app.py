@@ -153,6 +153,7 @@ class Console:
         environment = jinja2.Environment(
             loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=True
         )
+        environment.filters["warning"] = data.warning_html
         self.templates = Jinja2Templates(env=environment)
         self.samples = chart.Samples()
         self._stop = threading.Event()

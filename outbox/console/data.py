@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
+from markupsafe import Markup, escape
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
 from outbox._core.dlq import Group, check_group_id
@@ -36,7 +37,28 @@ VALUE_SHOWN = 4096
 HEX_SHOWN = 1024
 KEY_EVENTS_SHOWN = 50
 
-__all__ = ["PAGE_SIZE", "ParkedFilter", "ParkedView", "parse_filter"]
+__all__ = ["PAGE_SIZE", "ParkedFilter", "ParkedView", "parse_filter", "warning_html"]
+
+# The commands a status warning names that have a page of their own on the console.
+_COMMAND_PAGES = {"outbox parked list": ("/parked", "the Parked page")}
+_BACKTICKED = re.compile(r"`([^`]+)`")
+
+
+def warning_html(text: str) -> Markup:
+    """A status warning for a page: a command with a page of its own becomes a link to that
+    page, another backticked command is set as code (the CLI writes backticks as plain text)."""
+
+    parts = _BACKTICKED.split(text)  # even: prose, odd: what stood between backticks
+    html = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            html.append(str(escape(part)))
+        elif part in _COMMAND_PAGES:
+            href, label = _COMMAND_PAGES[part]
+            html.append(f'<a href="{href}">{escape(label)}</a>')
+        else:
+            html.append(f"<code>{escape(part)}</code>")
+    return Markup("".join(html))
 
 
 def _text(name: str, value: str | None) -> str | None:

@@ -1,5 +1,6 @@
 """The version a user asks for is the one installed: ``outbox --version``, ``python -m outbox``
-and ``outbox.__version__`` agree with the distribution's metadata (one place: outbox/__init__.py)."""
+and ``outbox.__version__`` agree with the distribution's metadata (written once, in
+outbox/__init__.py)."""
 
 from __future__ import annotations
 
