@@ -142,6 +142,51 @@ def outbox_rows_naming(
     return list(connection.execute(query))
 
 
+def outbox_rows_of_unit(
+    connection: sa.Connection, schema: str | None, scope: str, key: str, limit: int
+) -> tuple[list[sa.Row[Any]], int]:
+    """The outbox rows written in the transaction that completed ``(scope, key)``, and how
+    many keys that transaction completed (more than one: a consumer micro-batch, whose rows
+    cannot be told apart by key).
+
+    The schema keeps no column that links an event to its unit of work; the transaction does.
+    The key's final row and its events are written by one statement (see
+    :func:`outbox._pg.statements.idempotency_key_complete`), so the events' ``created_at`` and
+    the key's ``updated_at`` are the same transaction timestamp (``now()``, in microseconds),
+    which the relay never changes. (Their ``xmin`` would be exact, but the relay's updates of a
+    failed or parked row give it a new one.) A unit of work whose transaction began in the same
+    microsecond would match too. A row that left the outbox (delivered, or discarded) is not
+    found: the outbox keeps no history.
+    """
+    t = tables(schema)
+    k = t.idempotency_keys.alias("k")
+    o = t.outbox.alias("o")
+    query = (
+        sa.select(
+            o.c.id, o.c.event_id, o.c.topic, o.c.key, o.c.attempts, o.c.last_error,
+            o.c.parked_at, o.c.created_at,
+        )
+        .select_from(k.join(o, o.c.created_at == k.c.updated_at))
+        .where(k.c.scope == scope, k.c.key == key, k.c.status == "completed")
+        .order_by(o.c.id)
+        .limit(limit)
+    )  # fmt: skip
+    rows: list[sa.Row[Any]] = list(connection.execute(query))
+    # The keys its transaction completed (key rows are not updated once completed, so their
+    # xmin is the completing transaction's), found through the updated_at index.
+    k2 = t.idempotency_keys.alias("k2")
+    sharing = (
+        sa.select(sa.func.count())
+        .select_from(k.join(k2, k2.c.updated_at == k.c.updated_at))
+        .where(
+            k.c.scope == scope,
+            k.c.key == key,
+            sa.literal_column("k2.xmin") == sa.literal_column("k.xmin"),
+        )
+    )
+    return rows, int(connection.execute(sharing).scalar_one())
+
+
 def outbox_rows_deleted(connection: sa.Connection, schema: str | None) -> int | None:
     """PostgreSQL's cumulative count of rows deleted from the outbox table (statistics)."""
     query = sa.text(

@@ -391,7 +391,7 @@ class Console:
     def keys(self, request: Request) -> Response:
         lookup = data.parse_key_lookup(dict(request.query_params))
         found = None
-        events: list[data.KeyEvent] = []
+        events = data.KeyEvents([], 0)
         if lookup is not None:
             with self.engine.connect() as conn:
                 found, events = data.lookup_key(conn, self.schema, *lookup)

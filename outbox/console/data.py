@@ -376,13 +376,47 @@ class KeyEvent:
     error: str
     parked: bool
     created_at: datetime
+    # "unit": written by the key's unit of work; "named": its message key or
+    # X-Idempotency-Key header is the key (an event of another unit of work that names it).
+    link: str = "unit"
+
+
+@dataclass(frozen=True)
+class KeyEvents:
+    """What the outbox still holds of a key's unit of work, and what it cannot say."""
+
+    events: list[KeyEvent]
+    # Keys completed by the same transaction (a consumer micro-batch writes many at once).
+    keys_in_transaction: int
+
+    @property
+    def of_unit(self) -> list[KeyEvent]:
+        return [e for e in self.events if e.link == "unit"]
+
+    @property
+    def named(self) -> list[KeyEvent]:
+        return [e for e in self.events if e.link == "named"]
+
+
+def _key_event(r: Any, link: str) -> KeyEvent:
+    return KeyEvent(
+        event_id=r.event_id,
+        topic=r.topic,
+        key=key_text(r.key),
+        attempts=r.attempts,
+        error=r.last_error or "",
+        parked=r.parked_at is not None,
+        created_at=r.created_at,
+        link=link,
+    )
 
 
 def lookup_key(
     connection: sa.Connection, schema: str | None, scope: str, key: str
-) -> tuple[KeyView | None, list[KeyEvent]]:
-    """The idempotency key and the outbox rows still naming it (by message key or by the
-    ``X-Idempotency-Key`` header)."""
+) -> tuple[KeyView | None, KeyEvents]:
+    """The idempotency key, the outbox rows its unit of work wrote that are still there
+    (pending or parked; delivered ones have left), and other rows naming the key (by message
+    key or by the ``X-Idempotency-Key`` header)."""
     schema = validate_schema_name(schema)
     row = sql.idempotency_key(connection, schema, scope, key)
     view = None
@@ -400,18 +434,9 @@ def lookup_key(
             created_at=row.created_at,
             updated_at=row.updated_at,
         )
-    events = [
-        KeyEvent(
-            event_id=r.event_id,
-            topic=r.topic,
-            key=key_text(r.key),
-            attempts=r.attempts,
-            error=r.last_error or "",
-            parked=r.parked_at is not None,
-            created_at=r.created_at,
-        )
-        for r in sql.outbox_rows_naming(
-            connection, schema, key, IDEMPOTENCY_HEADER, KEY_EVENTS_SHOWN
-        )
-    ]
-    return view, events
+    unit_rows, sharing = sql.outbox_rows_of_unit(connection, schema, scope, key, KEY_EVENTS_SHOWN)
+    events = [_key_event(r, "unit") for r in unit_rows]
+    seen = {e.event_id for e in events}
+    named = sql.outbox_rows_naming(connection, schema, key, IDEMPOTENCY_HEADER, KEY_EVENTS_SHOWN)
+    events += [_key_event(r, "named") for r in named if r.event_id not in seen]
+    return view, KeyEvents(events, sharing)
