@@ -132,3 +132,16 @@ def test_pooler_is_one_of_the_pooling_modes(value: object) -> None:
     connection exists."""
     with pytest.raises(ConfigurationError, match="pooler must be None"):
         OutboxConfig(pooler=value).validate()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("url", ["db.example.com:5432/app", "app:pw@db.example.com/app"])
+def test_the_missing_scheme_hint_survives_redaction(url: str) -> None:
+    from outbox._core.redact import redact_text
+    from outbox._core.urls import check_database_url
+
+    with pytest.raises(ConfigurationError) as caught:
+        check_database_url(url)
+    shown = redact_text(str(caught.value))  # what the commands print
+    assert "does not start with a scheme" in shown
+    assert shown.endswith("expected postgresql+psycopg://user:***@host:5432/dbname")
+    assert "pw" not in shown
