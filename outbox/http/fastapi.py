@@ -5,6 +5,8 @@ request's session once the handler has returned and **before FastAPI sends the r
 commit that fails (a deferred constraint, a lost connection) reaches the client as a 500, never
 as a 2xx for work that did not commit; a plain ``yield`` dependency would finish after the
 response. :func:`add_exception_handlers` answers the toolkit's refusals as the middlewares do.
+As the middlewares do, the dependency covers the caller in the fingerprint (a stored response
+is only for its own caller) and marks replays with ``Idempotent-Replayed: true``.
 Needs the ``fastapi`` extra; ``docs/http.md`` shows it in use.
 """
 
@@ -12,18 +14,30 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Request as FastAPIRequest
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response as FastAPIResponse
+try:
+    from fastapi import Depends, FastAPI, Header, Request as FastAPIRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.openapi.utils import get_openapi
+    from fastapi.responses import Response as FastAPIResponse
+except ModuleNotFoundError as exc:  # pragma: no cover - shown by a test in a subprocess
+    raise ModuleNotFoundError(
+        f"outbox.http.fastapi needs FastAPI ({exc.name} is not installed): "
+        "pip install 'outbox-kit[fastapi]'",
+        name=exc.name,
+    ) from exc
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from outbox._core.http import (
+    DEFAULT_CALLER_HEADERS,
     DEFAULT_METHODS,
     DEFAULT_RETRY_AFTER,
+    IDEMPOTENCY_KEY_HEADER,
+    REPLAYED_HEADER,
     Headers,
     HttpSettings,
+    PrincipalOf,
     Problem,
     Refused,
     Request,
@@ -72,6 +86,10 @@ def unit_of_work(
     session: Callable[..., Any] | None = None,
     scope: str | ScopeOf | None = None,
     require_key: bool = True,
+    principal: PrincipalOf | None = None,
+    caller_headers: Iterable[str] = DEFAULT_CALLER_HEADERS,
+    caller_cookies: Iterable[str] = (),
+    per_caller: bool = True,
 ) -> Any:
     """A FastAPI dependency giving the handler the request's :class:`~outbox.AsyncUnitOfWork`.
 
@@ -83,18 +101,36 @@ def unit_of_work(
     * ``require_key`` -- refuse a request without ``Idempotency-Key`` (400). With ``False``,
       such a request gets ``None`` instead of a unit of work (its session is committed the same
       way).
+    * ``principal``, ``caller_headers``, ``caller_cookies``, ``per_caller`` -- who the caller
+      is, as for the middlewares: the fingerprint covers a digest of the caller's credentials
+      (by default the ``Authorization`` header), so another caller presenting the same key
+      gets a 422, never this caller's response.
 
-    The fingerprint a reused key must match covers the method, path, query and body, as the
-    middlewares' does. The handler's exception rolls everything back and stores nothing, so
-    the client's retry runs again. The ``Idempotency-Key`` header appears in the route's
-    OpenAPI schema.
+    The fingerprint a reused key must match covers the method, path, query, body and caller, as
+    the middlewares' does. A replay's response carries ``Idempotent-Replayed: true`` (when the
+    handler returns a value; a ``Response`` it builds itself is sent as it is). The handler's
+    exception rolls everything back and stores nothing, so the client's retry runs again. The
+    ``Idempotency-Key`` header appears in the route's OpenAPI schema, ``required`` when
+    ``require_key`` is on (:func:`add_exception_handlers` answers its absence with the
+    middlewares' 400).
     """
     _check_scope_support()
     if not isinstance(outbox, AsyncOutbox):
         raise ConfigurationError(
             f"unit_of_work() needs an AsyncOutbox, got {type(outbox).__name__}"
         )
-    admission = HttpSettings(scope, require_key, _ALL_METHODS).validate()
+    admission = HttpSettings(
+        scope, require_key, _ALL_METHODS, principal=principal, caller_headers=caller_headers,
+        caller_cookies=caller_cookies, per_caller=per_caller,
+    ).validate()  # fmt: skip
+    # Required in the signature when the server requires it, so that OpenAPI says so; FastAPI
+    # then refuses a request without it (RequestValidationError), which add_exception_handlers
+    # answers with the middlewares' 400.
+    key_header: Any = Header(
+        ... if admission.require_key else None,
+        alias="Idempotency-Key",
+        description=IDEMPOTENCY_KEY_DESCRIPTION,
+    )
 
     async def own_session() -> AsyncIterator[AsyncSession]:
         async with AsyncSession(outbox.engine, expire_on_commit=False) as own:
@@ -104,10 +140,8 @@ def unit_of_work(
 
     async def request_unit_of_work(
         request: FastAPIRequest,
-        idempotency_key: Annotated[
-            str | None,
-            Header(alias="Idempotency-Key", description=IDEMPOTENCY_KEY_DESCRIPTION),
-        ] = None,
+        response: FastAPIResponse,
+        idempotency_key: str | None = key_header,
         db: AsyncSession = Depends(session_dependency),  # noqa: B008 (FastAPI's idiom)
     ) -> AsyncIterator[AsyncUnitOfWork | None]:
         headers = Headers(request.headers.items())
@@ -125,10 +159,13 @@ def unit_of_work(
             await db.commit()
             return
         body = await request.body()  # already read and kept by FastAPI: no second read
-        request_fingerprint = fingerprint(target.method, target.target, body)
+        caller = admission.caller_of(target)  # a stored response is only for its own caller
+        request_fingerprint = fingerprint(target.method, target.target, body, caller)
         async with outbox.unit_of_work(
             covered.key, covered.scope, request_fingerprint, session=db
         ) as uow:
+            if uow.replayed:  # FastAPI merges these headers into the response it builds
+                response.headers[REPLAYED_HEADER] = "true"
             yield uow
         await db.commit()  # before the response: a failed commit is a 500, never a 2xx
 
@@ -148,8 +185,10 @@ def add_exception_handlers(app: FastAPI, *, retry_after: int = DEFAULT_RETRY_AFT
     """Answer the toolkit's refusals with the middlewares' ``application/problem+json``:
     :class:`~outbox.KeyInProgress` 409 with ``Retry-After: retry_after``,
     :class:`~outbox.KeyReuseError` and :class:`~outbox.PreviouslyFailed` 422, a malformed key
-    400, and :class:`~outbox.errors.NoUnitOfWork` (``current_unit_of_work()`` on a request that
-    came without a key) 400 "Idempotency-Key missing"."""
+    400, a request without the key a route requires 400 "Idempotency-Key missing" (FastAPI's
+    own validation error otherwise goes to the handler registered before), and
+    :class:`~outbox.errors.NoUnitOfWork` (``current_unit_of_work()`` on a request that came
+    without a key) 400 "Idempotency-Key missing"."""
     if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 1:
         raise ConfigurationError(f"retry_after must be a positive int, got {retry_after!r}")
 
@@ -166,6 +205,25 @@ def add_exception_handlers(app: FastAPI, *, retry_after: int = DEFAULT_RETRY_AFT
     async def no_unit_of_work(_: FastAPIRequest, exc: Exception) -> FastAPIResponse:
         return _problem_response(missing_key())
 
+    invalid = app.exception_handlers.get(RequestValidationError)
+
+    async def invalid_request(request: FastAPIRequest, exc: Exception) -> Any:
+        assert isinstance(exc, RequestValidationError)
+        for error in exc.errors():
+            location = error.get("loc", ())
+            if (
+                error.get("type") == "missing"
+                and len(location) == 2
+                and location[0] == "header"
+                and str(location[1]).lower() == IDEMPOTENCY_KEY_HEADER
+            ):
+                return _problem_response(missing_key())
+        if invalid is None:  # pragma: no cover - FastAPI always registers its own
+            raise exc
+        answer = invalid(request, exc)
+        return await answer if inspect.isawaitable(answer) else answer
+
+    app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(Refused, refused)
     for error in (KeyInProgress, KeyReuseError, PreviouslyFailed):
         app.add_exception_handler(error, outbox_refusal)

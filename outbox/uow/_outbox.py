@@ -218,10 +218,12 @@ class Outbox:
         :class:`~outbox.errors.PermanentError` records the failure, to commit with the caller.
 
         ``result_type`` declares the type of ``uow.result`` beyond plain JSON (a pydantic model,
-        a dataclass, ``Decimal``, ``UUID``, ``datetime``, ``date``, lists and dicts of them): it
-        is stored as JSON data and a replay -- from Redis or PostgreSQL -- returns an equal
-        value of that type. ``result_codec`` (``encode(value)`` / ``decode(data)``) does the
-        same for other types. See ``docs/payload-formats.md``.
+        a dataclass, an enum, ``Literal``, ``Decimal``, ``UUID``, ``datetime``, ``date``, lists,
+        tuples, dicts and unions of them): the result is checked to the depth its type
+        declares before commit, stored as JSON data, and a replay -- from Redis or PostgreSQL --
+        returns an equal value of that type; a type that cannot come back exactly is refused
+        here (``ConfigurationError``). ``result_codec`` (``encode(value)`` / ``decode(data)``)
+        does the same for other types. See ``docs/payload-formats.md``.
         """
         _validate.check_key(key)
         _validate.check_scope(scope)

@@ -166,11 +166,44 @@ def test_current_unit_of_work_without_a_key_is_a_400_not_a_500(app_url: str, pat
     problem(response, 400, "idempotency-key-missing")
 
 
-def test_the_openapi_schema_shows_the_idempotency_key_header(app_url: str) -> None:
+def test_the_openapi_schema_marks_the_key_required_where_the_server_requires_it(
+    app_url: str,
+) -> None:
     with httpx.Client(base_url=app_url, timeout=30) as client:
         schema = client.get("/openapi.json").json()
-    parameters = schema["paths"]["/orders"]["post"]["parameters"]
-    assert {"header": "Idempotency-Key"} in [{p["in"]: p["name"]} for p in parameters]
+
+    def key_parameter(path: str) -> dict[str, Any]:
+        parameters = schema["paths"][path]["post"]["parameters"]
+        (found,) = [p for p in parameters if (p["in"], p["name"]) == ("header", "Idempotency-Key")]
+        return found  # type: ignore[no-any-return]
+
+    assert key_parameter("/orders")["required"] is True  # a request without it gets a 400
+    assert key_parameter("/open")["required"] is False  # require_key=False
+
+
+def test_a_second_caller_with_the_same_key_never_gets_the_first_callers_response(
+    app_url: str, engine: sa.Engine
+) -> None:
+    key = str(uuid.uuid4())
+    alice = post(app_url, key, authorization="Bearer alice")
+    assert alice.status_code == 201, alice.text
+    problem(post(app_url, key, authorization="Bearer bob"), 422, "idempotency-key-reused")
+    problem(post(app_url, key), 422, "idempotency-key-reused")  # nor to a caller without any
+    again = post(app_url, key, authorization="Bearer alice")
+    assert again.status_code == 201 and again.json() == alice.json()
+    assert effects(engine) == (1, 1, 1)
+
+
+def test_a_replay_is_marked_idempotent_replayed_like_the_middlewares(
+    app_url: str, engine: sa.Engine
+) -> None:
+    key = str(uuid.uuid4())
+    first = post(app_url, key)
+    assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+    again = post(app_url, key)
+    assert again.status_code == 201 and again.json() == first.json()
+    assert again.headers["idempotent-replayed"] == "true"
+    assert effects(engine) == (1, 1, 1)
 
 
 def test_an_outbox_of_the_wrong_flavour_is_refused_before_any_request(database_url: str) -> None:

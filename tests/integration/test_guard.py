@@ -350,3 +350,25 @@ def _claim_when_free(guard: RedisGuard, key: str, timeout: float) -> Claim:
 
     wait_for(attempt, timeout, f"{key!r} was not taken over", interval=0.01)
     return taken[0]
+
+
+def test_an_owner_whose_lease_was_taken_over_cannot_renew_it(guard_target: Target) -> None:
+    with guard_target.guard(lease=0.3) as guard:
+        stale = guard.claim("renewed")
+        stale.__enter__()  # an owner that stalls past its lease
+        taker = _claim_when_free(guard, "renewed", timeout=5)
+        client = guard_target.client()
+        try:
+            record = client.hgetall(taker.redis_key)
+            # Its heartbeat comes back: the renewal script checks the owner token, so it is
+            # told the lease is lost and the new owner's deadline stays where it was.
+            assert stale._renew() is False
+            assert client.hgetall(taker.redis_key) == record
+        finally:
+            client.close()
+        taker.result = "taker"
+        taker.__exit__(None, None, None)
+        with pytest.raises(LeaseLost):
+            stale.__exit__(None, None, None)
+        with guard.claim("renewed") as claim:
+            assert claim.replayed and claim.result == "taker"

@@ -322,3 +322,41 @@ async def _claim_when_free(guard: AsyncRedisGuard, key: str, timeout: float) -> 
             if loop.time() > deadline:
                 raise
             await asyncio.sleep(0.01)
+
+
+def test_an_async_owner_whose_lease_was_taken_over_cannot_renew_it(guard_target: Target) -> None:
+    async def run() -> None:
+        async with guard_target.async_guard(lease=0.3) as guard:
+            stale = guard.claim("renewed")
+            await stale.__aenter__()  # an owner that stalls past its lease
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while True:  # the first claim after the stale owner's lease ran out
+                taker = guard.claim("renewed")
+                try:
+                    await taker.__aenter__()
+                    break
+                except KeyInProgress:
+                    assert loop.time() < deadline, "the key was not taken over"
+                    await asyncio.sleep(0.01)
+            client: Any = (
+                redis.asyncio.RedisCluster.from_url(guard_target.url)
+                if guard_target.cluster
+                else redis.asyncio.Redis.from_url(guard_target.url)
+            )
+            try:
+                record = await client.hgetall(taker.redis_key)
+                # The renewal script checks the owner token: the stale owner's heartbeat is
+                # told the lease is lost, and the new owner's deadline stays where it was.
+                assert await stale._renew() is False
+                assert await client.hgetall(taker.redis_key) == record
+            finally:
+                await client.aclose()
+            taker.result = "taker"
+            await taker.__aexit__(None, None, None)
+            with pytest.raises(LeaseLost):
+                await stale.__aexit__(None, None, None)
+            async with guard.claim("renewed") as claim:
+                assert claim.replayed and claim.result == "taker"
+
+    asyncio.run(run())

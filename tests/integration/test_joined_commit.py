@@ -194,6 +194,33 @@ def test_same_key_nested_fails_fast(ob: outbox.Outbox, engine: sa.Engine, mode: 
         assert again.replayed and again.result == "outer"
 
 
+def _events_of(engine: sa.Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(sa.text("SELECT convert_from(value, 'UTF8') FROM outbox ORDER BY id"))
+        )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_keys_nested_in_one_caller_transaction_both_commit(
+    ob: outbox.Outbox, engine: sa.Engine, mode: str
+) -> None:
+    # Each claim adds its token to the transaction's (they are appended, not replaced): the
+    # outer key's final statement, run after the inner one's, still finds its own.
+    target = _open(engine, mode)
+    kwargs: dict[str, Any] = {mode: target}
+    try:
+        with ob.unit_of_work("outer", **kwargs) as outer:
+            outer.publish("joined.events", "outer")
+            _joined(ob, "inner", target)
+            outer.result = "outer"
+        target.commit()
+    finally:
+        target.close()
+    assert _key_rows(engine, "outer") == _key_rows(engine, "inner") == [("completed",)]
+    assert [value for (value,) in _events_of(engine)] == ['{"key":"inner"}', "outer"]
+
+
 def test_same_key_joined_to_its_own_unit_of_work_fails_fast(
     ob: outbox.Outbox, engine: sa.Engine
 ) -> None:
@@ -437,3 +464,31 @@ def test_async_cache_follows_what_committed(
         assert rows == []
         assert not cached
         assert runs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_async_two_keys_nested_in_one_caller_transaction_both_commit(
+    engine: sa.Engine, database_url: str, mode: str
+) -> None:
+    async def run() -> None:
+        aob = outbox.AsyncOutbox(database_url)
+        try:
+            target = await _aopen(aob.engine, mode)
+            kwargs: dict[str, Any] = {mode: target}
+            try:
+                async with aob.unit_of_work("outer", **kwargs) as outer:
+                    outer.publish("joined.events", "outer")
+                    await _ajoined(aob, "inner", target)
+                    outer.result = "outer"
+                await target.commit()
+            finally:
+                await target.close()
+        finally:
+            await aob.close()
+
+    with engine.begin() as conn:
+        for ddl in SETUP:
+            conn.execute(sa.text(ddl))
+    asyncio.run(run())
+    assert _key_rows(engine, "outer") == _key_rows(engine, "inner") == [("completed",)]
+    assert [value for (value,) in _events_of(engine)] == ['{"key":"inner"}', "outer"]

@@ -14,9 +14,11 @@ from typing import Any
 import pydantic
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from outbox import AsyncOutbox, Outbox, OutboxConfig
 from outbox.errors import ConfigurationError, SerializationError
+from tests.fixtures.typed_results import NEAR_MISSES, TYPES, UNIONS, around, types_of
 
 UTC_MOMENT = dt.datetime(2026, 11, 27, 23, 45, 1, 500, tzinfo=dt.UTC)
 LOCAL_MOMENT = dt.datetime(2026, 11, 27, 9, 0, tzinfo=dt.timezone(dt.timedelta(hours=-5)))
@@ -219,3 +221,58 @@ def test_unsupported_result_types_are_refused_at_declaration(
             ob.unit_of_work("k", result_type=declared)
     finally:
         ob.close()
+
+
+_EXAMPLES = settings(
+    max_examples=30, deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)  # fmt: skip
+_keys = iter(range(10**9))
+
+
+@_EXAMPLES
+@given(data=st.data())
+def test_generated_results_replay_equal_from_either_store(
+    data: st.DataObject, replay_from: tuple[Outbox, Callable[[], None]]
+) -> None:
+    ob, forget = replay_from
+    declared, values = data.draw(TYPES | st.sampled_from(UNIONS))
+    value = data.draw(values)
+    key = f"gen-{next(_keys)}"
+    with ob.unit_of_work(key, result_type=declared) as uow:
+        uow.result = value
+    forget()
+    with ob.unit_of_work(key, result_type=declared) as again:
+        assert again.replayed
+        assert again.result == value and types_of(again.result) == types_of(value)
+
+
+@_EXAMPLES
+@given(data=st.data())
+def test_a_result_that_differs_inside_from_its_type_writes_nothing(
+    data: st.DataObject, database_url: str, engine: sa.Engine
+) -> None:
+    leaf, wrong = data.draw(st.sampled_from(NEAR_MISSES))
+    declared, values = data.draw(around(leaf, wrong))
+    value = data.draw(values)
+    key = f"wrong-{next(_keys)}"
+    ob = Outbox(database_url)
+    try:
+        with pytest.raises(SerializationError, match="the result"):  # noqa: SIM117
+            with ob.unit_of_work(key, result_type=declared) as uow:
+                uow.connection.execute(sa.text("CREATE TABLE refused_business_row ()"))
+                uow.publish("typed.events", {"n": 1})
+                uow.result = value
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 0
+            assert conn.execute(sa.text("SELECT count(*) FROM idempotency_keys")).scalar_one() == 0
+            assert (
+                conn.execute(sa.text("SELECT to_regclass('refused_business_row')")).scalar() is None
+            )
+        with ob.unit_of_work(key) as retry:  # the key is free: a retry runs
+            assert not retry.replayed
+            retry.result = None
+    finally:
+        ob.close()
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM idempotency_keys"))
