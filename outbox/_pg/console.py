@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -125,29 +126,17 @@ def idempotency_key(
     return connection.execute(query).first()  # type: ignore[return-value]
 
 
-def outbox_rows_naming(
-    connection: sa.Connection, schema: str | None, key: str, header: str, limit: int
+def outbox_rows_of_key(
+    connection: sa.Connection,
+    schema: str | None,
+    key: str,
+    header: str,
+    written_at: datetime | None,
+    limit: int,
 ) -> list[sa.Row[Any]]:
-    """Outbox rows whose message key is ``key`` or whose ``header`` header holds it."""
-    t = tables(schema).outbox
-    query = (
-        sa.select(
-            t.c.id, t.c.event_id, t.c.topic, t.c.key, t.c.attempts, t.c.last_error,
-            t.c.parked_at, t.c.created_at,
-        )
-        .where(sa.or_(t.c.key == key.encode("utf-8"), t.c.headers[header].astext == key))
-        .order_by(t.c.id)
-        .limit(limit)
-    )  # fmt: skip
-    return list(connection.execute(query))
-
-
-def outbox_rows_of_unit(
-    connection: sa.Connection, schema: str | None, scope: str, key: str, limit: int
-) -> tuple[list[sa.Row[Any]], int]:
-    """The outbox rows written in the transaction that completed ``(scope, key)``, and how
-    many keys that transaction completed (more than one: a consumer micro-batch, whose rows
-    cannot be told apart by key).
+    """In one scan of the outbox: the rows written in the transaction that completed a key
+    (``of_unit``: its ``created_at`` is ``written_at``, the key's ``updated_at``), and the rows
+    whose message key is ``key`` or whose ``header`` header holds it.
 
     The schema keeps no column that links an event to its unit of work; the transaction does.
     The key's final row and its events are written by one statement (see
@@ -158,22 +147,29 @@ def outbox_rows_of_unit(
     microsecond would match too. A row that left the outbox (delivered, or discarded) is not
     found: the outbox keeps no history.
     """
-    t = tables(schema)
-    k = t.idempotency_keys.alias("k")
-    o = t.outbox.alias("o")
+    t = tables(schema).outbox
+    naming = sa.or_(t.c.key == key.encode("utf-8"), t.c.headers[header].astext == key)
+    of_unit: sa.ColumnElement[bool] = (
+        sa.false() if written_at is None else t.c.created_at == written_at
+    )
     query = (
         sa.select(
-            o.c.id, o.c.event_id, o.c.topic, o.c.key, o.c.attempts, o.c.last_error,
-            o.c.parked_at, o.c.created_at,
+            t.c.id, t.c.event_id, t.c.topic, t.c.key, t.c.attempts, t.c.last_error,
+            t.c.parked_at, t.c.created_at, of_unit.label("of_unit"),
         )
-        .select_from(k.join(o, o.c.created_at == k.c.updated_at))
-        .where(k.c.scope == scope, k.c.key == key, k.c.status == "completed")
-        .order_by(o.c.id)
+        .where(sa.or_(of_unit, naming))
+        .order_by(t.c.id)
         .limit(limit)
     )  # fmt: skip
-    rows: list[sa.Row[Any]] = list(connection.execute(query))
-    # The keys its transaction completed (key rows are not updated once completed, so their
-    # xmin is the completing transaction's), found through the updated_at index.
+    return list(connection.execute(query))
+
+
+def keys_in_transaction(connection: sa.Connection, schema: str | None, scope: str, key: str) -> int:
+    """How many keys the transaction that last wrote ``(scope, key)`` completed (more than
+    one: a consumer micro-batch). Key rows are not updated once completed, so their ``xmin``
+    is the completing transaction's; found through the updated_at index."""
+    t = tables(schema)
+    k = t.idempotency_keys.alias("k")
     k2 = t.idempotency_keys.alias("k2")
     sharing = (
         sa.select(sa.func.count())
@@ -184,7 +180,7 @@ def outbox_rows_of_unit(
             sa.literal_column("k2.xmin") == sa.literal_column("k.xmin"),
         )
     )
-    return rows, int(connection.execute(sharing).scalar_one())
+    return int(connection.execute(sharing).scalar_one())
 
 
 def outbox_rows_deleted(connection: sa.Connection, schema: str | None) -> int | None:

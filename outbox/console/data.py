@@ -434,9 +434,12 @@ def lookup_key(
             created_at=row.created_at,
             updated_at=row.updated_at,
         )
-    unit_rows, sharing = sql.outbox_rows_of_unit(connection, schema, scope, key, KEY_EVENTS_SHOWN)
-    events = [_key_event(r, "unit") for r in unit_rows]
-    seen = {e.event_id for e in events}
-    named = sql.outbox_rows_naming(connection, schema, key, IDEMPOTENCY_HEADER, KEY_EVENTS_SHOWN)
-    events += [_key_event(r, "named") for r in named if r.event_id not in seen]
+    written_at = row.updated_at if row is not None and row.status == "completed" else None
+    completed = written_at is not None
+    rows = sql.outbox_rows_of_key(
+        connection, schema, key, IDEMPOTENCY_HEADER, written_at, 2 * KEY_EVENTS_SHOWN
+    )
+    events = [_key_event(r, "unit") for r in rows if r.of_unit][:KEY_EVENTS_SHOWN]
+    events += [_key_event(r, "named") for r in rows if not r.of_unit][:KEY_EVENTS_SHOWN]
+    sharing = sql.keys_in_transaction(connection, schema, scope, key) if completed else 0
     return view, KeyEvents(events, sharing)
