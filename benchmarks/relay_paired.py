@@ -81,7 +81,7 @@ def main() -> int:
     args = parser.parse_args()
     checkouts = {"baseline": args.baseline.resolve(), "candidate": args.candidate.resolve()}
     for name, path in checkouts.items():
-        if not (path / "outbox" / "relay.py").is_file():
+        if not (path / "outbox" / "__init__.py").is_file():
             parser.error(f"{name} {path} holds no outbox package")
 
     url = args.database_url

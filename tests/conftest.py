@@ -46,6 +46,7 @@ pytest_plugins = [
     "tests.fixtures.console",
     "tests.fixtures.tracing",
     "tests.fixtures.pg_cluster",
+    "tests.fixtures.relay",
 ]
 
 

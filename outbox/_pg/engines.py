@@ -6,7 +6,7 @@ Not generated: the sync and asyncio units of work both call these to tell an ``E
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import psycopg.conninfo
 import sqlalchemy as sa
@@ -14,10 +14,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox._core.redact import redact
 from outbox._core.settings import check_int, check_seconds
+from outbox._pg.on_asyncpg import AsyncpgTransaction
 from outbox.config import normalize_database_url
 from outbox.errors import ConfigurationError
 
 # A unit of work holds one connection; room for this many at once before anyone waits.
+TransactionT = TypeVar("TransactionT")
+
 DEFAULT_POOL = {"pool_size": 20, "max_overflow": 20}
 
 
@@ -40,6 +43,13 @@ def engine_for(
             f"{'Outbox' if want_async else 'AsyncOutbox'} for it, or pass a URL"
         )
     elif isinstance(database, str):
+        if want_async and database.startswith("postgresql+asyncpg://"):
+            # The URL checks and engine_options know libpq's options, not asyncpg's.
+            raise ConfigurationError(
+                "AsyncOutbox takes asyncpg as an engine, not as a URL: pass "
+                'create_async_engine("postgresql+asyncpg://...") (or a postgresql+psycopg:// '
+                "URL)"
+            )
         if options is not None and not (
             isinstance(options, dict) and all(isinstance(k, str) for k in options)
         ):
@@ -83,11 +93,21 @@ def engine_for(
         )
     if engine.dialect.name != "postgresql":
         raise ConfigurationError(f"outbox-kit needs PostgreSQL, got a {engine.dialect.name} engine")
+    if want_async and engine.dialect.driver == "asyncpg":
+        if pooled:
+            raise ConfigurationError(
+                "pooler='transaction' is not supported on an asyncpg engine: asyncpg prepares "
+                "every statement under a name of its own per connection, which a transaction "
+                "pooler may hand to another client; use a postgresql+psycopg:// engine behind "
+                "a transaction pooler, or connect directly or through session pooling"
+            )
+        return engine, owned
     if engine.dialect.driver != "psycopg":
         # The unit of work talks to psycopg 3 below SQLAlchemy (prepared statements, escaping):
         # another driver would fail at the first unit of work with a bare TypeError.
         raise ConfigurationError(
-            f"{owner} runs on the psycopg 3 driver, got a postgresql+{engine.dialect.driver} "
+            f"{owner} runs on the psycopg 3 driver"
+            f"{' or asyncpg' if want_async else ''}, got a postgresql+{engine.dialect.driver} "
             f"engine: build it from a postgresql+psycopg:// URL "
             f"({'create_async_engine' if want_async else 'create_engine'}"
             '("postgresql+psycopg://...")) or pass the URL itself'
@@ -102,11 +122,27 @@ def notifier_engine(engine: sa.Engine | AsyncEngine) -> sa.Engine:
     if isinstance(engine, sa.Engine):
         return engine
     return sa.create_engine(
-        engine.url.render_as_string(hide_password=False),
+        psycopg_url(engine.url).render_as_string(hide_password=False),
         pool_size=1,
         max_overflow=0,
         connect_args={"prepare_threshold": None},
     )
+
+
+def psycopg_url(url: sa.URL) -> sa.URL:
+    """``url`` on the psycopg 3 driver: the toolkit's own blocking connections (the wake-up
+    thread, the pooler check) beside an asyncpg engine."""
+    if url.get_backend_name() == "postgresql" and url.get_driver_name() == "asyncpg":
+        return url.set(drivername="postgresql+psycopg")
+    return url
+
+
+def transaction_type(engine: Any, default: type[TransactionT]) -> type[TransactionT]:
+    """The class of a unit of work's transaction on ``engine``: ``default`` (psycopg), or the
+    asyncpg one for an asyncpg engine (asyncio only: a sync asyncpg engine does not exist)."""
+    if getattr(engine, "dialect", None) is not None and engine.dialect.driver == "asyncpg":
+        return cast("type[TransactionT]", AsyncpgTransaction)
+    return default
 
 
 EngineT = TypeVar("EngineT", sa.Engine, AsyncEngine)
@@ -120,10 +156,12 @@ def readiness_engine(engine: EngineT) -> EngineT:
     they neither wait for the pool that units of work use nor take a connection from it.
     (Settings given to ``engine`` outside its URL, such as ``connect_args``, are not carried
     over.) A connection attempt gives up after ``READINESS_CONNECT_TIMEOUT`` seconds."""
+    # asyncpg names libpq's connect_timeout `timeout`.
+    timeout = "timeout" if engine.dialect.driver == "asyncpg" else "connect_timeout"
     options: dict[str, Any] = {
         "pool_size": 1,
         "max_overflow": 0,
-        "connect_args": {"connect_timeout": READINESS_CONNECT_TIMEOUT},
+        "connect_args": {timeout: READINESS_CONNECT_TIMEOUT},
     }
     if isinstance(engine, AsyncEngine):
         return create_async_engine(engine.url, **options)

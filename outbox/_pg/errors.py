@@ -1,6 +1,7 @@
 """What a database error means, decided in one place from SQLSTATEs and connection state.
 
-Invariant: services ask these questions of any exception (a SQLAlchemy wrapper or psycopg's own)
+Invariant: services ask these questions of any exception (a SQLAlchemy wrapper, psycopg's or
+asyncpg's own)
 and never import the driver themselves; the relay and the consumer runner retry an unreachable
 or dropped database (:func:`database_unavailable`) without counting an attempt.
 """
@@ -12,6 +13,31 @@ import sqlalchemy as sa
 
 from outbox._pg.statements import UNIT_MISMATCH
 from outbox.errors import ConfigurationError, TransactionEndedError
+
+
+def _origin(exc: BaseException) -> BaseException:
+    """The driver's error behind ``exc`` (SQLAlchemy wraps it)."""
+    if isinstance(exc, sa.exc.DBAPIError) and isinstance(exc.orig, BaseException):
+        return exc.orig
+    return exc
+
+
+def _sqlstate(origin: BaseException) -> str | None:
+    """The SQLSTATE of a driver error: psycopg's, asyncpg's, or SQLAlchemy's asyncpg adapter's
+    (which keeps asyncpg's as its cause); ``None`` for anything else."""
+    state = getattr(origin, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def _constraint(origin: BaseException) -> str | None:
+    if isinstance(origin, psycopg.Error):
+        return origin.diag.constraint_name
+    for candidate in (origin, origin.__cause__):
+        name = getattr(candidate, "constraint_name", None)
+        if isinstance(name, str):
+            return name
+    return None
+
 
 # SQLSTATEs of a server going away or refusing connections for now (class 08, connection
 # exception; admin or crash shutdown; "the database system is starting up").
@@ -35,9 +61,11 @@ def database_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, sa.exc.DBAPIError):
         invalidated = bool(exc.connection_invalidated)
         exc = exc.orig if isinstance(exc.orig, BaseException) else exc
+    sqlstate = _sqlstate(exc)
     if not isinstance(exc, psycopg.Error):
+        if sqlstate is not None:  # asyncpg
+            return sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES
         return invalidated
-    sqlstate = exc.sqlstate
     if sqlstate is not None:
         return sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES
     if invalidated:
@@ -48,10 +76,8 @@ def database_unavailable(exc: BaseException) -> bool:
 
 def unique_violation_of(exc: BaseException, constraint: str) -> bool:
     """True when ``exc`` is a unique violation of ``constraint``."""
-    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
-    if not isinstance(origin, psycopg.errors.UniqueViolation):
-        return False
-    return origin.diag.constraint_name == constraint
+    origin = _origin(exc)
+    return _sqlstate(origin) == "23505" and _constraint(origin) == constraint
 
 
 # serialization_failure, deadlock_detected
@@ -62,17 +88,14 @@ def transaction_conflict(exc: BaseException) -> bool:
     """True when PostgreSQL rolled the transaction back because of a concurrent one: a
     serialization failure (REPEATABLE READ, SERIALIZABLE) or a deadlock. Nothing was committed,
     and running the same work again may succeed."""
-    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
-    return isinstance(origin, psycopg.Error) and origin.sqlstate in _CONFLICT_SQLSTATES
+    return _sqlstate(_origin(exc)) in _CONFLICT_SQLSTATES
 
 
 def split_refused(exc: BaseException) -> bool:
     """True when ``exc`` is the refusal of a final statement that did not run in the
     transaction whose claim set its token (see outbox._pg.statements.UNIT_SETTING)."""
-    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
-    return isinstance(origin, psycopg.errors.InvalidTextRepresentation) and (
-        UNIT_MISMATCH in str(origin)
-    )
+    origin = _origin(exc)
+    return _sqlstate(origin) == "22P02" and UNIT_MISMATCH in str(origin)
 
 
 def split_error() -> TransactionEndedError:
@@ -86,8 +109,7 @@ def split_error() -> TransactionEndedError:
 
 def undefined_table(exc: BaseException) -> bool:
     """True when ``exc`` says a table does not exist (SQLSTATE 42P01)."""
-    origin = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
-    return isinstance(origin, psycopg.errors.UndefinedTable)
+    return _sqlstate(_origin(exc)) == "42P01"
 
 
 def unmigrated(schema: str | None) -> ConfigurationError:

@@ -69,12 +69,22 @@ def identity_of(row: Any) -> Identity:
     )
 
 
-def read_identity(dbapi_connection: Any, statement: str, params: dict[str, Any]) -> Identity:
+def for_paramstyle(statement: str, params: dict[str, Any], paramstyle: str) -> tuple[str, Any]:
+    """:func:`cache_identity`'s statement and parameters in the driver's ``paramstyle``:
+    psycopg's ``%(name)s`` as written, or asyncpg's ``$1`` (``numeric_dollar``)."""
+    if paramstyle != "numeric_dollar":
+        return statement, params
+    return statement.replace("%(keys)s", "$1"), (params["keys"],)
+
+
+def read_identity(
+    dbapi_connection: Any, statement: str, params: dict[str, Any], paramstyle: str = "pyformat"
+) -> Identity:
     """Run :func:`cache_identity`'s statement on a new DBAPI connection (psycopg's, or the
     asyncio adapter's sync face inside SQLAlchemy's pool) and leave no transaction open."""
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute(statement, params)
+        cursor.execute(*for_paramstyle(statement, params, paramstyle))
         row = cursor.fetchone()
     finally:
         cursor.close()

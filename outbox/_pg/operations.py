@@ -22,6 +22,24 @@ from outbox.schema import IDEMPOTENCY_KEYS, tables, validate_schema_name
 # -- outbox status ---------------------------------------------------------------------------
 
 
+# The outbox table as the session resolves its name (through search_path when no schema is
+# given): its schema and its schema-qualified name, or no row when there is none.
+OUTBOX_TABLE_RESOLVED = sa.text(
+    """
+SELECT n.nspname, quote_ident(n.nspname) || '.' || quote_ident(c.relname)
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass(:table)
+"""
+)
+
+
+def outbox_table_resolved(connection: sa.Connection, schema: str | None) -> tuple[str, str] | None:
+    """``(schema, qualified name)`` of the outbox table this session reaches, or ``None``."""
+    table = qualified(validate_schema_name(schema), "outbox")
+    row = connection.execute(OUTBOX_TABLE_RESOLVED, {"table": table}).one_or_none()
+    return None if row is None else (str(row[0]), str(row[1]))
+
+
 def database_now(connection: sa.Connection) -> datetime:
     """The database clock (every age in the status report is measured against it)."""
     value = connection.execute(sa.select(sa.func.now())).scalar_one()

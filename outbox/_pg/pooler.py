@@ -31,6 +31,7 @@ from typing import Any
 
 import psycopg
 
+from outbox._pg.engines import psycopg_url
 from outbox.errors import ConfigurationError
 
 _SETTING = "outbox.session_probe"
@@ -79,10 +80,11 @@ def _round(a: Any, b: Any) -> bool:
 def connector(engine: Any) -> Callable[[], Any]:
     """Opens plain psycopg connections to the database of ``engine`` (sync or async), as its
     URL says, for :func:`sessions_are_pooled`: never prepared, a bounded connect."""
-    sync_engine = getattr(engine, "sync_engine", engine)
+    url = psycopg_url(getattr(engine, "sync_engine", engine).url)
+    dialect = url.get_dialect()()
 
     def connect() -> Any:
-        cargs, cparams = sync_engine.dialect.create_connect_args(sync_engine.url)
+        cargs, cparams = dialect.create_connect_args(url)
         params = {"connect_timeout": 5, **cparams, "prepare_threshold": None}
         return psycopg.connect(*cargs, **params)
 

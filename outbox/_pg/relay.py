@@ -8,6 +8,7 @@ always travel as bound parameters.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +18,12 @@ import sqlalchemy as sa
 
 from outbox._core.delivery import ClaimedRow
 from outbox._core.lanes import APPLICATION_NAME
+from outbox._core.lowwater import Facts
 from outbox._pg.statements import qualified
 from outbox.schema import OUTBOX, validate_schema_name
 
-# Settings of every relay session (the batch session and the wake-up listener).
+# Settings of every relay session (the batch session and the wake-up listener); `options` is
+# made by session_options.
 SESSION_SETTINGS: dict[str, Any] = {
     "application_name": APPLICATION_NAME,
     "connect_timeout": 5,
@@ -28,17 +31,97 @@ SESSION_SETTINGS: dict[str, Any] = {
     "keepalives_idle": 10,
     "keepalives_interval": 5,
     "keepalives_count": 3,
-    # Plan the claim as the short primary-key range walk it is, with hash joins over the
-    # claimed rows. The planner cannot know how many rows a claim takes or where the `skipped`
-    # range ends, so it would otherwise guess a handful of rows (nested loops, quadratic in
-    # --batch-size) or a third of the table (a full scan per claim); those cost estimates also
-    # trigger JIT compilation, hundreds of milliseconds per claim. Server-side keepalives:
-    # PostgreSQL notices a vanished relay host (and frees its lanes) within about 25 s instead
-    # of the kernel's two hours. Only these sessions.
-    "options": "-c jit=off -c enable_seqscan=off -c enable_bitmapscan=off "
-    "-c enable_nestloop=off "
-    "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3",
 }
+
+# Server settings of the relay's sessions, sent as the connection's `options` after those of the
+# database URL, which may change them (a later `-c` wins): plan the claim as the short
+# primary-key range walk it is, with hash joins over the claimed rows. The planner cannot know
+# how many rows a claim takes or where the `skipped` range ends, so it would otherwise guess a
+# handful of rows (nested loops, quadratic in --batch-size) or a third of the table (a full scan
+# per claim); those cost estimates also trigger JIT compilation, hundreds of milliseconds per
+# claim. Server-side keepalives: PostgreSQL notices a vanished relay host (and frees its lanes)
+# within about 25 s instead of the kernel's two hours. Only these sessions.
+DEFAULT_OPTIONS: dict[str, str] = {
+    "jit": "off",
+    "enable_seqscan": "off",
+    "enable_bitmapscan": "off",
+    "enable_nestloop": "off",
+    "tcp_keepalives_idle": "10",
+    "tcp_keepalives_interval": "5",
+    "tcp_keepalives_count": "3",
+}
+
+# What the low-water mark's readings rely on (outbox._core.lowwater): sent last, so that the URL
+# cannot change it; startup options also outrank ALTER DATABASE/ROLE ... SET. The readings check
+# it on every claim all the same.
+PINNED_OPTIONS: dict[str, str] = {"default_transaction_isolation": "read committed"}
+
+
+def _option_words(options: str) -> list[str]:
+    """libpq's split of ``options``: whitespace separates words, a backslash escapes the next
+    character."""
+    words: list[str] = []
+    word: list[str] | None = None
+    escaped = False
+    for ch in options:
+        if escaped:
+            word = (word or []) + [ch]
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+            word = word or []
+        elif ch.isspace():
+            if word is not None:
+                words.append("".join(word))
+            word = None
+        else:
+            word = (word or []) + [ch]
+    if word is not None:
+        words.append("".join(word))
+    return words
+
+
+def _escape(word: str) -> str:
+    return "".join("\\" + ch if ch.isspace() or ch == "\\" else ch for ch in word)
+
+
+def session_options(url_options: str | None) -> str:
+    """The ``options`` of a relay session: the relay's defaults, then every word of the URL's
+    ``options`` (``-c search_path=billing`` and anything else PostgreSQL accepts there), then the
+    settings the relay pins. A setting of the URL replaces the relay's default of the same name;
+    a pinned one replaces the URL's."""
+    given = _option_words(url_options or "")
+    named: dict[str, str] = {}
+    others: list[str] = []
+    words = iter(given)
+    for word in words:
+        setting, spelled = None, [word]
+        if word == "-c":
+            setting = next(words, "")
+            spelled.append(setting)
+        elif word.startswith("-c") or (word.startswith("--") and "=" in word):
+            setting = word[2:]
+        if setting is not None and "=" in setting:
+            name, value = setting.split("=", 1)
+            named[name.strip().lower().replace("-", "_")] = value
+        else:
+            others.extend(spelled)
+    merged = {**DEFAULT_OPTIONS, **named, **PINNED_OPTIONS}
+    return " ".join(
+        [*map(_escape, others), *(f"-c {_escape(f'{k}={v}')}" for k, v in merged.items())]
+    )
+
+
+def session_settings(url: sa.URL) -> dict[str, Any]:
+    """The connection settings of a relay session for the database ``url`` (its ``options``
+    merged with the relay's; without any, libpq's ``PGOPTIONS``, which an explicit ``options``
+    would otherwise replace)."""
+    given = url.query.get("options")
+    if isinstance(given, tuple):
+        given = " ".join(given)
+    if given is None:
+        given = os.environ.get("PGOPTIONS")
+    return {**SESSION_SETTINGS, "options": session_options(given)}
 
 
 def relay_engine(url: str) -> sa.Engine:
@@ -48,7 +131,7 @@ def relay_engine(url: str) -> sa.Engine:
         poolclass=sa.pool.NullPool,
         # No server-side prepared statements: a generic plan of the claim ignores how few rows
         # a batch takes and degrades to scans costing seconds; planning costs ~0.5 ms.
-        connect_args={**SESSION_SETTINGS, "prepare_threshold": None},
+        connect_args={**session_settings(sa.make_url(url)), "prepare_threshold": None},
     )
 
 
@@ -58,7 +141,7 @@ def listen_connector(engine: sa.Engine) -> Callable[[], Any]:
 
     def connect() -> Any:
         cargs, cparams = engine.dialect.create_connect_args(engine.url)
-        return psycopg.connect(*cargs, **{**cparams, **SESSION_SETTINGS})
+        return psycopg.connect(*cargs, **{**cparams, **session_settings(engine.url)})
 
     return connect
 
@@ -177,15 +260,32 @@ FROM unnest(CAST(:ids AS bigint[]), CAST(:errors AS text[]), CAST(:park AS boole
 WHERE o.id = f.id
 """
 
-# The low-water mark's three readings (outbox._core.lowwater), sent in one message: the simple
-# query protocol runs them one after the other, each with its own snapshot (READ COMMITTED), in
-# the order the mark's argument needs. pg_locks shows every session's locks to every role; the
-# relay's own session (which deletes) is left out, a prepared transaction (no pid) is not. An
-# INSERT takes ROW EXCLUSIVE (also when its transaction holds a stronger lock, which are listed
-# as well); VACUUM, ANALYZE and CREATE INDEX (SHARE UPDATE EXCLUSIVE, SHARE) draw no id and do
-# not count, so that an autovacuum of a large outbox does not hold the mark for its whole run.
+# The low-water mark's three readings (outbox._core.lowwater), sent in one message: the simple query
+# protocol runs them one after the other, each with its own snapshot (READ COMMITTED, which the
+# first one reports, with the sequence's settings, whether the relay's role may read it, its
+# relfilenode, the transaction that last altered it and, when asked, the database's other backends:
+# the facts the mark rests on), in the order the mark's argument needs. The last value is read only
+# where the role may (else the reading is NULL instead of an error that would fail the batch).
+# pg_locks shows every session's locks to every role; the relay's own session (which deletes) is
+# left out, a prepared transaction (no pid) is not. An INSERT takes ROW EXCLUSIVE (also when its
+# transaction holds a stronger lock, which are listed as well); VACUUM, ANALYZE and CREATE INDEX
+# (SHARE UPDATE EXCLUSIVE, SHARE) draw no id and do not count, so that an autovacuum of a large
+# outbox does not hold the mark for its whole run. Backends are listed by pid (all a role sees of
+# another role's sessions), other relays' sessions left out where their name is visible.
 OUTBOX_LOW_WATER = """
-SELECT coalesce(pg_sequence_last_value(%(sequence)s::oid::regclass), 0);
+SELECT current_setting('transaction_isolation'), s.seqcache, s.seqincrement, s.seqcycle,
+       p.readable,
+       CASE WHEN p.readable
+            THEN coalesce(pg_sequence_last_value(%(sequence)s::oid::regclass), 0) END,
+       pg_relation_filenode(s.seqrelid::regclass)::bigint, s.xmin::text::bigint,
+       CASE WHEN %(watch)s THEN ARRAY(
+           SELECT a.pid FROM pg_stat_activity a
+           WHERE a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())
+             AND a.pid <> pg_backend_pid()
+             AND a.application_name IS DISTINCT FROM %(relay)s) END
+FROM (SELECT coalesce(has_sequence_privilege(%(sequence)s::oid, 'SELECT, USAGE'), false)
+      AS readable) p
+LEFT JOIN pg_sequence s ON s.seqrelid = %(sequence)s::oid;
 SELECT coalesce(array_agg(DISTINCT l.virtualtransaction), '{{}}')
 FROM pg_locks l
 WHERE l.locktype = 'relation'
@@ -198,12 +298,17 @@ SELECT min(o.id) FROM {outbox} o
 WHERE o.id >= %(low)s AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
 """
 
-# The outbox table's oid, its id sequence's oid and how many values that sequence caches per
-# session (a mark is only sound with 1: a cached value can be handed out after a larger one).
+# The outbox table's oid, its id sequence's oid and name, and the table's name as PostgreSQL
+# resolved it (schema-qualified: through the session's search_path when no schema is
+# configured), or NULLs when there is no such table.
 OUTBOX_SEQUENCE = """
-SELECT t.oid::bigint, s.seqrelid::bigint, s.seqcache
-FROM (SELECT %(table)s::text::regclass::oid AS oid) t
-LEFT JOIN pg_sequence s ON s.seqrelid = pg_get_serial_sequence(%(table)s::text, 'id')::regclass
+SELECT t.oid::bigint, q.seq::regclass::oid::bigint, q.seq,
+       quote_ident(n.nspname) || '.' || quote_ident(c.relname)
+FROM (SELECT to_regclass(%(table)s::text)::oid AS oid) t
+LEFT JOIN pg_class c ON c.oid = t.oid
+LEFT JOIN pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN LATERAL (SELECT pg_get_serial_sequence(%(table)s::text, 'id') AS seq
+                   WHERE t.oid IS NOT NULL) q ON true
 """
 
 OUTBOX_STATS = """
@@ -361,12 +466,14 @@ def outbox_stats(
 
 @dataclass(frozen=True)
 class OutboxSequence:
-    """The outbox table's and its id sequence's oids, and the sequence's per-session cache
-    (``sequence`` is ``None`` when the id column has no sequence)."""
+    """The outbox table's and its id sequence's oids, the sequence's name, and the table's
+    schema-qualified name as the session resolves it (``table`` is ``None`` when there is no
+    such table, ``sequence`` when the id column has no sequence)."""
 
-    table: int
+    table: int | None
     sequence: int | None
-    cache: int | None
+    sequence_name: str | None
+    resolved: str | None
 
 
 def outbox_sequence(conn: sa.Connection, sql: OutboxStatements) -> OutboxSequence:
@@ -375,7 +482,22 @@ def outbox_sequence(conn: sa.Connection, sql: OutboxStatements) -> OutboxSequenc
         cur.execute(OUTBOX_SEQUENCE, {"table": sql.table})
         row = cur.fetchone()
     assert row is not None
-    return OutboxSequence(int(row[0]), row[1], row[2])
+    return OutboxSequence(row[0], row[1], row[2], row[3])
+
+
+# What a batch does to the outbox: claim (SELECT ... FOR UPDATE needs UPDATE), delete the rows
+# sent, update those that failed.
+BATCH_PRIVILEGES = ("SELECT", "UPDATE", "DELETE")
+
+
+def outbox_privileges(conn: sa.Connection, sql: OutboxStatements) -> list[str]:
+    """The privileges on the outbox a batch needs that the session's role lacks."""
+    checks = ", ".join(f"has_table_privilege(%(table)s, '{p}')" for p in BATCH_PRIVILEGES)
+    with _driver(conn).cursor() as cur:
+        cur.execute(f"SELECT {checks}", {"table": sql.table})
+        row = cur.fetchone()
+    assert row is not None
+    return [p for p, held in zip(BATCH_PRIVILEGES, row, strict=True) if not held]
 
 
 def outbox_low_water(
@@ -386,28 +508,47 @@ def outbox_low_water(
     lanes: int,
     owned: Sequence[int],
     low: int,
-) -> tuple[int, list[str], int | None]:
-    """The low-water mark's readings: the sequence's last id, the transactions holding a write
-    lock on the outbox, the lowest id from ``low`` on of a row of the ``owned`` lanes (in the
-    caller's transaction; see :mod:`outbox._core.lowwater`)."""
+    watch: bool = False,
+) -> tuple[Facts, list[str], int | None]:
+    """The low-water mark's readings: the facts the mark rests on (with the sequence's last
+    id), the transactions holding a write lock on the outbox, the lowest id from ``low`` on of a
+    row of the ``owned`` lanes (in the caller's transaction; see :mod:`outbox._core.lowwater`).
+    ``watch``: also list the database's other backends."""
     if not conn.in_transaction():
         conn.begin()
-    params = {
-        "sequence": sequence.sequence,
-        "table": sequence.table,
-        "low": low,
-        "lanes": lanes,
-        "owned": "{" + ",".join(map(str, owned)) + "}",
+    # Every value is an integer (or a constant) the relay formats itself, so the statements go
+    # without parameters: one simple-protocol message, and no client-side parsing of the text
+    # for placeholders (measured: that cost more than the server's work on them).
+    values = {
+        "sequence": int(sequence.sequence or 0),
+        "table": int(sequence.table or 0),
+        "low": int(low),
+        "lanes": int(lanes),
+        "owned": "'{" + ",".join(str(int(lane)) for lane in owned) + "}'",
+        "watch": "true" if watch else "false",
+        "relay": f"'{APPLICATION_NAME}'",
     }
-    with psycopg.ClientCursor(_driver(conn)) as cur:
-        cur.execute(sql.low_water, params)
-        drawn = cur.fetchone()
+    with _driver(conn).cursor() as cur:
+        cur.execute(sql.low_water % values)
+        first = cur.fetchone()
         cur.nextset()
         writers = cur.fetchone()
         cur.nextset()
-        first = cur.fetchone()
-    assert drawn is not None and writers is not None and first is not None
-    return int(drawn[0]), list(writers[0]), first[0]
+        live = cur.fetchone()
+    assert first is not None and writers is not None and live is not None
+    isolation, cache, increment, cycle, readable, drawn, filenode, altered, backends = first
+    facts = Facts(
+        isolation=isolation,
+        cache=cache,
+        increment=increment,
+        cycle=cycle,
+        readable=bool(readable),
+        drawn=None if drawn is None else int(drawn),
+        filenode=filenode,
+        altered=altered,
+        backends=None if backends is None else frozenset(backends),
+    )
+    return facts, list(writers[0]), live[0]
 
 
 def _driver(conn: sa.Connection) -> psycopg.Connection[Any]:

@@ -389,7 +389,10 @@ def _prepared_many(
     name = f"{prefix}_{_digest(schema, body)}"  # see the claim's name
     direct = body
     for n in range(len(args), 0, -1):  # $10 before $1
-        direct = direct.replace(f"${n}", f"%({args[n - 1][0]})s")
+        arg, kind = args[n - 1]
+        # A bytea[] bound by the driver goes in binary: psycopg's text form of it is escaped
+        # for a literal and reads wrong under standard_conforming_strings = off.
+        direct = direct.replace(f"${n}", f"%({arg})b" if kind == "bytea[]" else f"%({arg})s")
     return Prepared(
         name,
         f"PREPARE {name} ({', '.join(t for _, t in args)}) AS {body}",

@@ -4,12 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
-import re
 import secrets
 import sys
-import uuid
 import weakref
 from typing import Any
 
@@ -18,6 +14,7 @@ import sqlalchemy as sa
 from psycopg import ClientCursor, IsolationLevel, pq
 from sqlalchemy import Connection, Engine
 
+from outbox._pg.literals import execute_text as _execute_text
 from outbox._pg.statements import Prepared
 from outbox.errors import ConfigurationError, TransactionEndedError
 
@@ -26,7 +23,6 @@ from outbox.errors import ConfigurationError, TransactionEndedError
 _prepared: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[str]] = (
     weakref.WeakKeyDictionary()
 )
-_escaping: weakref.WeakKeyDictionary[psycopg.Connection[Any], Any] = weakref.WeakKeyDictionary()
 _wanted: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[Prepared]] = (
     weakref.WeakKeyDictionary()
 )
@@ -82,7 +78,12 @@ def _discard_unclean(dbapi_connection: Any, record: Any) -> None:
     driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
     pgconn = getattr(driver, "pgconn", None)
     switched = record.info.pop(_SWITCHED, False)
-    if switched or (pgconn is not None and pgconn.transaction_status != pq.TransactionStatus.IDLE):
+    in_transaction = getattr(driver, "is_in_transaction", None)  # asyncpg's connection
+    if (
+        switched
+        or (pgconn is not None and pgconn.transaction_status != pq.TransactionStatus.IDLE)
+        or (callable(in_transaction) and in_transaction())
+    ):
         record.info[_GUARDED] = False
         record.invalidate()
 
@@ -152,101 +153,6 @@ def _interrupted() -> bool:
     return exc is not None and not isinstance(exc, Exception)
 
 
-def _execute_text(
-    driver: psycopg.Connection[Any],
-    p: Prepared,
-    params: dict[str, Any],
-    *,
-    inline: bool = False,
-) -> bytes:
-    """``EXECUTE name (...)`` with the parameters as literals escaped by libpq; with ``inline``,
-    the statement's own text with the literals in place of its parameters (no server-side
-    prepared statement: behind a transaction pooler a name PREPAREd in one transaction may be
-    missing, or mean another statement, in the next).
-
-    Sent with the simple query protocol, several statements travel in one message; libpq's
-    escaping (PQescapeLiteral / PQescapeByteaConn, which know the connection's settings) makes
-    each value a literal, exactly as a client-side-binding cursor would, with less overhead.
-    """
-    if driver.info.encoding != "utf-8":
-        text = p.direct if inline else p.execute
-        return ClientCursor(driver).mogrify(text, params).encode(driver.info.encoding)
-    escaping = _escaping.get(driver)
-    if escaping is None:
-        escaping = _escaping[driver] = pq.Escaping(driver.pgconn)
-    literals = []
-    for name in p.args:
-        value = params[name]
-        if value is None:
-            literals.append(b"NULL")
-        elif isinstance(value, bool):
-            literals.append(b"true" if value else b"false")
-        elif isinstance(value, int):
-            literals.append(str(value).encode())
-        elif isinstance(value, str):
-            literals.append(escaping.escape_literal(value.encode()))
-        elif isinstance(value, bytes):
-            literals.append(b"'" + escaping.escape_bytea(value) + b"'")
-        elif isinstance(value, uuid.UUID):
-            literals.append(b"'" + str(value).encode() + b"'")
-        elif isinstance(value, list):
-            literals.append(escaping.escape_literal(_array_text(value)))
-        else:
-            raise TypeError(f"cannot bind {type(value).__name__} as a literal")
-    if inline:
-        texts, names = _inline_parts(p)
-        by_name = dict(zip(p.args, literals, strict=True))
-        out = [texts[0]]
-        for name, piece in zip(names, texts[1:], strict=True):
-            out += (by_name[name], piece)
-        return b"".join(out)
-    return b"EXECUTE " + p.name.encode() + b" (" + b", ".join(literals) + b")"
-
-
-@functools.lru_cache(maxsize=1024)
-def _inline_parts(p: Prepared) -> tuple[list[bytes], list[str]]:
-    """The statement's text split around its ``%(name)s`` parameters: texts and names."""
-    pieces = _PARAMETER.split(p.direct)
-    return [t.encode() for t in pieces[0::2]], pieces[1::2]
-
-
-_PARAMETER = re.compile(r"%\((\w+)\)s")
-
-
-def _array_text(values: list[Any]) -> bytes:
-    """A one-dimensional array in PostgreSQL's text form (``{"a",NULL,"\\x00"}``), to be
-    quoted as one literal; the server reads it as the parameter's array type. The elements are
-    all of one type, or None."""
-    kinds = set(map(type, values))
-    kinds.discard(type(None))
-    if kinds == {str} and not _CONTROL.search("".join(filter(None, values))):
-        # Without control characters, JSON quotes strings exactly as an array literal does
-        # (a backslash before each quote and backslash), and null reads as NULL.
-        text = json.dumps(values, ensure_ascii=False, separators=(",", ":"))[1:-1]
-    elif kinds <= {int, uuid.UUID} and None not in values:
-        text = ",".join(map(str, values))
-    else:
-        elements = []
-        for value in values:
-            if value is None:
-                elements.append("NULL")
-            elif isinstance(value, bool):
-                elements.append("t" if value else "f")
-            elif isinstance(value, int | uuid.UUID):
-                elements.append(str(value))
-            elif isinstance(value, str):
-                elements.append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
-            elif isinstance(value, bytes):
-                elements.append('"\\\\x' + value.hex() + '"')
-            else:
-                raise TypeError(f"cannot bind {type(value).__name__} in an array literal")
-        text = ",".join(elements)
-    return ("{" + text + "}").encode()
-
-
-_CONTROL = re.compile("[\x00-\x1f]")
-
-
 def _begin_command(driver: psycopg.Connection[Any]) -> str:
     # The same transaction characteristics psycopg itself would request.
     parts = ["BEGIN"]
@@ -280,6 +186,29 @@ def check_caller(session: Any, connection: Connection | None) -> None:
     assert conn is not None
     raw = conn.connection
     check_unprepared(raw.driver_connection)
+
+
+def check_transaction(session: Any, connection: Connection | None) -> None:
+    """Refuse a caller's session (of this flavour) or connection that runs in autocommit
+    outside a transaction: a joined unit of work works in a savepoint of the caller's
+    transaction, and there is none to join (every statement would commit on its own, the key's
+    claim apart from its outbox rows)."""
+    conn = session.connection() if session is not None else connection
+    assert conn is not None
+    raw = conn.connection
+    driver = raw.driver_connection
+    if (
+        isinstance(driver, psycopg.BaseConnection)
+        and driver.autocommit
+        and driver.pgconn.transaction_status == pq.TransactionStatus.IDLE
+    ):
+        raise ConfigurationError(
+            "a unit of work joined to a connection or session joins its transaction, and this "
+            "one runs in autocommit (isolation_level='AUTOCOMMIT') with no transaction open: "
+            "join it to a connection in a transaction (engine.begin(), or a session on an "
+            "engine without AUTOCOMMIT), or let the unit of work open its own (no connection= "
+            "or session=)"
+        )
 
 
 def _statement_rows(
@@ -468,6 +397,19 @@ class Transaction:
         self.connection.info[_GUARDED] = False
         self.connection.commit()
 
+    def commit_bound(self, final: Prepared, params: dict[str, Any]) -> None:
+        """Run ``final`` with its parameters bound by the driver (large values go in binary
+        rather than as quoted literals), then COMMIT.
+
+        Under a client encoding other than UTF-8, psycopg would write text with Python's codec,
+        whose tables differ from the server's for some encodings: the statement then goes as
+        :meth:`commit_with` sends it, with its literals."""
+        if self._driver.info.encoding != "utf-8":
+            self.commit_with(final, params)
+            return
+        self.execute(final.direct, params)
+        self.commit()
+
     def commit_with(
         self, final: Prepared, params: dict[str, Any], after: Prepared | None = None
     ) -> Any:
@@ -500,10 +442,11 @@ class Transaction:
             _wanted.setdefault(driver, set()).add(after)
             after = None
         if final.name not in known:
+            # Not PREPAREd yet: this time the statement's own text with its literals, and the
+            # COMMIT in the same message, as behind a pooler.
             _wanted.setdefault(driver, set()).add(final)
-            self.execute(final.direct, params)
-            self.connection.commit()
-            return None
+            message = _execute_text(driver, final, params, inline=True) + b"; COMMIT"
+            return self._commit_message(message, final, params, False)
         message = _execute_text(driver, final, params) + b"; COMMIT"
         if after is not None:
             message += b"; " + after.execute.encode()

@@ -84,6 +84,15 @@ class Status:
     tables: tuple[TableHealth, ...] = field(default=())
     horizon: HorizonHolder | None = None
     horizon_warning_seconds: float = DEFAULT_HORIZON_WARNING_SECONDS
+    # The outbox table this session reaches, schema-qualified (through the URL's search_path
+    # when no schema is configured): the one a relay with the same URL serves.
+    table: str | None = None
+    table_schema: str | None = None
+
+    @property
+    def schema_name(self) -> str:
+        """The schema served: the resolved table's (else the configured one)."""
+        return self.table_schema or self.schema or "public"
 
     @property
     def pending(self) -> int:
@@ -185,6 +194,7 @@ def read_status(
     """
     schema = validate_schema_name(schema)
     revision = migrate.current_revision(connection, schema)
+    resolved = ops.outbox_table_resolved(connection, schema)
     if revision is None:
         raise OutboxError(
             f"no outbox tables in schema {schema or 'public'}: run `outbox migrate` first"
@@ -216,6 +226,8 @@ def read_status(
         tables=tuple(health_pg.table_health(connection, schema)),
         horizon=health_pg.horizon_holder(connection),
         horizon_warning_seconds=horizon_warning_seconds,
+        table=None if resolved is None else resolved[1],
+        table_schema=None if resolved is None else resolved[0],
     )
     return _with_warnings(status)
 
@@ -245,7 +257,8 @@ def status_to_json(status: Status, database_url: str | None = None) -> dict[str,
         "version": JSON_FORMAT_VERSION,
         "taken_at": status.taken_at.isoformat(),
         "database": redact_url(database_url) if database_url else None,
-        "schema": status.schema or "public",
+        "schema": status.schema_name,
+        "table": status.table,
         "migration": {
             "current": status.revision,
             "head": status.head_revision,
@@ -358,9 +371,7 @@ def render_status(status: Status, database_url: str | None = None, max_lanes: in
     rev_note = (
         "head" if status.revision == status.head_revision else f"head is {status.head_revision}"
     )
-    out.append(
-        f"outbox status  {where}schema {status.schema or 'public'}  migration {rev} ({rev_note})"
-    )
+    out.append(f"outbox status  {where}table {status.table}  migration {rev} ({rev_note})")
     out.append("")
     out.append(
         f"OUTBOX  pending {status.pending:,}  parked {status.parked:,}  "

@@ -105,7 +105,7 @@ def command(args: argparse.Namespace) -> int:
             print(f"{PROG}: check failed: {problem}", file=sys.stderr)
         if problems:
             return EXIT_FAILURE
-        print(f"{PROG}: check passed: schema migrated, brokers answer")
+        print(f"{PROG}: check passed: table {relay.table_name} migrated, brokers answer")
         return EXIT_OK
     tune_collector()
     with stop_on_signals(relay.stop):

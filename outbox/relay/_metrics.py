@@ -113,6 +113,8 @@ class RelayMetrics:
         # it was asked to stop.
         self.broker_up = False
         self.stopping = False
+        # Privileges on the outbox a batch needs that the relay's role lacks (not ready).
+        self.missing_privileges: list[str] = []
         self.max_silence = max_silence
         Gauge(
             "outbox_relay_ready",
@@ -154,9 +156,15 @@ class RelayMetrics:
 
     def ready(self, max_silence: float) -> bool:
         """``/readyz``: also registered for lanes (owning some or waiting for them), the broker
-        answered its last check, and not stopping."""
+        answered its last check, the relay's role may claim and delete (no
+        ``missing_privileges``), and not stopping."""
         # The database session is registered among the relays before database_up is set.
-        return self.broker_up and not self.stopping and self.healthy(max_silence)
+        return (
+            self.broker_up
+            and not self.stopping
+            and not self.missing_privileges
+            and self.healthy(max_silence)
+        )
 
     def topics(self, stats: dict[str, tuple[int, int, float]]) -> None:
         """``(backlog, parked, oldest pending age)`` per topic; topics gone from the outbox

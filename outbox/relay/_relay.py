@@ -61,7 +61,7 @@ from outbox._core.delivery import (
     single_round,
     split_claim,
 )
-from outbox._core.lowwater import LowWater
+from outbox._core.lowwater import Assumptions, LowWater, verify
 from outbox._core.outage import Outage
 from outbox._core.redact import one_line, redact_url
 from outbox._core.retry import Backoff
@@ -79,6 +79,7 @@ from outbox._pg.relay import (
     outbox_delete_between_savepoints,
     outbox_delete_confirmed,
     outbox_low_water,
+    outbox_privileges,
     outbox_record_failures,
     outbox_rollback_to,
     outbox_sequence,
@@ -199,8 +200,12 @@ class Relay:
         self._confirmed_since_check = False
         # Where claims start (outbox._core.lowwater); the mark a claim ahead computed inside
         # the batch transaction counts only once that transaction committed as it is (it saw
-        # the batch's own uncommitted delete). None: no mark (the sequence caches values).
-        self._sequence: OutboxSequence | None = None
+        # the batch's own uncommitted delete). What the mark rests on is checked on every
+        # claim (`_assumptions`, kept across reconnects: other backends' cached values are).
+        self._sequence = OutboxSequence(None, None, None, None)
+        # The outbox table as this relay's sessions resolve it (schema-qualified), once known.
+        self.table_name: str | None = None
+        self._assumptions = Assumptions()
         self._low = LowWater()
         self._low_ahead: LowWater | None = None
 
@@ -247,7 +252,7 @@ class Relay:
         conn = self.engine.connect()
         try:
             self.lanes.register(conn)
-            self._sequence = self._low_water_sequence(conn)
+            self._sequence = self._outbox_table(conn)
         except Exception:
             conn.close()
             raise
@@ -255,18 +260,35 @@ class Relay:
         self.metrics.up.set(1)
         return conn
 
-    def _low_water_sequence(self, conn: sa.Connection) -> OutboxSequence | None:
+    def _outbox_table(self, conn: sa.Connection) -> OutboxSequence:
+        """Resolve the outbox table (through the session's search_path unless a schema is
+        configured) and its id sequence; say which when it changes (and at the first
+        connection), and what the role may not do to it."""
         sequence = outbox_sequence(conn, self.sql)
+        missing = outbox_privileges(conn, self.sql) if sequence.table is not None else []
         conn.commit()
-        if sequence.sequence is None or sequence.cache != 1:
+        self.metrics.missing_privileges = missing
+        self.table_name = sequence.resolved
+        if sequence.resolved != self._sequence.resolved or sequence.table is None:
+            if sequence.table is None:
+                log.warning(
+                    "event=outbox_table_missing table=%s: no such table for this session "
+                    "(search_path or --schema?); run `outbox migrate` for it",
+                    self.sql.table,
+                )
+            else:
+                log.info(
+                    "event=outbox_table table=%s sequence=%s",
+                    sequence.resolved,
+                    sequence.sequence_name,
+                )
+        if missing:
             log.warning(
-                "event=low_water_off cache=%s: the outbox's id sequence caches values per "
-                "session, so claims walk the table from its low end (slow while a long "
-                "transaction holds VACUUM back); run `ALTER TABLE outbox ALTER COLUMN id SET "
-                "CACHE 1`",
-                sequence.cache,
+                "event=privilege_missing table=%s missing=%s: batches fail until the relay's "
+                "role has them (deploy/sql/relay-role.sql)",
+                sequence.resolved,
+                ",".join(missing),
             )
-            return None
         return sequence
 
     def _drop_connection(self) -> None:
@@ -295,6 +317,15 @@ class Relay:
         self.metrics.parked_rows.set(sum(s.parked for s in values))
         self.metrics.oldest_age.set(max((s.oldest_age for s in values), default=0.0))
         self.metrics.topics({t: (s.backlog, s.parked, s.oldest_age) for t, s in stats.items()})
+        missing = outbox_privileges(conn, self.sql)
+        if missing != self.metrics.missing_privileges:
+            log.warning(
+                "event=privilege_missing table=%s missing=%s: batches fail until the relay's "
+                "role has them (deploy/sql/relay-role.sql)",
+                self.table_name,
+                ",".join(missing) or "none",
+            )
+            self.metrics.missing_privileges = missing
         tables = health_pg.table_health(conn, self.config.schema)
         holder = health_pg.horizon_holder(conn)
         conn.commit()
@@ -327,18 +358,37 @@ class Relay:
         self, conn: sa.Connection, *, uncontended: bool, savepoint: str | None = None
     ) -> list[ClaimedRow] | None:
         owned = sorted(self.lanes.owned)
+        mark = self._low.for_lanes(owned)
+        facts, writers, first_live = outbox_low_water(
+            conn,
+            self.sql,
+            self._sequence,
+            lanes=self.config.lanes,
+            owned=owned,
+            low=mark.low,
+            watch=self._assumptions.watch,
+        )
+        verdict = verify(
+            self._assumptions,
+            facts,
+            fresh=savepoint is None,
+            sequence=self._sequence.sequence_name or f"{self.sql.table}.id",
+        )
+        self._assumptions = verdict.state
+        if verdict.message is not None:
+            (log.info if verdict.usable else log.warning)(verdict.message)
         low = 0
-        if self._sequence is not None:
-            mark = self._low.for_lanes(owned)
-            drawn, writers, first_live = outbox_low_water(
-                conn, self.sql, self._sequence, lanes=self.config.lanes, owned=owned, low=mark.low
-            )
-            mark = mark.advance(drawn, writers, first_live)
+        if verdict.usable and not verdict.restart:
+            mark = mark.advance(facts.drawn or 0, writers, first_live)
             low = mark.low
-            if savepoint is None:
-                self._low = mark  # read before this transaction changed anything
-            else:
-                self._low_ahead = mark
+        else:
+            # From the low end, and a new mark from there (as after a restart); the mark in
+            # force is dropped too, so that a claim ahead rolled back cannot bring it back.
+            mark = self._low = LowWater().for_lanes(owned)
+        if savepoint is None:
+            self._low = mark  # read before this transaction changed anything
+        else:
+            self._low_ahead = mark
         return outbox_claim_batch(
             conn,
             self.sql,
@@ -724,6 +774,8 @@ class Relay:
         try:
             with self.engine.connect() as conn:
                 current = migrate.current_revision(conn, self.config.schema)
+                table = outbox_sequence(conn, self.sql)
+                missing = outbox_privileges(conn, self.sql) if table.table is not None else []
         except sa.exc.SQLAlchemyError as exc:
             problems.append(
                 f"database {redact_url(self.url)} is not reachable: "
@@ -735,6 +787,12 @@ class Relay:
                 problems.append(
                     f"database schema is at revision {current or 'none'}, this relay needs "
                     f"{head}: run `outbox migrate --database-url URL`"
+                )
+            self.table_name = table.resolved
+            if missing:
+                problems.append(
+                    f"the relay's role lacks {', '.join(missing)} on {table.resolved}: "
+                    "no batch can run (grant them: deploy/sql/relay-role.sql)"
                 )
         try:
             producer = self._producer_factory()

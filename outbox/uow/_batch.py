@@ -131,7 +131,7 @@ class Batch:
             raise ConfigurationError("a batch claims each key once")
         sql = many_statements(outbox.config.schema)
         outbox._check_sessions()
-        tx = Transaction.open(outbox.engine, pooled=outbox._pooled)
+        tx = outbox._transactions.open(outbox.engine, pooled=outbox._pooled)
         try:
             locks, rows = tx.begin_with_many(
                 [sql.idempotency_keys_lock, sql.idempotency_keys_read],
@@ -296,8 +296,7 @@ class Batch:
             tx.commit_with(statement, params)
         else:
             # Large values go as binary parameters rather than quoted literals.
-            tx.execute(statement.direct, params)
-            tx.commit()
+            tx.commit_bound(statement, params)
         self.committed = True
         self.close()
         self._after(committed=True)

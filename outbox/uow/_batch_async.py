@@ -134,7 +134,7 @@ class AsyncBatch:
             raise ConfigurationError("a batch claims each key once")
         sql = many_statements(outbox.config.schema)
         await outbox._check_sessions()
-        tx = await AsyncTransaction.open(outbox.engine, pooled=outbox._pooled)
+        tx = await outbox._transactions.open(outbox.engine, pooled=outbox._pooled)
         try:
             locks, rows = await tx.begin_with_many(
                 [sql.idempotency_keys_lock, sql.idempotency_keys_read],
@@ -301,8 +301,7 @@ class AsyncBatch:
             await tx.commit_with(statement, params)
         else:
             # Large values go as binary parameters rather than quoted literals.
-            await tx.execute(statement.direct, params)
-            await tx.commit()
+            await tx.commit_bound(statement, params)
         self.committed = True
         await self.close()
         await self._after(committed=True)

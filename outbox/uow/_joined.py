@@ -24,12 +24,18 @@ from outbox._pg.errors import (
     unique_violation_of,
     unmigrated,
 )
+from outbox._pg.literals import untranslatable
 from outbox._pg.statements import (
     JoinedStatements,
     idempotency_key_complete_joined,
     joined_statements,
 )
-from outbox._pg.transaction import cancel_key, check_caller, stop_abandoned
+from outbox._pg.transaction import (
+    cancel_key,
+    check_caller,
+    check_transaction,
+    stop_abandoned,
+)
 from outbox._redis.cache import OutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress
@@ -81,6 +87,8 @@ class JoinedUnits:
     ) -> tuple[UnitOfWork, Joined | None]:
         """The unit of work of ``key`` in the caller's transaction, and where it runs (``None``
         for a replay)."""
+        # Refused whatever the key's state, a duplicate too: the caller's code is wrong either way.
+        check_transaction(session, connection)
         cached = self._outcomes.cached(scope, key)
         if cached is not None:
             return self._outcomes.replay(scope, key, fingerprint, typed, cached, "redis"), None
@@ -114,6 +122,8 @@ class JoinedUnits:
             savepoint.rollback()
             if undefined_table(exc):
                 raise unmigrated(self.config.schema) from exc
+            if isinstance(exc, UnicodeEncodeError):
+                raise untranslatable(exc) from exc
             raise
         if status is None and acquired:
             take(_sync(conn), lock_id)
@@ -192,6 +202,8 @@ class JoinedUnits:
             uow.close()
             if unique_violation_of(exc, "idempotency_keys_pkey"):
                 raise KeyInProgress(uow.scope, uow.key) from exc
+            if isinstance(exc, UnicodeEncodeError):
+                raise untranslatable(exc) from exc
             raise
         uow.close()  # the savepoint is released: only the unit's own session closes
         self._defer(joined, self._after_commit(uow.scope, uow.key, bool(done.events)))

@@ -19,7 +19,7 @@ from outbox._core.failures import is_permanent
 from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
 from outbox._pg.after_commit import defer, take
-from outbox._pg.engines import engine_for, notifier_engine, reader_engine
+from outbox._pg.engines import engine_for, notifier_engine, reader_engine, transaction_type
 from outbox._pg.errors import (
     split_error,
     split_refused,
@@ -166,6 +166,8 @@ class Outbox:
         self._sessions_checked = self.config.pooler is not None
         self._sessions_refused: ConfigurationError | None = None
         self.engine: Engine = engine
+        # psycopg's transaction, or asyncpg's (outbox._pg.on_asyncpg).
+        self._transactions = transaction_type(engine, Transaction)
         self._owns_redis = redis_url is not None
         client = make_cache_client(redis_url, self.config) if redis_url is not None else redis
         self.cache: OutcomeCache | None = (
@@ -333,7 +335,9 @@ class Outbox:
         may have been recreated or restored since the cache's key was read)."""
         assert self.cache is not None
         try:
-            identity = read_identity(dbapi_connection, *self._identity)
+            identity = read_identity(
+                dbapi_connection, *self._identity, self.engine.dialect.paramstyle
+            )
         except Exception:  # trust nothing; the next unit of work reads the key again
             self.cache.forget()
             return
@@ -348,7 +352,7 @@ class Outbox:
         if cached is not None:
             return self._outcomes.replay(scope, key, fingerprint, typed, cached, "redis"), None
         self._check_sessions()
-        tx = Transaction.open(self.engine, pooled=self._pooled)
+        tx = self._transactions.open(self.engine, pooled=self._pooled)
         lock_id = claim.lock_id(scope, key)
         try:
             acquired, status, stored_fp, result_json, error, age = tx.begin_with(
@@ -382,8 +386,7 @@ class Outbox:
                 relay_idle = tx.commit_with(statement, params, probe)
             else:
                 # Large values go as binary parameters rather than quoted literals.
-                tx.execute(statement.direct, params)
-                tx.commit()
+                tx.commit_bound(statement, params)
         except BaseException as exc:
             uow.close()
             if unique_violation_of(exc, "idempotency_keys_pkey"):

@@ -27,7 +27,7 @@ from outbox._core.failures import is_permanent
 from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
 from outbox._pg.after_commit import defer, take
-from outbox._pg.engines import engine_for, notifier_engine, reader_engine
+from outbox._pg.engines import engine_for, notifier_engine, reader_engine, transaction_type
 from outbox._pg.errors import (
     split_error,
     split_refused,
@@ -174,6 +174,8 @@ class AsyncOutbox:
         self._sessions_checked = self.config.pooler is not None
         self._sessions_refused: ConfigurationError | None = None
         self.engine: AsyncEngine = engine
+        # psycopg's transaction, or asyncpg's (outbox._pg.on_asyncpg).
+        self._transactions = transaction_type(engine, AsyncTransaction)
         self._owns_redis = redis_url is not None
         client = make_async_cache_client(redis_url, self.config) if redis_url is not None else redis
         self.cache: AsyncOutcomeCache | None = (
@@ -343,7 +345,9 @@ class AsyncOutbox:
         may have been recreated or restored since the cache's key was read)."""
         assert self.cache is not None
         try:
-            identity = read_identity(dbapi_connection, *self._identity)
+            identity = read_identity(
+                dbapi_connection, *self._identity, self.engine.dialect.paramstyle
+            )
         except Exception:  # trust nothing; the next unit of work reads the key again
             self.cache.forget()
             return
@@ -358,7 +362,7 @@ class AsyncOutbox:
         if cached is not None:
             return self._outcomes.replay(scope, key, fingerprint, typed, cached, "redis"), None
         await self._check_sessions()
-        tx = await AsyncTransaction.open(self.engine, pooled=self._pooled)
+        tx = await self._transactions.open(self.engine, pooled=self._pooled)
         lock_id = claim.lock_id(scope, key)
         try:
             acquired, status, stored_fp, result_json, error, age = await tx.begin_with(
@@ -394,8 +398,7 @@ class AsyncOutbox:
                 relay_idle = await tx.commit_with(statement, params, probe)
             else:
                 # Large values go as binary parameters rather than quoted literals.
-                await tx.execute(statement.direct, params)
-                await tx.commit()
+                await tx.commit_bound(statement, params)
         except BaseException as exc:
             await uow.close()
             if unique_violation_of(exc, "idempotency_keys_pkey"):

@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.typed_results import TypedResult
-from outbox._pg.identity import identity_of
+from outbox._pg.identity import for_paramstyle, identity_of
 from outbox._redis.cache import OutcomeCache
 from outbox.config import OutboxConfig
 from outbox.uow._unit import ReplaySource, UnitOfWork
@@ -43,7 +43,9 @@ class Outcomes:
             try:
                 with self._engine.connect() as conn:
                     generation = cache.generation
-                    result = conn.exec_driver_sql(statement, params)
+                    result = conn.exec_driver_sql(
+                        *for_paramstyle(statement, params, conn.dialect.paramstyle)
+                    )
                     identity = identity_of(result.first())
             except Exception as exc:  # the database decides without the cache
                 cache.untrusted(exc)

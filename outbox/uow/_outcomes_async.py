@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.typed_results import TypedResult
-from outbox._pg.identity import identity_of
+from outbox._pg.identity import for_paramstyle, identity_of
 from outbox._redis.cache_async import AsyncOutcomeCache
 from outbox.config import OutboxConfig
 from outbox.uow._unit_async import AsyncUnitOfWork, ReplaySource
@@ -46,7 +46,9 @@ class AsyncOutcomes:
             try:
                 async with self._engine.connect() as conn:
                     generation = cache.generation
-                    result = await conn.exec_driver_sql(statement, params)
+                    result = await conn.exec_driver_sql(
+                        *for_paramstyle(statement, params, conn.dialect.paramstyle)
+                    )
                     identity = identity_of(result.first())
             except Exception as exc:  # the database decides without the cache
                 cache.untrusted(exc)

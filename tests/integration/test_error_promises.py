@@ -11,7 +11,14 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
-from outbox import AsyncOutbox, ConfigurationError, Outbox, ReplayedWriteError, migrate
+from outbox import (
+    AsyncOutbox,
+    ConfigurationError,
+    Outbox,
+    OutboxConfig,
+    ReplayedWriteError,
+    migrate,
+)
 from outbox.errors import TransactionEndedError
 from tests.fixtures.uow import INSERT_ORDER, count, create_orders
 
@@ -46,14 +53,21 @@ def test_async_session_commit_in_the_body_is_refused(engine: sa.Engine, database
     assert count(engine, "orders") == 0 and count(engine, "idempotency_keys") == 0
 
 
-def test_an_asyncpg_engine_is_refused_before_any_io(database_url: str) -> None:
+def test_asyncpg_behind_a_transaction_pooler_is_refused_before_any_io(database_url: str) -> None:
     url = database_url.replace("postgresql+psycopg://", "postgresql+asyncpg://")
     async_engine = create_async_engine(url)
     connected: list[object] = []
     sa.event.listen(async_engine.sync_engine.pool, "connect", lambda *a: connected.append(a))
-    with pytest.raises(ConfigurationError, match=r"psycopg 3 driver.*postgresql\+asyncpg"):
-        AsyncOutbox(async_engine)
+    config = OutboxConfig(pooler="transaction")
+    with pytest.raises(ConfigurationError, match=r"pooler='transaction' is not supported.*asyncpg"):
+        AsyncOutbox(async_engine, config=config)
     assert connected == []
+
+
+def test_an_asyncpg_url_is_refused_naming_the_engine_to_pass(database_url: str) -> None:
+    url = database_url.replace("postgresql+psycopg://", "postgresql+asyncpg://")
+    with pytest.raises(ConfigurationError, match=r"create_async_engine\("):
+        AsyncOutbox(url)
 
 
 @pytest.mark.parametrize("mode", ["owned", "connection", "session"])

@@ -187,9 +187,11 @@ class AsyncDoor(Door):
         prefix: str,
         joined: str | None,
         route: str = "direct",
+        driver: str = "psycopg",
     ) -> None:
         self.joined = joined
-        self.name = f"async-{joined or 'owned'}"
+        self.driver = driver
+        self.name = f"{'async' if driver == 'psycopg' else driver}-{joined or 'owned'}"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -201,6 +203,13 @@ class AsyncDoor(Door):
     ) -> outbox.AsyncOutbox:
         client = redis.asyncio.Redis.from_url(redis_url) if redis_url else None
         config = _config(prefix, route)
+        if self.driver == "asyncpg":
+            # An AsyncEngine on asyncpg, the caller's: units of work, owned and joined, run on it.
+            asyncpg_url = url.replace("postgresql+psycopg://", "postgresql+asyncpg://")
+            options: dict[str, Any] = {"poolclass": sa.pool.NullPool} if route == "session" else {}
+            engine = create_async_engine(asyncpg_url, **options)
+            self._engine = engine
+            return outbox.AsyncOutbox(engine, redis=client, config=config)
         if route == "session":
             # Session pooling gives a server connection to a client connection for its life:
             # connections are opened per unit of work, so that more clients than server
@@ -294,12 +303,13 @@ class AsyncDoor(Door):
 
 
 DOORS = ["sync-owned", "sync-session", "sync-connection", "async-owned", "async-session",
-         "async-connection"]  # fmt: skip
+         "async-connection", "asyncpg-owned", "asyncpg-session", "asyncpg-connection"]  # fmt: skip
 # Each door also through PgBouncer (tests/fixtures/pgbouncer.py) in transaction mode, the owned
 # ones in session mode too (a joined door there is the caller's plain session), with fewer
 # server connections than the clients of a race.
-POOLED_DOORS = [f"{door}@transaction" for door in DOORS] + ["sync-owned@session",
-                                                            "async-owned@session"]  # fmt: skip
+# asyncpg is refused behind a transaction pooler (test_asyncpg_behind_a_transaction_pooler_...).
+POOLED_DOORS = [f"{door}@transaction" for door in DOORS if not door.startswith("asyncpg")] + [
+    "sync-owned@session", "async-owned@session", "asyncpg-owned@session"]  # fmt: skip
 _POOLER = {"direct": None, "transaction": "transaction", "session": None}
 
 
@@ -351,7 +361,8 @@ def _door(
         if door_engine is not engine:
             door_engine.dispose()
     else:
-        async_door = AsyncDoor(url, redis_url, redis_prefix, joined, route)
+        driver = "asyncpg" if flavour == "asyncpg" else "psycopg"
+        async_door = AsyncDoor(url, redis_url, redis_prefix, joined, route, driver)
         yield async_door
         async_door.close()
 

@@ -6,7 +6,7 @@ import uuid
 
 from hypothesis import given, strategies as st
 
-from outbox._pg.transaction import _array_text
+from outbox._pg.literals import _array_text
 
 
 def reference(values: list[object]) -> bytes:

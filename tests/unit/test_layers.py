@@ -36,6 +36,7 @@ CONFINED = {
     "confluent_kafka": "outbox._kafka",
     "redis": "outbox._redis",
     "opentelemetry": "outbox._otel",
+    "django": "outbox.django",
 }
 # Each says why; today: optional serializers, the embedded servers (two), the dead letters' Kafka
 # client (so `outbox status`, `gc` and `parked` never load it).
@@ -50,6 +51,7 @@ SERVICE_RANK = {
     "http": 1,
     "console": 1,
     "testing": 2,
+    "django": 2,
 }
 
 
@@ -74,8 +76,8 @@ def layer(module: str) -> str:
         return "schema"
     if second in ("_pg", "_redis", "_kafka", "_otel"):
         return "adapter"
-    if second in ("cli", "__main__"):  # `python -m outbox` is the command
-        return "cli"
+    if second in ("cli", "__main__") or module.startswith("outbox.django.management."):
+        return "cli"  # `python -m outbox` and Django's management commands are commands too
     return "service"
 
 
