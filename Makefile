@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: help generate venv services test test-pg18 lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing bench-console demo demo-quick clean
+.PHONY: help generate venv services test release-check test-pg18 lint typecheck pytest bench bench-uow bench-relay bench-consumer bench-guard bench-http bench-tracing bench-console demo demo-quick clean
 
 ## help: list the targets with what each does
 help:
@@ -25,6 +25,10 @@ services:
 
 ## test: lint, type-check, then the whole test suite against real services
 test: venv services lint typecheck pytest
+
+## release-check: build the sdist and the wheel, twine check them, install the wheel bare
+release-check: venv
+	OUTBOX_RELEASE_CHECK=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests/migrations/test_release.py
 
 ## generate: rewrite the sync twins from their asyncio sources (tools/async_to_sync.py)
 generate:

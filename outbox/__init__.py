@@ -6,6 +6,9 @@ PostgreSQL transaction; duplicates replay the stored result (from Redis when it 
 back through units of work.
 """
 
+# The release's version, written here only: pyproject.toml reads it (tool.setuptools.dynamic).
+__version__ = "0.1.0"
+
 from outbox import _moved
 from outbox.config import OutboxConfig
 from outbox.errors import (

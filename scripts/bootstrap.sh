@@ -14,6 +14,29 @@ PYTHON="$VENV/bin/python"
 
 say() { printf '==> %s\n' "$*"; }
 
+# Where an installed PostgreSQL is looked for (HOST:PORT), as scripts/demo.py does.
+PG_ADDRESS=${OUTBOX_DEMO_LOCAL_POSTGRES:-127.0.0.1:5432}
+PG_HOST=${PG_ADDRESS%:*}
+PG_PORT=${PG_ADDRESS##*:}
+
+with_progress() {  # with_progress WHAT COMMAND...: a line every 10 s while COMMAND runs
+    local what=$1 started=$SECONDS pid rc
+    shift
+    "$@" &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null; do
+        for _ in 1 2 3 4 5 6 7 8 9 10; do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 1
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            printf '    ... %s (%ds)\n' "$what" $((SECONDS - started))
+        fi
+    done
+    wait "$pid"; rc=$?
+    return "$rc"
+}
+
 ensure_venv() {
     if [ ! -x "$PYTHON" ]; then
         say "creating $VENV"
@@ -21,9 +44,11 @@ ensure_venv() {
     fi
     # Same marker as `make venv`: reinstall when pyproject.toml changed.
     if [ ! -f "$VENV/.installed" ] || [ pyproject.toml -nt "$VENV/.installed" ]; then
-        say "installing outbox-kit and its dev extra (includes the Tansu broker)"
-        "$PYTHON" -m pip install --quiet --disable-pip-version-check --upgrade pip
-        "$PYTHON" -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+        say "installing outbox-kit and its dev extra (includes the Tansu broker; about a minute)"
+        with_progress "upgrading pip" \
+            "$PYTHON" -m pip install --quiet --disable-pip-version-check --upgrade pip
+        with_progress "installing the dependencies" \
+            "$PYTHON" -m pip install --quiet --disable-pip-version-check -e '.[dev]'
         touch "$VENV/.installed"
     fi
 }
@@ -36,12 +61,21 @@ wait_until() {  # wait_until SECONDS COMMAND...
     done
 }
 
+not_started() {  # not_started WHAT: the demo falls back to its embedded server, others stop
+    if [ "$command" = demo ]; then
+        say "$1: the installed server did not start; the demo starts an embedded one"
+    else
+        echo "$1 did not start" >&2
+        exit 1
+    fi
+}
+
 ensure_postgres() {
     if [ -n "${OUTBOX_DATABASE_URL:-}" ]; then
         say "PostgreSQL: using OUTBOX_DATABASE_URL"
         return
     fi
-    if pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
+    if pg_isready -q -h "$PG_HOST" -p "$PG_PORT" 2>/dev/null; then
         return
     fi
     if ! command -v pg_ctlcluster >/dev/null 2>&1 || [ ! -d /etc/postgresql ]; then
@@ -50,8 +84,12 @@ ensure_postgres() {
         return
     fi
     say "starting PostgreSQL"
-    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start
-    wait_until 60 pg_isready -q -h 127.0.0.1 -p 5432 || { echo "PostgreSQL did not start" >&2; exit 1; }
+    # An installed cluster that cannot be started (a stale pid file, another data folder
+    # running, no permission) is no reason to stop: the demo has an embedded one.
+    if ! pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start \
+            || ! wait_until 60 pg_isready -q -h "$PG_HOST" -p "$PG_PORT"; then
+        not_started PostgreSQL
+    fi
 }
 
 ensure_redis() {
@@ -67,10 +105,12 @@ ensure_redis() {
         return
     fi
     say "starting Redis"
-    mkdir -p /var/lib/redis /var/log/redis
-    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
-        --dir /var/lib/redis --logfile /var/log/redis/ci.log
-    wait_until 30 redis-cli -h 127.0.0.1 -p 6379 ping || { echo "Redis did not start" >&2; exit 1; }
+    if ! { mkdir -p /var/lib/redis /var/log/redis &&
+            redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" \
+                --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log; } \
+            || ! wait_until 30 redis-cli -h 127.0.0.1 -p 6379 ping; then
+        not_started Redis
+    fi
 }
 
 command=${1:-demo}

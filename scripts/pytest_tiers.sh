@@ -45,6 +45,29 @@ integration=$!
 "$python" -m pytest "$@" --ignore=tests/integration --ignore=examples/order_service/tests \
     >"$logs/other" 2>&1 &
 other=$!
+
+# While both run, a line every OUTBOX_TEST_PROGRESS_EVERY seconds (30): how far each session got
+# (pytest's own percentage) and how many tests failed so far, so a long run is never silent.
+every=${OUTBOX_TEST_PROGRESS_EVERY:-30}
+progress() {  # progress LOG
+    local pct failed
+    pct=$(grep -o '\[ *[0-9]*%\]' "$1" 2>/dev/null | tail -n1 | tr -d '[] ')
+    failed=$(grep -E '\[ *[0-9]+%\]$' "$1" 2>/dev/null |
+        sed -E 's/^[^ ]+\.py //; s/ *\[ *[0-9]+%\]$//' | tr -cd 'FE' | wc -c)
+    printf '%s%s' "${pct:-starting}" "$([ "$failed" -gt 0 ] && printf ' (%d failed so far)' "$failed")"
+}
+started=$SECONDS
+last=$SECONDS
+while kill -0 "$integration" 2>/dev/null || kill -0 "$other" 2>/dev/null; do
+    sleep 1
+    if [ $((SECONDS - last)) -ge "$every" ]; then
+        last=$SECONDS
+        elapsed=$((SECONDS - started))
+        printf '[%dm%02ds] tests/integration %s | the other tiers %s\n' \
+            $((elapsed / 60)) $((elapsed % 60)) "$(progress "$logs/integration")" \
+            "$(progress "$logs/other")"
+    fi
+done
 wait "$integration"; rc_integration=$?
 wait "$other"; rc_other=$?
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from outbox._core.validate import MAX_KEY_LENGTH, check_key, check_scope
+from outbox._core.validate import MAX_KEY_LENGTH, check_key, check_scope, shown
 from outbox.errors import (
     ConfigurationError,
     InvalidKeyError,
@@ -62,6 +62,14 @@ _SEVERAL_KEYS = "send one Idempotency-Key field"
 # -- requests -------------------------------------------------------------------------------
 
 
+class MissingHeader(KeyError):
+    """``headers[name]`` of a header the request does not carry; names it for the 400."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 class Headers(Mapping[str, str]):
     """Request headers as a case-insensitive mapping; repeated fields are joined with ``", "``.
 
@@ -78,7 +86,10 @@ class Headers(Mapping[str, str]):
         self._fields = fields
 
     def __getitem__(self, name: str) -> str:
-        return ", ".join(self._fields[name.lower()])
+        try:
+            return ", ".join(self._fields[name.lower()])
+        except KeyError:
+            raise MissingHeader(name) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._fields)
@@ -501,14 +512,18 @@ class Admission:
         except Exception as exc:
             # e.g. ``lambda r: r.headers["x-tenant"]`` on a request without the header: the
             # request lacks what the scope is made of, which is the client's to fix.
-            raise Refused(
-                Problem(
-                    400,
-                    "idempotency-scope-invalid",
-                    "Invalid idempotency scope",
-                    "the idempotency scope could not be derived from the request "
-                    f"({type(exc).__name__}); send the headers this endpoint requires",
+            if isinstance(exc, MissingHeader):
+                detail = (
+                    f"the request has no {shown(exc.name)} header, which this endpoint's "
+                    "idempotency scope is made of: send it"
                 )
+            else:
+                detail = (
+                    "the idempotency scope could not be derived from the request "
+                    f"({type(exc).__name__}); send the headers this endpoint requires"
+                )
+            raise Refused(
+                Problem(400, "idempotency-scope-invalid", "Invalid idempotency scope", detail)
             ) from None
         try:
             check_scope(scope)

@@ -24,6 +24,11 @@ class TopicLag:
     lag: int
     unknown: int
     """Partitions with no committed offset or no end offset: not in the sums."""
+    ahead: int = 0
+    """Partitions whose committed offset is past their end: the log is shorter than what the
+    group read (the topic was deleted and created again, or the broker lost records it had
+    acknowledged). The group's next fetch there is out of range and starts where its
+    ``auto.offset.reset`` says."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ def topic_lags(
         by_topic.setdefault(tp[0], []).append(tp)
     out = []
     for topic in sorted(by_topic):
-        done = end_sum = lag = unknown = 0
+        done = end_sum = lag = unknown = ahead = 0
         for tp in by_topic[topic]:
             offset, end = committed[tp], ends.get(tp)
             if offset is None or offset < 0 or end is None or end < 0:
@@ -57,5 +62,6 @@ def topic_lags(
             done += offset
             end_sum += end
             lag += max(0, end - offset)
-        out.append(TopicLag(group, topic, len(by_topic[topic]), done, end_sum, lag, unknown))
+            ahead += offset > end
+        out.append(TopicLag(group, topic, len(by_topic[topic]), done, end_sum, lag, unknown, ahead))
     return out

@@ -76,7 +76,7 @@ def _check_text(url: object, what: str, example: str) -> str:
     if not url.isascii() and not _attempt(lambda: url.encode("utf-8")):
         raise _fail(what, "it is not valid UTF-8 text", example)
     if "://" not in url:
-        raise _fail(what, "it has no scheme (scheme://...)", example)
+        raise _fail(what, "it does not start with a scheme and ://", example)
     return url
 
 

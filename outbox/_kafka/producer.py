@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from outbox._core.outage import Outage
 from outbox._kafka.config import (
     DEFAULT_CONFIG as DEFAULT_CONFIG,
     REQUIRED_CONFIG as REQUIRED_CONFIG,
@@ -156,12 +157,20 @@ class Sending:
 class KafkaProducer:
     """A confluent-kafka producer that sends groups of records and reports each one's fate."""
 
-    def __init__(self, bootstrap_servers: str, overrides: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        overrides: Mapping[str, str],
+        *,
+        outage: Outage | None = None,
+    ) -> None:
         self.config = producer_config(bootstrap_servers, overrides)
+        # The brokers' state for the logs; a relay passes its own, which outlives the producers
+        # it rebuilds, so a rebuilt producer does not announce the same outage again.
+        self.outage = outage or Outage("Kafka")
         # The deadline of one send (see the module docstring); librdkafka's own is off.
         self.message_timeout = int(self.config["message.timeout.ms"]) / 1000.0
         self._fatal: str | None = None
-        self._last_error: tuple[str, float] = ("", 0.0)
         self._failures: list[tuple[KafkaError, Any]] = []
         self._producer = Producer(
             {
@@ -174,17 +183,25 @@ class KafkaProducer:
 
     def _on_error(self, err: KafkaError) -> None:
         # Client-level errors (broker down, auth) arrive here, once per connection attempt;
-        # per-record fate arrives in delivery reports. Log a state change, or a reminder every
-        # 30 s, not every reconnect.
+        # per-record fate arrives in delivery reports. One line when the brokers become
+        # unreachable, a summary while they stay so (outbox._core.outage), never one per retry.
         if err.fatal():
             self._fatal = f"{err.name()}: {err.str()}"
             log.error("event=kafka_fatal_error error=%r", self._fatal)
             return
-        name, last = self._last_error
-        now = time.monotonic()
-        if err.name() != name or now - last > 30.0:
-            self._last_error = (err.name(), now)
-            log.warning("event=kafka_client_error error=%r", f"{err.name()}: {err.str()}")
+        if line := self.outage.failed(err.name(), err.str(), time.monotonic()):
+            log.warning("event=kafka_unreachable %s", line)
+
+    def reachable(self) -> None:
+        """The brokers answered (a confirmed delivery, metadata): end an outage in the logs."""
+        if line := self.outage.recovered(time.monotonic()):
+            log.info("event=kafka_reachable %s", line)
+
+    def serve(self) -> None:
+        """Serve pending callbacks (client errors) and a due summary of a lasting outage."""
+        self._producer.poll(0)
+        if line := self.outage.summary(time.monotonic()):
+            log.warning("event=kafka_unreachable %s", line)
 
     def _on_failure(self, err: KafkaError | None, msg: Any) -> None:
         if err is not None:  # only failures are reported (delivery.report.only.error)
@@ -254,6 +271,8 @@ class KafkaProducer:
             # as confirmed (at worst they are sent again).
             unknown = purged_as or self._late()
             outcomes = [unknown if o is CONFIRMED else o for o in outcomes]
+        if any(o is CONFIRMED for o in outcomes):
+            self.reachable()
         return outcomes
 
     def _late(self) -> DeliveryReport:
@@ -274,13 +293,16 @@ class KafkaProducer:
         while True:
             now = time.monotonic()
             if stop.is_set() and stop_deadline is None:
-                stop_deadline = now + grace
+                # With the brokers unreachable, nothing in flight will be confirmed: no grace.
+                stop_deadline = now + (0.0 if self.outage.down else grace)
             limit = min(deadline, stop_deadline) if stop_deadline is not None else deadline
             # flush() sends at once instead of waiting for linger.ms and serves the reports.
             if flush(max(0.0, min(0.1, limit - now))) == 0:
                 return True, None
             if self._fatal is not None or time.monotonic() >= limit:
                 break
+            if line := self.outage.summary(time.monotonic()):
+                log.warning("event=kafka_unreachable %s", line)
         purged_as: DeliveryReport | None
         if self._fatal is not None:
             # Records behind the one that broke the producer: not their fault, no attempt.
@@ -323,10 +345,20 @@ class KafkaProducer:
                 outcomes[index] = _outcome(err)
         self._failures.clear()
 
-    def check(self, timeout: float = 5.0) -> int:
-        """Ask the cluster for metadata; returns the broker count or raises PublishError."""
+    def check(self, timeout: float = 5.0, stop: threading.Event | None = None) -> int:
+        """Ask the cluster for metadata; returns the broker count or raises PublishError.
+        With ``stop``, the wait is cut into short tries that a stop ends at once."""
+        deadline = time.monotonic() + timeout
         try:
-            metadata = self._producer.list_topics(timeout=timeout)
+            while True:
+                left = deadline - time.monotonic()
+                step = left if stop is None else max(0.01, min(0.25, left))
+                try:
+                    metadata = self._producer.list_topics(timeout=step)
+                    break
+                except KafkaException:
+                    if stop is None or stop.is_set() or left <= step:
+                        raise
         except KafkaException as exc:
             raise PublishError(
                 f"Kafka brokers did not answer within {timeout:g}s "
@@ -334,6 +366,7 @@ class KafkaProducer:
                 "--bootstrap-servers and --kafka-config (security.protocol, sasl.*)",
                 retriable=True,
             ) from exc
+        self.reachable()
         return len(metadata.brokers)
 
     def purge(self) -> None:
@@ -346,5 +379,6 @@ class KafkaProducer:
             log.warning("event=kafka_purge_failed error=%r", str(exc))
 
     def close(self, timeout: float = 5.0) -> None:
-        """Wait briefly for outstanding reports, then release the client."""
-        self._producer.flush(timeout)
+        """Wait briefly for outstanding reports (not at all while the brokers are unreachable:
+        none would come), then release the client."""
+        self._producer.flush(0.0 if self.outage.down else timeout)

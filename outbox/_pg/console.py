@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -125,21 +126,61 @@ def idempotency_key(
     return connection.execute(query).first()  # type: ignore[return-value]
 
 
-def outbox_rows_naming(
-    connection: sa.Connection, schema: str | None, key: str, header: str, limit: int
+def outbox_rows_of_key(
+    connection: sa.Connection,
+    schema: str | None,
+    key: str,
+    header: str,
+    written_at: datetime | None,
+    limit: int,
 ) -> list[sa.Row[Any]]:
-    """Outbox rows whose message key is ``key`` or whose ``header`` header holds it."""
+    """In one scan of the outbox: the rows written in the transaction that completed a key
+    (``of_unit``: its ``created_at`` is ``written_at``, the key's ``updated_at``), and the rows
+    whose message key is ``key`` or whose ``header`` header holds it.
+
+    The schema keeps no column that links an event to its unit of work; the transaction does.
+    The key's final row and its events are written by one statement (see
+    :func:`outbox._pg.statements.idempotency_key_complete`), so the events' ``created_at`` and
+    the key's ``updated_at`` are the same transaction timestamp (``now()``, in microseconds),
+    which the relay never changes. (Their ``xmin`` would be exact, but the relay's updates of a
+    failed or parked row give it a new one.) A unit of work whose transaction began in the same
+    microsecond would match too. A row that left the outbox (delivered, or discarded) is not
+    found: the outbox keeps no history.
+    """
     t = tables(schema).outbox
+    naming = sa.or_(t.c.key == key.encode("utf-8"), t.c.headers[header].astext == key)
+    of_unit: sa.ColumnElement[bool] = (
+        sa.false() if written_at is None else t.c.created_at == written_at
+    )
     query = (
         sa.select(
             t.c.id, t.c.event_id, t.c.topic, t.c.key, t.c.attempts, t.c.last_error,
-            t.c.parked_at, t.c.created_at,
+            t.c.parked_at, t.c.created_at, of_unit.label("of_unit"),
         )
-        .where(sa.or_(t.c.key == key.encode("utf-8"), t.c.headers[header].astext == key))
+        .where(sa.or_(of_unit, naming))
         .order_by(t.c.id)
         .limit(limit)
     )  # fmt: skip
     return list(connection.execute(query))
+
+
+def keys_in_transaction(connection: sa.Connection, schema: str | None, scope: str, key: str) -> int:
+    """How many keys the transaction that last wrote ``(scope, key)`` completed (more than
+    one: a consumer micro-batch). Key rows are not updated once completed, so their ``xmin``
+    is the completing transaction's; found through the updated_at index."""
+    t = tables(schema)
+    k = t.idempotency_keys.alias("k")
+    k2 = t.idempotency_keys.alias("k2")
+    sharing = (
+        sa.select(sa.func.count())
+        .select_from(k.join(k2, k2.c.updated_at == k.c.updated_at))
+        .where(
+            k.c.scope == scope,
+            k.c.key == key,
+            sa.literal_column("k2.xmin") == sa.literal_column("k.xmin"),
+        )
+    )
+    return int(connection.execute(sharing).scalar_one())
 
 
 def outbox_rows_deleted(connection: sa.Connection, schema: str | None) -> int | None:

@@ -172,10 +172,8 @@ def status_warnings(status: Status) -> list[str]:
                 "(normal for a second after a relay starts or stops)"
             )
     if status.parked:
-        out.append(
-            f"{status.parked} parked rows hold back later rows of their keys: see "
-            "`outbox parked list`"
-        )
+        rows = "1 parked row holds" if status.parked == 1 else f"{status.parked} parked rows hold"
+        out.append(f"{rows} back later rows of their keys: see `outbox parked list`")
     out += health_warnings(
         status.tables, status.horizon, max_seconds=status.horizon_warning_seconds
     )

@@ -1,4 +1,5 @@
-"""The ``outbox`` command: ``migrate``, ``status``, ``gc``, ``parked``, ``consume``, ``console``.
+"""The ``outbox`` command: ``migrate``, ``status``, ``gc``, ``parked``, ``consume``, ``dlq``,
+``console``, ``dev``.
 
 Invariant: only the module of the command being run is imported, so ``outbox migrate --help``
 loads neither the Kafka client nor the runner; ``outbox --help`` lists the others from
@@ -12,6 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from outbox import __version__
 from outbox.cli._common import Parser, run
 
 # name -> (module defining `register(subparsers)`, one-line help for `outbox --help`)
@@ -31,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "console": (
         "outbox.cli.console",
         "serve the web console: backlog, relays, parked events, dead letters, keys",
+    ),
+    "dev": (
+        "outbox.cli.dev",
+        "start PostgreSQL, Redis and a Kafka broker for a trial (until Ctrl-C)",
     ),
 }
 
@@ -68,6 +74,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = Parser(
         prog="outbox", description="outbox-kit: migrations, parked rows, consumers, operations"
     )
+    parser.add_argument("--version", action="version", version=f"outbox-kit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = _chosen(argv)
     if chosen in COMMANDS:

@@ -8,6 +8,7 @@ from typing import Any
 from outbox import migrate
 from outbox._core.environment import ENV_MIGRATE_LOCK_ATTEMPTS, ENV_MIGRATE_LOCK_TIMEOUT
 from outbox.cli._common import EXIT_OK, Flag, add_flags, integer, number, ranged, require
+from outbox.cli._database import command_engine
 from outbox.config import redact_url
 from outbox.errors import ConfigurationError
 
@@ -63,14 +64,29 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=command)
 
 
+def _revision(args: argparse.Namespace) -> str | None:
+    engine = command_engine(args, "outbox migrate")
+    try:
+        with engine.connect() as conn:
+            return migrate.current_revision(conn, args.schema)
+    finally:
+        engine.dispose()
+
+
 def command(args: argparse.Namespace) -> int:
     url = require(args, "database_url")
     migrate.check_revision(args.revision_down or args.revision)
+    before = _revision(args)
     limits = {"lock_timeout": args.lock_timeout, "lock_attempts": args.lock_attempts}
     if args.revision_down:
         migrate.downgrade(url, args.revision_down, schema=args.schema, **limits)
-        print(f"downgraded {redact_url(url)} to {args.revision_down}")
     else:
         migrate.upgrade(url, args.revision, schema=args.schema, **limits)
-        print(f"migrated {redact_url(url)} to {args.revision}")
+    after = _revision(args)
+    where = redact_url(url) + (f" (schema {args.schema})" if args.schema else "")
+    if before == after:
+        print(f"{where} is already at revision {after or 'base'}: nothing to do")
+    else:
+        verb = "downgraded" if args.revision_down else "migrated"
+        print(f"{verb} {where} from revision {before or 'base'} to {after or 'base'}")
     return EXIT_OK

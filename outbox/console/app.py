@@ -49,6 +49,7 @@ from starlette.templating import Jinja2Templates
 from outbox import admin
 from outbox._core.dlq import choose_letters, describe_stop, format_cursor
 from outbox._core.lag import GroupLags
+from outbox._core.outage import Outage
 from outbox._core.redact import redact_text, redact_url
 from outbox._core.settings import check_bootstrap_servers
 from outbox._core.urls import check_database_url, check_redis_url
@@ -201,6 +202,7 @@ class Console:
         environment = jinja2.Environment(
             loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=True
         )
+        environment.filters["warning"] = data.warning_html
         self.templates = Jinja2Templates(env=environment)
         self.samples = chart.Samples()
         # Form tokens are signed with a key that never leaves the server, so a value planted
@@ -218,6 +220,8 @@ class Console:
         self._stop = threading.Event()
         self._lag_lock = threading.Lock()
         self._lag: tuple[float, GroupLags] | None = None
+        self.database_outage = Outage("PostgreSQL")
+        self._outage_lock = threading.Lock()
 
     def group_lags(self) -> GroupLags | None:
         """The consumer groups' lag (``None`` without a broker), at most
@@ -242,11 +246,29 @@ class Console:
             with self.engine.connect() as conn:
                 deleted = console_sql.outbox_rows_deleted(conn, self.schema)
                 conn.rollback()
-        except sa.exc.DBAPIError:
-            log.warning("could not sample the outbox's deletes", exc_info=True)
+        except sa.exc.DBAPIError as exc:
+            self.database_failed(exc)
             return
+        self.database_answered()
         if deleted is not None:
             self.samples.add(time.time(), deleted)
+
+    def database_failed(self, exc: sa.exc.DBAPIError) -> None:
+        """Log an unreachable database once when it goes away and in a summary while it stays
+        away (outbox._core.outage), never a traceback per sample or per request."""
+        reason = redact_text(str(exc.orig or exc)).strip().splitlines()
+        with self._outage_lock:
+            line = self.database_outage.failed(
+                type(exc.orig or exc).__name__, reason[0] if reason else "", time.monotonic()
+            )
+        if line:
+            log.warning("%s", line)
+
+    def database_answered(self) -> None:
+        with self._outage_lock:
+            line = self.database_outage.recovered(time.monotonic())
+        if line:
+            log.info("%s", line)
 
     def _sampler(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
@@ -463,7 +485,7 @@ class Console:
     def keys(self, request: Request) -> Response:
         lookup = data.parse_key_lookup(dict(request.query_params))
         found = None
-        events: list[data.KeyEvent] = []
+        events = data.KeyEvents([], 0)
         if lookup is not None:
             with self.engine.connect() as conn:
                 found, events = data.lookup_key(conn, self.schema, *lookup)
@@ -657,8 +679,8 @@ def create_app(settings: ConsoleSettings) -> Starlette:
                 return console.error(request, 400, str(exc))
             except OutboxError as exc:
                 return console.error(request, 503, redact_text(str(exc)))
-            except sa.exc.DBAPIError:
-                log.exception("the database refused or did not answer")
+            except sa.exc.DBAPIError as exc:
+                console.database_failed(exc)
                 return console.error(
                     request, 503, "the database refused or did not answer; see the console's log"
                 )

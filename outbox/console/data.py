@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
+from markupsafe import Markup, escape
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
 from outbox._core.dlq import Group, check_group_id, parse_cursor
@@ -36,7 +37,28 @@ VALUE_SHOWN = 4096
 HEX_SHOWN = 1024
 KEY_EVENTS_SHOWN = 50
 
-__all__ = ["PAGE_SIZE", "ParkedFilter", "ParkedView", "parse_filter"]
+__all__ = ["PAGE_SIZE", "ParkedFilter", "ParkedView", "parse_filter", "warning_html"]
+
+# The commands a status warning names that have a page of their own on the console.
+_COMMAND_PAGES = {"outbox parked list": ("/parked", "the Parked page")}
+_BACKTICKED = re.compile(r"`([^`]+)`")
+
+
+def warning_html(text: str) -> Markup:
+    """A status warning for a page: a command with a page of its own becomes a link to that
+    page, another backticked command is set as code (the CLI writes backticks as plain text)."""
+
+    parts = _BACKTICKED.split(text)  # even: prose, odd: what stood between backticks
+    html = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            html.append(str(escape(part)))
+        elif part in _COMMAND_PAGES:
+            href, label = _COMMAND_PAGES[part]
+            html.append(f'<a href="{href}">{escape(label)}</a>')
+        else:
+            html.append(f"<code>{escape(part)}</code>")
+    return Markup("".join(html))
 
 
 def _text(name: str, value: str | None) -> str | None:
@@ -365,13 +387,47 @@ class KeyEvent:
     error: str
     parked: bool
     created_at: datetime
+    # "unit": written by the key's unit of work; "named": its message key or
+    # X-Idempotency-Key header is the key (an event of another unit of work that names it).
+    link: str = "unit"
+
+
+@dataclass(frozen=True)
+class KeyEvents:
+    """What the outbox still holds of a key's unit of work, and what it cannot say."""
+
+    events: list[KeyEvent]
+    # Keys completed by the same transaction (a consumer micro-batch writes many at once).
+    keys_in_transaction: int
+
+    @property
+    def of_unit(self) -> list[KeyEvent]:
+        return [e for e in self.events if e.link == "unit"]
+
+    @property
+    def named(self) -> list[KeyEvent]:
+        return [e for e in self.events if e.link == "named"]
+
+
+def _key_event(r: Any, link: str) -> KeyEvent:
+    return KeyEvent(
+        event_id=r.event_id,
+        topic=r.topic,
+        key=key_text(r.key),
+        attempts=r.attempts,
+        error=r.last_error or "",
+        parked=r.parked_at is not None,
+        created_at=r.created_at,
+        link=link,
+    )
 
 
 def lookup_key(
     connection: sa.Connection, schema: str | None, scope: str, key: str
-) -> tuple[KeyView | None, list[KeyEvent]]:
-    """The idempotency key and the outbox rows still naming it (by message key or by the
-    ``X-Idempotency-Key`` header)."""
+) -> tuple[KeyView | None, KeyEvents]:
+    """The idempotency key, the outbox rows its unit of work wrote that are still there
+    (pending or parked; delivered ones have left), and other rows naming the key (by message
+    key or by the ``X-Idempotency-Key`` header)."""
     schema = validate_schema_name(schema)
     row = sql.idempotency_key(connection, schema, scope, key)
     view = None
@@ -389,18 +445,12 @@ def lookup_key(
             created_at=row.created_at,
             updated_at=row.updated_at,
         )
-    events = [
-        KeyEvent(
-            event_id=r.event_id,
-            topic=r.topic,
-            key=key_text(r.key),
-            attempts=r.attempts,
-            error=r.last_error or "",
-            parked=r.parked_at is not None,
-            created_at=r.created_at,
-        )
-        for r in sql.outbox_rows_naming(
-            connection, schema, key, IDEMPOTENCY_HEADER, KEY_EVENTS_SHOWN
-        )
-    ]
-    return view, events
+    written_at = row.updated_at if row is not None and row.status == "completed" else None
+    completed = written_at is not None
+    rows = sql.outbox_rows_of_key(
+        connection, schema, key, IDEMPOTENCY_HEADER, written_at, 2 * KEY_EVENTS_SHOWN
+    )
+    events = [_key_event(r, "unit") for r in rows if r.of_unit][:KEY_EVENTS_SHOWN]
+    events += [_key_event(r, "named") for r in rows if not r.of_unit][:KEY_EVENTS_SHOWN]
+    sharing = sql.keys_in_transaction(connection, schema, scope, key) if completed else 0
+    return view, KeyEvents(events, sharing)

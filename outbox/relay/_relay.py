@@ -62,6 +62,7 @@ from outbox._core.delivery import (
     split_claim,
 )
 from outbox._core.lowwater import Assumptions, LowWater, verify
+from outbox._core.outage import Outage
 from outbox._core.redact import one_line, redact_url
 from outbox._core.retry import Backoff
 from outbox._kafka.producer import DeliveryReport, KafkaProducer, RecordTuple
@@ -173,8 +174,12 @@ class Relay:
         self.totals = BatchResult()
         self.engine = relay_engine(self.url)
         self.sql = OutboxStatements.for_schema(config.schema)
+        # The brokers' state for the logs, kept across the producers an outage makes us rebuild.
+        self.kafka_outage = Outage("Kafka")
         self._producer_factory = producer_factory or (
-            lambda: KafkaProducer(config.bootstrap_servers, config.kafka_config)
+            lambda: KafkaProducer(
+                config.bootstrap_servers, config.kafka_config, outage=self.kafka_outage
+            )
         )
         self._producer: KafkaProducer | None = None
         self._conn: sa.Connection | None = None
@@ -335,10 +340,9 @@ class Relay:
             self.metrics.broker_up = True
             return
         try:
-            self._producer_or_new().check(BROKER_CHECK_TIMEOUT)
-        except PublishError as exc:
-            if self.metrics.broker_up:
-                log.warning("event=kafka_check_failed error=%r", str(exc))
+            self._producer_or_new().check(BROKER_CHECK_TIMEOUT, self.stop_event)
+        except PublishError:
+            # The producer's outage log said why (one line, then a summary while it lasts).
             self.metrics.broker_up = False
         else:
             self.metrics.broker_up = True
@@ -657,7 +661,10 @@ class Relay:
             if result.outage:
                 self.metrics.broker_up = False
                 delay = self._kafka_backoff.failed()
-                log.warning(
+                # The first failed send of an outage at WARNING; the outage log summarizes the
+                # rest while it lasts.
+                log.log(
+                    logging.WARNING if self._kafka_backoff.failures == 1 else logging.DEBUG,
                     "event=kafka_unavailable failed=%d consecutive=%d retry_in=%.2fs error=%r",
                     result.failed,
                     self._kafka_backoff.failures,
@@ -689,6 +696,8 @@ class Relay:
                     self.config.poll_interval,
                     max(0.0, self.lanes.next_rebalance - time.monotonic()),
                 )
+                if self._producer is not None:
+                    self._producer.serve()  # client errors, and a due outage summary
                 self.idle.set()
                 self.kick.wait(timeout)
                 self.idle.clear()

@@ -145,6 +145,8 @@ def test_broker_cut_longer_than_message_timeout_loses_nothing(
         "--batch-size", "100",
         "--kafka-config", "message.timeout.ms=1500",
         "--kafka-config", "socket.timeout.ms=1000",
+        # Each failed send is logged at DEBUG after the first (the outage is summarized).
+        "--log-level", "DEBUG",
         log_path=log,
     )  # fmt: skip
     try:

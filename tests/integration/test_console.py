@@ -63,6 +63,9 @@ def test_pages_render_the_backlog_and_the_parked_rows(
         assert overview.status_code == 200
         assert re.search(r'id="parked-count"><a href="/parked">3<', overview.text)
         assert re.search(r'id="pending">1<', overview.text)
+        # The warning sends the operator to the console's own page, not to a CLI command.
+        assert 'see <a href="/parked">the Parked page</a>' in overview.text
+        assert "`" not in overview.text
         # The table it reads, as its session resolves it (what the relay and status name).
         assert "table public.outbox ·" in overview.text
         page = client.get("/parked")

@@ -93,3 +93,23 @@ def test_without_a_broker_the_section_says_how_to_get_one(
     with httpx.Client(base_url=console_server().url) as client:
         page = client.get("/").text
     assert "start the console with --bootstrap-servers to see the consumer groups" in page
+
+
+def test_a_commit_past_the_end_of_its_partition_is_explained(
+    console_server: Callable[..., ConsoleServer], kafka_bootstrap: str
+) -> None:
+    topic, group = f"orders-{uuid.uuid4().hex[:8]}", f"billing-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_bootstrap, topic, 1)
+    write(kafka_bootstrap, topic, {0: 2})
+    # As after the topic was created again, or an in-memory broker restarted: the group's
+    # position is past what the log holds.
+    commit(kafka_bootstrap, group, {(topic, 0): 9})
+    server = console_server("--bootstrap-servers", kafka_bootstrap)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        page = client.get("/").text
+    assert re.search(
+        rf"<td>{group}</td><td>{topic}</td><td class=\"num\">1</td><td class=\"num\">9 "
+        r'<span class="warning ahead">\(1 past the end\)</span></td><td class="num">2</td>',
+        page,
+    ), page
+    assert 'id="lag-ahead"' in page and "the log is shorter than what the group read" in page

@@ -151,6 +151,13 @@ def test_outbox_migrate_command_from_installed_package(
     assert done.returncode == 0, done.stderr
     assert {"idempotency_keys", "outbox"} <= _tables(empty_engine)
     assert _drift(empty_engine, None) == []
+    head = migrate.head_revision()
+    assert f"from revision base to {head}" in done.stdout
+    again = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(database_url), capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"is already at revision {head}: nothing to do" in again.stdout
 
 
 def test_migrate_command_hides_password_and_fails_clearly(tmp_path: Path) -> None:

@@ -183,6 +183,13 @@ def test_warnings_point_at_the_fix() -> None:
     assert any("disagree on --lanes (4, 8)" in w for w in split)
 
 
+def test_the_parked_warning_counts_one_row_in_the_singular() -> None:
+    one = admin.TopicBacklog("orders", 5, 1, 3.25)
+    two = admin.TopicBacklog("orders", 5, 2, 3.25)
+    assert any(w.startswith("1 parked row holds back") for w in _status(topics=(one,)).warnings)
+    assert any(w.startswith("2 parked rows hold back") for w in _status(topics=(two,)).warnings)
+
+
 def test_json_document_shape() -> None:
     doc = admin.status_to_json(_status(), "postgresql+psycopg://u:secret@db/app")
     assert doc["version"] == 1

@@ -151,3 +151,16 @@ def test_a_savepoint_chunk_that_is_not_an_integer_in_range_is_refused_by_name(
         ConsumerConfig(
             topics=("t",), group="g", bootstrap_servers="127.0.0.1:9092", savepoint_chunk=chunk
         ).validate()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("url", ["db.example.com:5432/app", "app:pw@db.example.com/app"])
+def test_the_missing_scheme_hint_survives_redaction(url: str) -> None:
+    from outbox._core.redact import redact_text
+    from outbox._core.urls import check_database_url
+
+    with pytest.raises(ConfigurationError) as caught:
+        check_database_url(url)
+    shown = redact_text(str(caught.value))  # what the commands print
+    assert "does not start with a scheme" in shown
+    assert shown.endswith("expected postgresql+psycopg://user:***@host:5432/dbname")
+    assert "pw" not in shown

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 import uuid
 
 import pytest
@@ -103,3 +104,16 @@ def test_secret_headers_are_hidden() -> None:
         )
     )
     assert shown == {"sasl.password": "***", "Authorization": "***", "trace": "1", "b": "00 ff"}
+
+
+def test_a_warning_links_a_command_that_has_a_page_and_sets_other_commands_as_code() -> None:
+    html = str(data.warning_html("1 parked row holds back later rows: see `outbox parked list`"))
+    assert html == '1 parked row holds back later rows: see <a href="/parked">the Parked page</a>'
+    assert "`" not in str(data.warning_html("schema behind: run `outbox migrate`"))
+    assert "<code>outbox migrate</code>" in str(data.warning_html("run `outbox migrate`"))
+
+
+@given(st.text(max_size=200))
+def test_a_warning_never_lets_markup_through(text: str) -> None:
+    html = str(data.warning_html(text))
+    assert "<" not in re.sub(r'</?code>|<a href="/parked">|</a>', "", html)

@@ -24,3 +24,8 @@ def test_a_partition_without_a_commit_or_an_end_is_unknown_not_a_guess() -> None
 def test_an_end_below_the_commit_is_no_lag_not_a_negative_one() -> None:
     (lag,) = topic_lags("g", {("t", 0): 9}, {("t", 0): 4})
     assert lag.lag == 0
+
+
+def test_partitions_committed_past_their_end_are_counted() -> None:
+    (lag,) = topic_lags("g", {("t", 0): 9, ("t", 1): 2, ("t", 2): 5}, {("t", 0): 4, ("t", 1): 6})
+    assert (lag.ahead, lag.unknown, lag.lag) == (1, 1, 4)

@@ -178,7 +178,18 @@ def test_a_scope_callable_that_raises_is_400_not_500() -> None:
         admission.admit(request())  # no X-Tenant: the callable raises KeyError
     assert caught.value.problem.status == 400
     assert caught.value.problem.slug == "idempotency-scope-invalid"
-    assert "KeyError" in caught.value.problem.detail
+    assert caught.value.problem.detail == (
+        "the request has no 'x-tenant' header, which this endpoint's idempotency scope is "
+        "made of: send it"
+    )
+
+
+def test_a_scope_callable_failing_otherwise_names_its_error() -> None:
+    admission = HttpSettings(scope=lambda req: {}["tenant"]).validate()
+    with pytest.raises(Refused) as caught:
+        admission.admit(request())
+    assert caught.value.problem.status == 400
+    assert "(KeyError)" in caught.value.problem.detail
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+import outbox
 from outbox import admin, cli
 from outbox._kafka.config import consumer_config, producer_config
 from outbox.cli import consume, gc, relay
@@ -232,7 +233,7 @@ def test_probes_scrape_and_resources(
 def test_every_container_requests_resources_and_runs_unprivileged(
     objects: dict[tuple[str, str], dict[str, Any]],
 ) -> None:
-    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    version = outbox.__version__  # the release's version, written once
     for name, obj in _workloads(objects).items():
         container = _container(obj)
         requests = container["resources"]["requests"]

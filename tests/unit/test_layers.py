@@ -76,8 +76,8 @@ def layer(module: str) -> str:
         return "schema"
     if second in ("_pg", "_redis", "_kafka", "_otel"):
         return "adapter"
-    if second == "cli" or module.startswith("outbox.django.management."):
-        return "cli"  # Django's management commands are commands too
+    if second in ("cli", "__main__") or module.startswith("outbox.django.management."):
+        return "cli"  # `python -m outbox` and Django's management commands are commands too
     return "service"
 
 

@@ -1,0 +1,7 @@
+"""``python -m outbox`` runs the ``outbox`` command."""
+
+import sys
+
+from outbox.cli import main
+
+sys.exit(main())
