@@ -5,6 +5,10 @@ Where the database comes from, first match wins:
 2. ``-x database_url=...`` on the alembic command line;
 3. the ``OUTBOX_DATABASE_URL`` environment variable.
 
+Run through alembic's own command line, the whole upgrade is one transaction whose statements
+wait at most ``-x lock_timeout=MILLISECONDS`` (default 2000) for a lock; ``outbox migrate``
+runs one transaction per revision and tries a revision again after a lock timeout.
+
 The schema comes from ``config.attributes["outbox_schema"]``, ``-x schema=...`` or
 ``OUTBOX_SCHEMA`` (default: the search path, usually ``public``). The version table is
 ``outbox_alembic_version`` in that schema, so an application's own alembic history is untouched.
@@ -18,6 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import context
 
+from outbox._pg.migrations import set_lock_timeout
 from outbox.schema import (
     CACHE_SECRET,
     IDEMPOTENCY_KEYS,
@@ -111,6 +116,7 @@ def run_migrations_online() -> None:
         return
     engine = sa.create_engine(_database_url(), poolclass=sa.pool.NullPool)
     with engine.begin() as conn:
+        set_lock_timeout(conn, int(x_args.get("lock_timeout", "2000")))
         _run(conn)
     engine.dispose()
 

@@ -138,6 +138,17 @@ class TransactionEndedError(OutboxError):
     """The transaction of a unit of work was ended from inside its body."""
 
 
+class MissingIdempotencyKey(PermanentError):
+    """A consumed message carries no idempotency key (no key header, nothing from
+    ``key_func``): it cannot be applied at most once, so it is dead-lettered at once. Its dead
+    letter names this type."""
+
+
+class MigrationLockError(OutboxError):
+    """A migration could not take the lock it needs within its lock timeout, however often it
+    tried: another session held the table. The message names that session."""
+
+
 class RetentionError(ConfigurationError):
     """``outbox gc`` was asked to forget keys while a duplicate could still arrive."""
 

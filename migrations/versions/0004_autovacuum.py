@@ -10,7 +10,7 @@ keys table is large and loses rows in batches (``outbox gc``): 2 % instead of 20
 
 Only storage parameters change: each ALTER takes a SHARE UPDATE EXCLUSIVE lock, which does not
 conflict with reads, inserts, updates or deletes, so it runs while units of work and relays
-run (it waits for a running VACUUM of the table, at most ``lock_timeout``).
+run (it waits for a running VACUUM of the table, at most the migration's lock timeout).
 
 Revision ID: 0004
 Revises: 0003
@@ -56,12 +56,10 @@ def _table(name: str) -> str:
 
 
 def upgrade() -> None:
-    op.execute("SET LOCAL lock_timeout = '10s'")
     op.execute(f"ALTER TABLE {_table('outbox')} SET ({OUTBOX})")
     op.execute(f"ALTER TABLE {_table('idempotency_keys')} SET ({KEYS})")
 
 
 def downgrade() -> None:
-    op.execute("SET LOCAL lock_timeout = '10s'")
     op.execute(f"ALTER TABLE {_table('outbox')} RESET ({OUTBOX_RESET})")
     op.execute(f"ALTER TABLE {_table('idempotency_keys')} RESET ({KEYS_RESET})")

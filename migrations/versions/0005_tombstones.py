@@ -1,7 +1,9 @@
 """Tombstones: outbox.value may be NULL (a record with a null value, "delete this key").
 
-Dropping a NOT NULL constraint only changes the catalogue: no table rewrite, no scan; the brief
-ACCESS EXCLUSIVE lock it takes waits for the relay's open transactions, which are short.
+Dropping a NOT NULL constraint only changes the catalogue: no table rewrite, no scan. It takes
+an ACCESS EXCLUSIVE lock on the outbox for a moment, and while it waits for that lock every
+writer queues behind it: the wait is bounded by the migration's lock timeout (``outbox
+migrate`` tries again after a backoff, letting the writers through in between).
 
 Revision ID: 0005
 Revises: 0004

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from outbox._core.deadletter import HEADER_PREFIX, DeadLetterInfo
@@ -138,6 +138,40 @@ def parse_ref(text: str) -> tuple[int, int]:
     ):
         raise ValueError(f"{text[:40]!r} is not PARTITION:OFFSET, e.g. 0:42")
     return int(partition), int(offset)
+
+
+MAX_CURSOR_PARTITIONS = 10_000
+MAX_PARTITION = 2**31 - 1
+MAX_OFFSET = 2**63 - 1
+
+
+def format_cursor(positions: Mapping[int, int]) -> str:
+    """Where to go on reading a dead-letter topic: ``PARTITION:OFFSET,...`` (for ``--from``
+    and the console's ``from`` parameter)."""
+    return ",".join(f"{p}:{o}" for p, o in sorted(positions.items()))
+
+
+def parse_cursor(text: str) -> dict[int, int]:
+    """The positions of :func:`format_cursor`; ``ValueError`` with a message otherwise."""
+    if not isinstance(text, str) or not text or len(text) > MAX_CURSOR_PARTITIONS * 32:
+        raise ValueError("expected PARTITION:OFFSET[,PARTITION:OFFSET...], e.g. 0:1200,1:0")
+    positions: dict[int, int] = {}
+    for part in text.split(","):
+        partition, offset = parse_ref(part)
+        if partition > MAX_PARTITION or offset > MAX_OFFSET:
+            raise ValueError(f"{part[:40]!r}: partition or offset out of range")
+        if partition in positions:
+            raise ValueError(f"partition {partition} appears twice")
+        positions[partition] = offset
+    if len(positions) > MAX_CURSOR_PARTITIONS:
+        raise ValueError(f"{len(positions)} partitions: at most {MAX_CURSOR_PARTITIONS}")
+    return positions
+
+
+def describe_stop(stopped: Mapping[int, int], limit: int) -> str:
+    """What a page that stopped reading says: after how many, where, and how to go on."""
+    places = ", ".join(f"partition {p} from offset {o}" for p, o in sorted(stopped.items()))
+    return f"reading stopped after {limit} dead letter(s) still to handle; more may wait ({places})"
 
 
 def check_group_id(text: str) -> str:

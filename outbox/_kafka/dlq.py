@@ -8,7 +8,8 @@ redrive producer is idempotent with ``acks=all`` and waits for every confirmatio
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
@@ -19,10 +20,40 @@ from outbox._kafka.config import producer_config
 from outbox.errors import OutboxError, PublishError
 
 
+@dataclass(frozen=True)
+class LetterPage:
+    """Records read from a dead-letter topic, and where reading stopped."""
+
+    letters: list[Letter]
+    # partition -> the offset to go on from, for each partition not read to its end; empty when
+    # every partition read was read to its end.
+    stopped: dict[int, int]
+
+
 def read_letters(
     bootstrap: str, overrides: Mapping[str, Any], topic: str, limit: int, timeout: float = 30.0
 ) -> list[Letter]:
     """Up to ``limit`` records of ``topic``, oldest offsets first per partition."""
+    return read_letter_page(bootstrap, overrides, topic, limit, timeout=timeout).letters
+
+
+def read_letter_page(
+    bootstrap: str,
+    overrides: Mapping[str, Any],
+    topic: str,
+    limit: int,
+    *,
+    start: Mapping[int, int] | None = None,
+    counts: Callable[[int, int], bool] | None = None,
+    timeout: float = 30.0,
+) -> LetterPage:
+    """Records of ``topic`` until ``limit`` of them count (``counts(partition, offset)``,
+    default every one), partition after partition in order, each from its ``start`` offset
+    (default: every partition from its beginning; given, only the partitions it names).
+
+    One partition at a time, so that the same topic gives the same page: a record that does
+    not count (a handled dead letter) is read and kept but uses none of the budget.
+    """
     config = {k: v for k, v in overrides.items()}
     config.update(
         {
@@ -30,6 +61,8 @@ def read_letters(
             "group.id": "outbox-dlq-reader",
             "enable.auto.commit": False,
             "enable.partition.eof": True,
+            # A position retention already deleted goes on from the oldest record kept.
+            "auto.offset.reset": "earliest",
         }
     )
     consumer = Consumer(config)
@@ -38,54 +71,74 @@ def read_letters(
         found = metadata.topics.get(topic)
         if found is None or found.error is not None or not found.partitions:
             raise OutboxError(f"dead-letter topic {topic!r} does not exist on the broker")
-        # Read to each partition's end as the fetch responses report it (end-of-partition
-        # events); a ListOffsets answer is not trusted, some brokers answer it too low.
-        ends: dict[int, int] = {p: 0 for p in found.partitions}
+        if start is None:
+            todo = {p: OFFSET_BEGINNING for p in found.partitions}
+        else:
+            unknown = sorted(set(start) - set(found.partitions))
+            if unknown:
+                raise OutboxError(
+                    f"dead-letter topic {topic!r} has no partition {unknown[0]} "
+                    f"(it has {len(found.partitions)})"
+                )
+            todo = dict(start)
         letters: list[Letter] = []
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(ends)])
+        stopped: dict[int, int] = {}
+        used = 0
         deadline = time.monotonic() + timeout
-        while ends and len(letters) < limit:
-            if time.monotonic() > deadline:
-                raise OutboxError(f"reading {topic!r} did not finish within {timeout:g} s")
-            message = consumer.poll(0.5)
-            if message is None:
+        for partition in sorted(todo):
+            if used >= limit:
+                stopped[partition] = max(0, todo[partition])
                 continue
-            error = message.error()
-            if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF:
-                    ends.pop(message.partition() or 0, None)
+            # Read to the partition's end as the fetch responses report it (end-of-partition
+            # events); a ListOffsets answer is not trusted, some brokers answer it too low.
+            consumer.assign([TopicPartition(topic, partition, todo[partition])])
+            while True:
+                if time.monotonic() > deadline:
+                    raise OutboxError(f"reading {topic!r} did not finish within {timeout:g} s")
+                message = consumer.poll(0.5)
+                if message is None or message.partition() != partition:
                     continue
-                raise OutboxError(f"reading {topic!r}: {error.str()}")
-            partition, offset = message.partition(), message.offset()
-            if partition is None or offset is None:
-                continue
-            if partition not in ends:
-                continue
-            raw = message.headers() or []
-            pairs = list(raw.items()) if isinstance(raw, dict) else list(raw)
-            headers = tuple(
-                (name, value.encode() if isinstance(value, str) else (value or b""))
-                for name, value in pairs
-            )
-            try:
-                info: DeadLetterInfo | None = DeadLetterInfo.from_headers(
-                    [(name, value) for name, value in headers]
-                )
-            except (KeyError, ValueError):
-                info = None
-            stamp_type, stamp = message.timestamp()
-            key, value = message.key(), message.value()
-            letters.append(
-                Letter(
-                    partition, offset, stamp if stamp_type else None,
-                    key.encode() if isinstance(key, str) else key,
-                    value.encode() if isinstance(value, str) else value,
-                    headers, info,
-                )
-            )  # fmt: skip
-        return sorted(letters, key=lambda x: (x.partition, x.offset))
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        break
+                    raise OutboxError(f"reading {topic!r}: {error.str()}")
+                offset = message.offset()
+                if offset is None:
+                    continue
+                if used >= limit:
+                    # The budget is spent and this partition has more: go on from here.
+                    stopped[partition] = offset
+                    break
+                letters.append(_letter(message, partition, offset))
+                if counts is None or counts(partition, offset):
+                    used += 1
+        return LetterPage(sorted(letters, key=lambda x: (x.partition, x.offset)), stopped)
     finally:
         consumer.close()
+
+
+def _letter(message: Any, partition: int, offset: int) -> Letter:
+    raw = message.headers() or []
+    pairs = list(raw.items()) if isinstance(raw, dict) else list(raw)
+    headers = tuple(
+        (name, value.encode() if isinstance(value, str) else (value or b""))
+        for name, value in pairs
+    )
+    try:
+        info: DeadLetterInfo | None = DeadLetterInfo.from_headers(
+            [(name, value) for name, value in headers]
+        )
+    except (KeyError, ValueError):
+        info = None
+    stamp_type, stamp = message.timestamp()
+    key, value = message.key(), message.value()
+    return Letter(
+        partition, offset, stamp if stamp_type else None,
+        key.encode() if isinstance(key, str) else key,
+        value.encode() if isinstance(value, str) else value,
+        headers, info,
+    )  # fmt: skip
 
 
 def produce_all(

@@ -11,7 +11,7 @@ written.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -69,12 +69,19 @@ def read_groups(
 
 @dataclass(frozen=True)
 class DeadLetters:
-    """A dead-letter topic as an operator sees it: the groups still to handle, and how many
-    letters were handled (per group in :attr:`Group.handled`)."""
+    """A page of a dead-letter topic as an operator sees it: the groups still to handle, how
+    many letters were handled (per group in :attr:`Group.handled`), and where reading stopped.
+
+    ``stopped`` maps each partition not read to its end to the offset the next page starts
+    from (pass it as ``start``); it is empty when every partition was read to its end.
+    """
 
     topic: str
     groups: list[Group]
     handled: int
+    stopped: dict[int, int] = field(default_factory=dict)
+    start: dict[int, int] | None = None
+    limit: int = 100_000
 
 
 def read_dead_letters(
@@ -86,16 +93,37 @@ def read_dead_letters(
     kafka_config: Mapping[str, Any] | None = None,
     limit: int = 100_000,
     include_handled: bool = False,
+    start: Mapping[int, int] | None = None,
 ) -> DeadLetters:
-    """The dead letters of ``topic`` (at most ``limit`` read) grouped by failure, biggest first,
-    without the handled ones unless ``include_handled``; each group counts its handled ones."""
+    """A page of the dead letters of ``topic`` grouped by failure, biggest first: letters are
+    read partition after partition (from ``start``, default the beginning) until ``limit`` of
+    them are still to handle; handled ones use none of that budget and are left out unless
+    ``include_handled`` (then every letter counts). Each group counts its handled ones."""
     check_topic(topic)
     validate_schema_name(schema)
-    # Kafka first: the connection's transaction need not stay open while the topic is read.
-    letters = _kafka().read_letters(bootstrap_servers, kafka_config or {}, topic, limit)
+    if type(limit) is not int or limit < 1:
+        raise ConfigurationError(f"limit: a positive integer, got {str(limit)[:40]}")
+    began = not connection.in_transaction()
     handled = read_handled(connection, topic, schema)
-    groups, count = group_unhandled(letters, handled, include_handled=include_handled)
-    return DeadLetters(topic, groups, count)
+    if began:
+        # No transaction of ours stays open (a snapshot held) while the topic is read.
+        connection.rollback()
+
+    def counts(partition: int, offset: int) -> bool:
+        return include_handled or (partition, offset) not in handled
+
+    page = _kafka().read_letter_page(
+        bootstrap_servers,
+        kafka_config or {},
+        topic,
+        limit,
+        start=None if start is None else dict(start),
+        counts=counts,
+    )
+    groups, count = group_unhandled(page.letters, handled, include_handled=include_handled)
+    return DeadLetters(
+        topic, groups, count, page.stopped, None if start is None else dict(start), limit
+    )
 
 
 def read_handled(

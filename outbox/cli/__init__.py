@@ -41,6 +41,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Commands that do the first of their actions when none is named: `outbox dlq --topic T` lists.
+DEFAULT_ACTIONS: dict[str, tuple[str, frozenset[str]]] = {
+    "parked": ("list", frozenset({"list", "retry", "discard"})),
+    "dlq": ("list", frozenset({"list", "redrive", "discard"})),
+}
+
+
+def with_default_action(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the command's default action put in when it names none."""
+    argv = list(argv)
+    chosen = _chosen(argv)
+    if chosen not in DEFAULT_ACTIONS:
+        return argv
+    at = argv.index(chosen) + 1
+    default, actions = DEFAULT_ACTIONS[chosen]
+    if at < len(argv) and (argv[at] in actions or argv[at] in ("-h", "--help")):
+        return argv
+    return [*argv[:at], default, *argv[at:]]
+
+
 def _chosen(argv: Sequence[str]) -> str | None:
     for arg in argv:
         if not arg.startswith("-"):
@@ -67,6 +87,6 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``outbox`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = with_default_action(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     return run("outbox", args.func, args)

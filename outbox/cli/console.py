@@ -36,6 +36,7 @@ else:
 ENV_CONSOLE_HOST = "OUTBOX_CONSOLE_HOST"
 ENV_CONSOLE_PORT = "OUTBOX_CONSOLE_PORT"
 ENV_CONSOLE_ADMIN_TOKEN = "OUTBOX_CONSOLE_ADMIN_TOKEN"
+ENV_CONSOLE_DLQ_LIMIT = "OUTBOX_CONSOLE_DLQ_LIMIT"
 
 HOST = Flag(
     "--host",
@@ -62,6 +63,17 @@ ADMIN_TOKEN = Flag(
     secret=True,
 )
 
+DLQ_LIMIT = Flag(
+    "--dlq-limit",
+    ENV_CONSOLE_DLQ_LIMIT,
+    "dead letters still to handle per page of the dead-letters page (handled ones do not "
+    "count); a page that stopped links to the next",
+    type=integer,
+    kind="an integer",
+    default=100_000,
+    check=ranged(1, 1_000_000),
+)
+
 
 def register(subparsers: Any) -> None:
     """Add ``outbox console``."""
@@ -73,7 +85,7 @@ def register(subparsers: Any) -> None:
     )
     add_flags(
         p, "database_url", "schema", "bootstrap_servers", "redis_url", "log_level",
-        HOST, PORT, ADMIN_TOKEN,
+        HOST, PORT, ADMIN_TOKEN, DLQ_LIMIT,
     )  # fmt: skip
     add_kafka_config(p)
     p.set_defaults(func=command)
@@ -92,6 +104,7 @@ def command(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         admin_token=args.admin_token or None,
         kafka_config=args.kafka_config,
+        dead_letters_limit=args.dlq_limit,
     ).validate()
     app = create_app(settings)
     mode = "admin token set" if settings.admin_token else "read-only"

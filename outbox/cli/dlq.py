@@ -19,11 +19,14 @@ from outbox._core.dlq import (
     Letter,
     check_group_id,
     choose_letters,
+    describe_stop,
+    format_cursor,
     group_letters,
+    parse_cursor,
     parse_ref,
 )
 from outbox._core.validate import check_topic
-from outbox._kafka.dlq import read_letters
+from outbox._kafka.dlq import read_letter_page
 from outbox.admin import discard, read_dead_letters, redrive
 from outbox.cli._common import (
     EXIT_FAILURE,
@@ -44,6 +47,13 @@ def _when(ms: int | None) -> str | None:
     return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC).isoformat()
 
 
+def _shown_when(ms: int | None) -> str:
+    """A time for the table: to the second, in UTC, said so."""
+    return (
+        "-" if ms is None else datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    )
+
+
 def _by(command: str) -> str:
     """Who marks dead letters handled: the command, the user and the host, as far as known."""
     try:
@@ -54,36 +64,49 @@ def _by(command: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in text)[:MAX_HANDLED_BY_LENGTH]
 
 
-def _check_limit(args: argparse.Namespace) -> None:
+def _check_limit(args: argparse.Namespace) -> dict[int, int] | None:
+    """Checks ``--limit`` and ``--topic``; the ``--from`` positions, if given."""
     ranged(1, MAX_LIMIT)("--limit", args.limit)
     check_topic(args.topic)
-
-
-def _read(args: argparse.Namespace) -> list[Letter]:
-    _check_limit(args)
-    return read_letters(
-        require(args, "bootstrap_servers"), args.kafka_config, args.topic, args.limit
-    )
+    if args.start is None:
+        return None
+    try:
+        return parse_cursor(args.start)
+    except ValueError as exc:
+        raise ConfigurationError(f"--from {exc}") from None
 
 
 def _groups(
     args: argparse.Namespace, connection: sa.Connection | None, include_handled: bool
 ) -> tuple[list[Group], int]:
-    """The groups of ``--topic``; without the handled letters when a database is at hand and
-    ``include_handled`` is false. Returns them and how many letters were handled."""
+    """The groups of ``--topic``'s page (from ``--from``, ``--limit`` letters to handle);
+    without the handled letters when a database is at hand and ``include_handled`` is false.
+    Returns them and how many letters were handled; says where reading stopped if it did."""
+    start = _check_limit(args)
+    bootstrap = require(args, "bootstrap_servers")
     if connection is None:
-        return group_letters(_read(args)), 0
-    _check_limit(args)
-    dead = read_dead_letters(
-        connection,
-        require(args, "bootstrap_servers"),
-        args.topic,
-        schema=args.schema,
-        kafka_config=args.kafka_config,
-        limit=args.limit,
-        include_handled=include_handled,
-    )
-    return dead.groups, dead.handled
+        page = read_letter_page(bootstrap, args.kafka_config, args.topic, args.limit, start=start)
+        groups, handled, stopped = group_letters(page.letters), 0, page.stopped
+    else:
+        dead = read_dead_letters(
+            connection,
+            bootstrap,
+            args.topic,
+            schema=args.schema,
+            kafka_config=args.kafka_config,
+            limit=args.limit,
+            include_handled=include_handled,
+            start=start,
+        )
+        groups, handled, stopped = dead.groups, dead.handled, dead.stopped
+    if stopped:
+        # On stderr: the listing (or the JSON) on stdout stays what it was.
+        print(
+            f"note: {describe_stop(stopped, args.limit)}: go on with --from "
+            f"{format_cursor(stopped)}",
+            file=sys.stderr,
+        )
+    return groups, handled
 
 
 def _group_json(group: Group) -> dict[str, Any]:
@@ -117,14 +140,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
         return EXIT_OK
     hidden = 0 if args.all else handled
     if not groups:
-        print(f"no dead letters to handle in {args.topic}")
-    else:
-        print(f"{'GROUP':12}  {'COUNT':>6}  {'HANDLED':>7}  {'TOPIC':24}  {'LAST SEEN':25}  ERROR")
-    for g in groups:
-        last = _when(g.last_seen_ms) or "-"
         print(
-            f"{g.id:12}  {g.count:6}  {g.handled:7}  {g.topic[:24]:24}  {last[:25]:25}  "
-            f"{g.error_type}: {g.error}"
+            f"no dead letters to handle in {args.topic}" + (" on this page" if args.start else "")
+        )
+    else:
+        print(
+            f"{'GROUP':12}  {'COUNT':>6}  {'HANDLED':>7}  {'REASON':16}  {'TOPIC':24}  "
+            f"{'LAST SEEN (UTC)':20}  ERROR"
+        )
+    for g in groups:
+        # The error text starts with its exception type already.
+        print(
+            f"{g.id:12}  {g.count:6}  {g.handled:7}  {g.reason[:16]:16}  {g.topic[:24]:24}  "
+            f"{_shown_when(g.last_seen_ms):20}  {g.error}"
         )
     if hidden:
         print(f"{hidden} handled dead letter(s) hidden (--all shows them)")
@@ -219,7 +247,10 @@ def _cmd_discard(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add ``outbox dlq list|redrive|discard``."""
     dlq = subparsers.add_parser(
-        "dlq", help="list dead letters by failure, redrive them or mark them handled"
+        "dlq",
+        help="list dead letters by failure, redrive them or mark them handled",
+        description="List dead letters by failure, redrive them or mark them handled. "
+        "Without an ACTION: list.",
     )
     sub = dlq.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
     database_help = {
@@ -250,7 +281,18 @@ def register(subparsers: Any) -> None:
         add_kafka_config(p)
         p.add_argument("--topic", required=True, help="the dead-letter topic, e.g. orders.dlq")
         p.add_argument(
-            "--limit", type=integer, default=100_000, help="read at most this many (100000)"
+            "--limit",
+            type=integer,
+            default=100_000,
+            help="stop reading once this many dead letters still to handle were read; handled "
+            "ones do not count (100000); a listing that stopped says where to go on",
+        )
+        p.add_argument(
+            "--from",
+            dest="start",
+            metavar="PARTITION:OFFSET[,...]",
+            help="go on reading where a listing stopped (it names the positions); only the "
+            "partitions named are read",
         )
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)

@@ -103,7 +103,11 @@ def _cmd_change(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``outbox parked list|retry|discard``."""
-    parked = subparsers.add_parser("parked", help="show and manage rows the relay parked")
+    parked = subparsers.add_parser(
+        "parked",
+        help="show and manage rows the relay parked",
+        description="Show and manage rows the relay parked. Without an ACTION: list.",
+    )
     sub = parked.add_subparsers(dest="parked_command", required=True, metavar="ACTION")
 
     p = sub.add_parser("list", help="parked rows with event id, topic, key and error")

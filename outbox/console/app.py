@@ -5,8 +5,11 @@ Safe by default:
 * Read-only unless the app has an admin token and the request carries it (``Authorization:
   Bearer TOKEN``, or HTTP basic with the token as password and any user name). Pages show
   no action buttons to anyone else, and every state change refuses them with 403.
-* Every state change is a POST carrying the CSRF token of a ``SameSite=Strict`` cookie in a
-  form field (double submit); a cross-site form has neither and gets 403.
+* Every state change is a POST from the console's own origin (``Origin``, or
+  ``Sec-Fetch-Site`` where a browser sends no ``Origin``) whose form carries the CSRF token:
+  an HMAC, under a key only the server holds, of the random value in the browser's
+  ``SameSite=Strict`` cookie. A cookie planted from a sibling host, with a form token of its
+  own choosing, does not verify; a form posted from another origin is refused; both with 403.
 * Every value goes through Jinja's autoescape; URLs are shown redacted, header values whose
   names say secret are hidden.
 * A filter or an id that does not parse is a 400 with a message; a database that does not
@@ -19,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import hashlib
 import hmac
 import logging
 import secrets
@@ -43,7 +47,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from outbox import admin
-from outbox._core.dlq import choose_letters
+from outbox._core.dlq import choose_letters, describe_stop, format_cursor
 from outbox._core.lag import GroupLags
 from outbox._core.outage import Outage
 from outbox._core.redact import redact_text, redact_url
@@ -61,6 +65,8 @@ log = logging.getLogger("outbox.console")
 HERE = Path(__file__).resolve().parent
 CSRF_COOKIE = "outbox_console_csrf"
 CSRF_FIELD = "csrf"
+CSRF_NONCE_LENGTH = 43  # secrets.token_urlsafe(32)
+_URLSAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 MIN_TOKEN_LENGTH = 16
 REFRESH_SECONDS = 10
 SAMPLE_SECONDS = 10.0
@@ -100,9 +106,17 @@ class ConsoleSettings:
     redis_url: str | None = None
     admin_token: str | None = field(default=None, repr=False)
     kafka_config: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # Dead letters still to handle that one dead-letters page reads (handled ones do not count).
+    dead_letters_limit: int = data.MAX_DEAD_LETTERS
 
     def validate(self) -> ConsoleSettings:
         check_database_url(self.database_url)
+        if type(self.dead_letters_limit) is not int or not (
+            1 <= self.dead_letters_limit <= 10 * data.MAX_DEAD_LETTERS
+        ):
+            raise ConfigurationError(
+                f"dead_letters_limit: an integer from 1 to {10 * data.MAX_DEAD_LETTERS}"
+            )
         validate_schema_name(self.schema)
         if self.bootstrap_servers is not None:
             check_bootstrap_servers(self.bootstrap_servers, "bootstrap_servers")
@@ -116,6 +130,40 @@ class ConsoleSettings:
                 "make one with `python -c 'import secrets; print(secrets.token_urlsafe())'`"
             )
         return self
+
+
+def csrf_signature(key: bytes, nonce: str) -> str:
+    """The form token for the cookie's ``nonce``: ``base64url(HMAC-SHA256(key, nonce))``."""
+    digest = hmac.new(key, b"outbox console csrf\x00" + nonce.encode("ascii"), hashlib.sha256)
+    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode("ascii")
+
+
+def _is_nonce(value: str | None) -> bool:
+    return value is not None and len(value) == CSRF_NONCE_LENGTH and set(value) <= _URLSAFE
+
+
+def own_origin(request: Request) -> str:
+    """The origin the console's pages were served from, as a browser states it in ``Origin``."""
+    return f"{request.url.scheme}://{request.headers.get('host', '')}".lower()
+
+
+def from_own_origin(request: Request) -> tuple[bool, str]:
+    """Whether a state change comes from the console's own pages, and what said otherwise.
+
+    Browsers send ``Origin`` with every POST (``Sec-Fetch-Site`` too, in current ones); a
+    client that sends neither is no browser, so no credentials a browser keeps are at stake
+    and the CSRF token alone decides. An opaque ``Origin: null`` without ``Sec-Fetch-Site``
+    is refused.
+    """
+    origin = request.headers.get("origin")
+    site = request.headers.get("sec-fetch-site")
+    if origin is not None and (origin.strip().lower() != "null" or site is None):
+        return origin.strip().lower() == own_origin(request), f"Origin {origin[:80]!r}"
+    # An opaque origin ("null": a page whose referrer policy hides it, or a sandboxed frame)
+    # says nothing; the browser's Sec-Fetch-Site still tells a same-origin form from others.
+    if site is not None:
+        return site.strip().lower() == "same-origin", f"Sec-Fetch-Site {site[:40]!r}"
+    return True, ""
 
 
 def carries_token(authorization: str | None, token: str | None) -> bool:
@@ -157,6 +205,18 @@ class Console:
         environment.filters["warning"] = data.warning_html
         self.templates = Jinja2Templates(env=environment)
         self.samples = chart.Samples()
+        # Form tokens are signed with a key that never leaves the server, so a value planted
+        # in the cookie (a sibling subdomain can set one: it is same-site) has no valid token.
+        # Derived from the admin token, every replica behind one address verifies the
+        # others' tokens; without one no change is possible and a random key does.
+        admin_token = settings.admin_token
+        self._csrf_key = (
+            hmac.new(
+                admin_token.encode("utf-8"), b"outbox console csrf key", hashlib.sha256
+            ).digest()
+            if admin_token is not None
+            else secrets.token_bytes(32)
+        )
         self._stop = threading.Event()
         self._lag_lock = threading.Lock()
         self._lag: tuple[float, GroupLags] | None = None
@@ -227,12 +287,21 @@ class Console:
         return carries_token(request.headers.get("authorization"), self.settings.admin_token)
 
     def csrf_token(self, request: Request) -> str:
-        token = request.cookies.get(CSRF_COOKIE)
-        if token and len(token) == 43 and token.isascii():
-            return token
-        token = getattr(request.state, "new_csrf", None) or secrets.token_urlsafe(32)
-        request.state.new_csrf = token
-        return token
+        """The form token of this browser's cookie (a new cookie when it has none)."""
+        nonce = request.cookies.get(CSRF_COOKIE)
+        if not _is_nonce(nonce):
+            nonce = getattr(request.state, "new_csrf", None) or secrets.token_urlsafe(32)
+            request.state.new_csrf = nonce
+        assert nonce is not None
+        return csrf_signature(self._csrf_key, nonce)
+
+    def csrf_verified(self, request: Request, offered: object) -> bool:
+        nonce = request.cookies.get(CSRF_COOKIE)
+        if not isinstance(offered, str) or not offered.isascii() or not _is_nonce(nonce):
+            return False
+        assert nonce is not None
+        expected = csrf_signature(self._csrf_key, nonce)
+        return hmac.compare_digest(offered.encode("ascii"), expected.encode("ascii"))
 
     def page(
         self, request: Request, name: str, context: dict[str, Any], status: int = 200
@@ -257,7 +326,9 @@ class Console:
             "default-src 'self'; script-src 'none'; frame-ancestors 'none'; form-action 'self'"
         )
         response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Referrer-Policy"] = "no-referrer"
+        # No address leaves for another site; the console's own forms keep their Origin
+        # (under no-referrer a browser sends "Origin: null" with them).
+        response.headers["Referrer-Policy"] = "same-origin"
         new = getattr(request.state, "new_csrf", None)
         if new:
             response.set_cookie(CSRF_COOKIE, new, httponly=True, samesite="strict", path="/")
@@ -275,19 +346,21 @@ class Console:
                 else "changes need the admin token (HTTP basic or bearer): sign in as admin"
             )
             return self.error(request, 403, why)
+        same, said = from_own_origin(request)
+        if not same:
+            return self.error(
+                request,
+                403,
+                f"the request came from another site ({said}): changes are accepted only from "
+                f"the console's own pages at {own_origin(request)}",
+            )
         form = await read_form(request)
         if form is None:
             raise ValidationError(
                 "expected a form (application/x-www-form-urlencoded) of at most "
                 f"{MAX_FORM_BYTES} bytes"
             )
-        offered = form.get(CSRF_FIELD)
-        expected = request.cookies.get(CSRF_COOKIE)
-        if (
-            not isinstance(offered, str)
-            or not expected
-            or not hmac.compare_digest(offered.encode(), expected.encode())
-        ):
+        if not self.csrf_verified(request, form.get(CSRF_FIELD)):
             return self.error(
                 request, 403, "the form's CSRF token is missing or stale: reload the page"
             )
@@ -431,13 +504,14 @@ class Console:
 
     def dead_letters(self, request: Request) -> Response:
         topic = request.query_params.get("topic") or ""
+        start = data.parse_dlq_cursor(request.query_params.get("from"))
         dead = admin.DeadLetters(topic, [], 0)
         if topic and self.settings.bootstrap_servers is None:
             raise ValidationError(
                 "the dead-letters page reads Kafka: start the console with --bootstrap-servers"
             )
         if topic:
-            dead = self._read_dead_letters(self.settings.bootstrap_servers or "", topic)
+            dead = self._read_dead_letters(self.settings.bootstrap_servers or "", topic, start)
         return self.page(
             request,
             "dlq.html",
@@ -446,11 +520,16 @@ class Console:
                 "groups": [data.group_view(g) for g in dead.groups],
                 "handled": dead.handled,
                 "kafka": self.settings.bootstrap_servers is not None,
+                "start": "" if start is None else format_cursor(start),
+                "stopped": describe_stop(dead.stopped, dead.limit) if dead.stopped else "",
+                "next": format_cursor(dead.stopped) if dead.stopped else "",
             },
         )
 
-    def _read_dead_letters(self, bootstrap: str, topic: str) -> admin.DeadLetters:
-        """The groups of ``topic`` still to handle."""
+    def _read_dead_letters(
+        self, bootstrap: str, topic: str, start: dict[int, int] | None
+    ) -> admin.DeadLetters:
+        """The groups of a page of ``topic`` still to handle (from ``start``)."""
         with self.engine.connect() as conn:
             dead = admin.read_dead_letters(
                 conn,
@@ -458,7 +537,8 @@ class Console:
                 data.check_dlq_topic(topic),
                 schema=self.schema,
                 kafka_config=self.settings.kafka_config,
-                limit=data.MAX_DEAD_LETTERS,
+                limit=self.settings.dead_letters_limit,
+                start=start,
             )
             conn.rollback()
         return dead
@@ -475,6 +555,7 @@ class Console:
             return form
         topic = data.check_dlq_topic(form.get("topic") or "")
         wanted = data.parse_group_ids(form.getlist("group"))
+        start = data.parse_dlq_cursor(form.get("from"))
         if self.settings.bootstrap_servers is None:
             raise ValidationError(
                 "start the console with --bootstrap-servers to handle dead letters"
@@ -485,6 +566,7 @@ class Console:
             action,
             topic,
             wanted,
+            start,
             form.get("confirmed"),
             self.settings.bootstrap_servers,
         )
@@ -495,10 +577,20 @@ class Console:
         action: str,
         topic: str,
         wanted: list[str],
+        start: dict[int, int] | None,
         confirmed: str | None,
         bootstrap: str,
     ) -> Response:
-        dead = self._read_dead_letters(bootstrap, topic)
+        dead = self._read_dead_letters(bootstrap, topic, start)
+        shown = {g.id for g in dead.groups}
+        unknown = [g for g in wanted if g not in shown]
+        if unknown:
+            # Well-formed, but not a group this page holds (handled meanwhile, or never one).
+            raise ValidationError(
+                f"group {unknown[0]} is not among the dead letters of {topic} still to handle "
+                "on this page: it was handled meanwhile or never existed; reload the "
+                "dead-letters page"
+            )
         letters, _ = choose_letters(dead.groups, wanted, ())
         if confirmed != str(len(letters)):
             # First step, or the dead letters changed since the confirmation: (re)state the count.
@@ -509,6 +601,7 @@ class Console:
                     "action": action,
                     "topic": topic,
                     "wanted": wanted,
+                    "start": "" if start is None else format_cursor(start),
                     "count": len(letters),
                     "changed": confirmed is not None,
                 },
@@ -536,8 +629,10 @@ class Console:
             "redrive" if action == "redrive" else "mark handled",
             count, topic, ", ".join(wanted), client,
         )  # fmt: skip
-        query = urlencode({"topic": topic, "done": done})
-        return RedirectResponse(f"/dlq?{query}", status_code=303)
+        params = {"topic": topic, "done": done}
+        if start is not None:
+            params["from"] = format_cursor(start)
+        return RedirectResponse(f"/dlq?{urlencode(params)}", status_code=303)
 
     def login(self, request: Request) -> Response:
         if self.settings.admin_token is None:

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from markupsafe import Markup, escape
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
-from outbox._core.dlq import Group, check_group_id
+from outbox._core.dlq import Group, check_group_id, parse_cursor
 from outbox._core.redact import HIDDEN, is_secret_setting
 from outbox._core.validate import MAX_SCOPE_LENGTH, check_scope, check_topic, shown
 from outbox._pg import console as sql
@@ -169,6 +169,17 @@ def parse_key_lookup(params: Mapping[str, str]) -> tuple[str, str] | None:
 
 
 MAX_DEAD_LETTERS = 100_000
+
+
+def parse_dlq_cursor(value: str | None) -> dict[int, int] | None:
+    """Where a page of dead letters starts (the ``from`` of a next-page link), ``None`` for
+    the topic's beginning."""
+    if not value:
+        return None
+    try:
+        return parse_cursor(value)
+    except ValueError as exc:
+        raise ValidationError(f"from: {exc}") from None
 
 
 def check_dlq_topic(topic: str) -> str:

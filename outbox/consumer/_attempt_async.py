@@ -26,7 +26,12 @@ from outbox._kafka.consumer import Message, header_key
 from outbox._kafka.serialization import Deserializer, decode
 from outbox._otel import spans
 from outbox._pg.errors import database_unavailable, transaction_conflict
-from outbox.errors import DeadLetterError, KeyInProgress, SerializationError
+from outbox.errors import (
+    DeadLetterError,
+    KeyInProgress,
+    MissingIdempotencyKey,
+    SerializationError,
+)
 from outbox.uow._batch_async import AsyncBatch, AsyncMessageBatch
 
 if TYPE_CHECKING:
@@ -276,7 +281,7 @@ class AsyncVerdicts(ABC):
         if verdict.action is Action.DEAD_LETTER:
             assert verdict.reason is not None
             if error is None:  # no key
-                error = _MissingKey(
+                error = MissingIdempotencyKey(
                     f"no {self.config.key_header!r} header: without an idempotency key the "
                     "message cannot be applied at most once; have the producer set the header "
                     "(the outbox relay always does) or pass key_func"
@@ -516,10 +521,6 @@ def batch_results(results: Any, units: Sequence[AsyncUnitOfWork]) -> list[Any]:
             f"message, got {type(results).__name__}"
         )
     )
-
-
-class _MissingKey(Exception):
-    """Stands for the error of a message that carries no idempotency key."""
 
 
 class Carried(BaseException):

@@ -459,3 +459,60 @@ def test_marking_handled_is_refused_read_only_without_csrf_and_with_bad_ids(
 
         probe()
     assert handled_count(engine) == 0
+
+
+def test_a_planted_csrf_cookie_with_a_matching_form_token_of_its_own_is_refused(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+) -> None:
+    # A sibling subdomain (same-site) can set the console's cookie to a value it chose and post
+    # a form carrying the same value; the browser adds the admin's cached credentials.
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    planted = "A" * 43
+    form = {"action": "discard", "scope": "matching", "confirmed": "3", "csrf": planted}
+    # The token another browser's page carries belongs to that browser's cookie.
+    other = csrf_of(httpx.get(f"{server.url}/parked", headers=BEARER).text)
+    with httpx.Client(base_url=server.url, headers=BEARER) as client:
+        client.cookies.set("outbox_console_csrf", planted)
+        refused = client.post("/parked/action", data=form)
+        assert refused.status_code == 403 and "CSRF token" in refused.text
+        assert client.post("/parked/action", data={**form, "csrf": other}).status_code == 403
+    assert outbox_count(engine, parked=True) == 3
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "https://evil.example"},
+        {"Origin": "null"},
+        {"Origin": "null", "Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+        {"Sec-Fetch-Site": "cross-site"},
+    ],
+    ids=[
+        "foreign-origin",
+        "opaque-origin",
+        "opaque-cross-site",
+        "same-site-fetch",
+        "cross-site-fetch",
+    ],
+)
+def test_a_change_from_another_origin_is_refused_even_with_a_valid_csrf_token(
+    console_server: Callable[..., ConsoleServer],
+    parked: dict[str, list[uuid.UUID]],
+    engine: sa.Engine,
+    headers: dict[str, str],
+) -> None:
+    server = console_server("--admin-token", ADMIN_TOKEN)
+    with httpx.Client(base_url=server.url, headers=BEARER) as admin:
+        token = csrf_of(admin.get("/parked").text)
+        form = {"action": "discard", "scope": "matching", "confirmed": "3", "csrf": token}
+        refused = admin.post("/parked/action", data=form, headers=headers)
+        assert refused.status_code == 403 and "another site" in refused.text
+        assert outbox_count(engine, parked=True) == 3
+        # The same form from the console's own origin goes through.
+        own = {"Origin": server.url, "Sec-Fetch-Site": "same-origin"}
+        done = admin.post("/parked/action", data=form, headers=own)
+    assert done.status_code == 303
+    assert outbox_count(engine, parked=True) == 0

@@ -208,7 +208,7 @@ def test_dead_letters_once_and_failed_keys_are_only_acknowledged(
     assert infos == {
         ("p1", "permanent-error", "PermanentError"),
         ("u1", "permanent-error", "Unfit"),
-        (None, "missing-key", "_MissingKey"),
+        (None, "missing-key", "MissingIdempotencyKey"),
         ("f1", "retries-exhausted", "Boom"),
     }
     assert sorted(effects.applied()) == ["a", "b"]

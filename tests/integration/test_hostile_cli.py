@@ -128,6 +128,8 @@ OPERATOR_FLAGS: dict[str, tuple[list[str], str | None, set[int]]] = {
     "--topic": (["parked", "list"], None, set()),
     "--limit": (["parked", "list"], None, set()),
     "--revision": (["migrate"], None, {1}),  # 1: alembic cannot go there from here
+    "--lock-timeout": (["migrate"], "OUTBOX_MIGRATE_LOCK_TIMEOUT", set()),
+    "--lock-attempts": (["migrate"], "OUTBOX_MIGRATE_LOCK_ATTEMPTS", set()),
 }
 
 
