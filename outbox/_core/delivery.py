@@ -1,7 +1,7 @@
 """The relay's decisions about one batch, written once and tested without services.
 
-Invariant (DESIGN.md I7): a failed or parked row is never overtaken by a later row of its key.
-Two rules keep it:
+Invariant (docs/concepts.md I7): a failed or parked row is never overtaken by a later row of its
+key. Two rules keep it:
 
 * the second half of the **claim rule**: a row is sent only when no earlier row of its key is
   left in the table outside this relay's claim (the first half is the claim query);

@@ -4,7 +4,7 @@
 before anything is written, and returns the row's values: the unit of work (sync and asyncio)
 and the keyless transactional publish all write what it returns.
 
-**Per-key commit order** (DESIGN.md I7) is decided here too. The relay sends a key's rows in
+**Per-key commit order** (docs/concepts.md I7) is decided here too. The relay sends a key's rows in
 ``id`` order; ``id`` order equals commit order only if no transaction can take an ``id`` for a
 key while another transaction holding a smaller ``id`` of that key is still uncommitted. So the
 statement that writes outbox rows first takes a transaction-scoped advisory lock per message key

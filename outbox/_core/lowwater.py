@@ -30,7 +30,7 @@ one that did holds it at its first id, as it must.
 The mark belongs to a set of lanes: when the relay's lanes change it starts again from zero
 (one walk from the low end), as it does after a restart.
 
-Checked, not assumed (DESIGN.md I15). The argument above rests on facts about the session and
+Checked, not assumed (docs/concepts.md I15). The argument above rests on facts about the session and
 the sequence that a DBA, a database setting or a role can change under a running relay, so the
 first of the readings (in the same message, no extra round trip) also reports them, and
 :func:`verify` decides on every claim whether the mark may be used at all:

@@ -1,8 +1,8 @@
 """Secret redaction, written once: URLs, librdkafka secrets and one-line error texts.
 
 Passwords in URLs and SASL/TLS secrets must never reach logs, errors, ``repr``, metrics or
-health output, also when the input is malformed (DESIGN.md I10). Every message that may quote a
-URL or a Kafka setting goes through these functions, and none of them raises.
+health output, also when the input is malformed (docs/concepts.md I10). Every message that may
+quote a URL or a Kafka setting goes through these functions, and none of them raises.
 
 The rules are deliberately conservative: when a URL cannot be read unambiguously, more is
 hidden rather than less. In a URL everything between the user name's ``:`` and the *last*

@@ -3,8 +3,8 @@
 A URL the drivers would read differently from what its author meant -- a password with an
 unencoded ``@`` or ``%``, a port that is not a number, a stray space or control character -- is
 refused with a :class:`~outbox.errors.ConfigurationError` that says what to fix and never
-quotes the URL's secrets (DESIGN.md I9, I10): the drivers' own errors for such URLs would echo
-parts of the password.
+quotes the URL's secrets (docs/concepts.md I9, I10): the drivers' own errors for such URLs would
+echo parts of the password.
 
 The database URL grammar is SQLAlchemy's (``make_url``); the Redis URL grammar is redis-py's
 (``urllib.parse``). Both are stricter here: a URL is accepted only when the two readings of

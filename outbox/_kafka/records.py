@@ -1,6 +1,6 @@
 """Kafka records from claimed outbox rows: the publisher's headers plus ``X-Idempotency-Key``.
 
-Every record carries ``X-Idempotency-Key`` (DESIGN.md I6): the event id, unless the publisher
+Every record carries ``X-Idempotency-Key`` (docs/concepts.md I6): the event id, unless the publisher
 set that header itself, so consumers can drop re-sends. No I/O here; the relay calls
 :func:`build_records` once per batch, and it is its main per-row Python cost.
 """

@@ -2,8 +2,8 @@
 
 A unit of work joined to the caller's transaction (or a keyless publish) does not commit; the
 caller does, later or never. What must follow the commit -- writing the outcome to Redis
-(DESIGN.md I5: only after the commit) and waking idle relays -- is deferred here and runs only
-after the caller's transaction committed. On a rollback it is dropped.
+(docs/concepts.md I5: only after the commit) and waking idle relays -- is deferred here and runs
+only after the caller's transaction committed. On a rollback it is dropped.
 
 * A ``Session`` (or the sync side of an ``AsyncSession``): its ``after_commit`` and
   ``after_rollback`` events, which fire after the real COMMIT or ROLLBACK.

@@ -442,7 +442,7 @@ class Relay:
         confirms meanwhile.
         Only if Kafka confirmed every row does the transaction commit as it is; otherwise it
         rolls back to the savepoint and settles row by row. Either way a row leaves the outbox
-        with the COMMIT that follows its delivery report (DESIGN.md I6). The batch claimed
+        with the COMMIT that follows its delivery report (docs/concepts.md I6). The batch claimed
         ahead is sent next; its rows are locked again by that batch's own delete.
         """
         result = BatchResult()

@@ -1,4 +1,4 @@
-"""What the relay's low-water mark rests on is checked on every claim, not assumed (DESIGN.md
+"""What the relay's low-water mark rests on is checked on every claim, not assumed (docs/concepts.md
 I15): the session's isolation, the sequence's cache and direction, the URL's options, the role's
 privileges. Whatever a database, a DBA or a role sets, no committed row is stranded."""
 

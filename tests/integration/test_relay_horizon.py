@@ -1,5 +1,5 @@
 """The relay while a long transaction pins the xmin horizon: every row it deletes stays behind
-as a dead tuple that VACUUM may not remove. Its claims must not walk them (DESIGN.md I14)."""
+as a dead tuple that VACUUM may not remove. Its claims must not walk them (docs/concepts.md I14)."""
 
 from __future__ import annotations
 

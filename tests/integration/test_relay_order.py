@@ -1,5 +1,5 @@
-"""Per-key order (DESIGN.md I7) the hard way: writers that share no business row, commits slowed
-down at COMMIT time, relays draining while they write, and the commit order taken from
+"""Per-key order (docs/concepts.md I7) the hard way: writers that share no business row, commits
+slowed down at COMMIT time, relays draining while they write, and the commit order taken from
 PostgreSQL itself.
 
 Ground truth: a deferred constraint trigger on the outbox runs inside each writer's COMMIT. It

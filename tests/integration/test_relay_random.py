@@ -1,7 +1,7 @@
 """A seeded random schedule of writers, two relays and a DBA changing what the low-water mark
 rests on (the sequence's cache, a restart of the sequence, the isolation the database and the
 relays' role default to, the relays' privilege on the sequence, their sessions killed), checked
-for no loss and per-key order (DESIGN.md I15).
+for no loss and per-key order (docs/concepts.md I15).
 
 Bounded for CI; ``OUTBOX_RANDOM_RELAY_STEPS`` runs more steps by hand and
 ``OUTBOX_RANDOM_RELAY_SEED`` replays a schedule (the seed is in the failure message).

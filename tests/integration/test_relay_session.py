@@ -1,6 +1,6 @@
 """The relay's sessions as the database URL and the role make them: the URL's ``options`` are
 kept (merged with the settings the relay pins), and a least-privilege role is enough to deliver,
-with ``--check`` and ``/readyz`` saying when it is not (DESIGN.md I15)."""
+with ``--check`` and ``/readyz`` saying when it is not (docs/concepts.md I15)."""
 
 from __future__ import annotations
 
