@@ -39,6 +39,8 @@ def test_the_view_permission_shows_parked_rows_without_an_action(
     text = page.content.decode()
     assert str(event_id) in text and "MSG_SIZE_TOO_LARGE" in text and "k1" in text
     assert 'value="retry"' not in text and 'value="discard"' not in text
+    found = client(users["viewer"]).get(PARKED, {"q": str(event_id)[:8]}).content.decode()
+    assert str(event_id) in found
     act(users["viewer"], "retry", event_id, engine=engine)
     act(users["viewer"], "discard", event_id, engine=engine)
     assert parked_at(engine, event_id) is not None  # still parked, still there
