@@ -17,8 +17,15 @@ from django.conf import settings  # noqa: E402
 def _configure() -> None:
     if settings.configured:
         return
+    from tests.django.project import common as project
+
     settings.configure(
-        INSTALLED_APPS=["outbox.django", "tests.django.shop"],
+        INSTALLED_APPS=project.INSTALLED_APPS,
+        MIDDLEWARE=project.MIDDLEWARE,
+        TEMPLATES=project.TEMPLATES,
+        ROOT_URLCONF="tests.django.project.urls",
+        SECRET_KEY="tests-only",
+        ALLOWED_HOSTS=["testserver"],
         DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "postgres"}},
         USE_TZ=True,
         OUTBOX={},
@@ -70,3 +77,25 @@ def _on(database_url: str, redis_url: str, redis_prefix: str, connections: Any) 
 def count(engine: Any, table: str) -> int:
     with engine.connect() as conn:
         return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
+
+
+@pytest.fixture
+def users(django_database: str) -> Iterator[dict[str, Any]]:
+    """A staff user who may only look (``viewer``), one who may also retry parked rows
+    (``retrier``, no discard) and a superuser (``root``); Django's tables migrated."""
+    from django.contrib.auth.models import Permission, User
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)  # the toolkit's history is at head: a no-op for it
+
+    def staff(name: str, *perms: str) -> Any:
+        user = User.objects.create_user(name, password="pw", is_staff=True)
+        user.user_permissions.set(Permission.objects.filter(codename__in=perms))
+        return user
+
+    yield {
+        "viewer": staff("viewer", "view_parkedevent", "view_idempotencykey",
+                        "view_handleddeadletter"),
+        "retrier": staff("retrier", "view_parkedevent", "retry_parked"),
+        "root": User.objects.create_superuser("root", password="pw"),
+    }  # fmt: skip

@@ -39,13 +39,15 @@ class Site:
             self.server.close()
             unavailable("Django runserver", str(exc), HOW_HTTP)
 
-    def post(self, key: str | None, amount: int = 1, **headers: str) -> httpx.Response:
+    def post(
+        self, key: str | None, amount: int = 1, path: str = "/orders", **headers: str
+    ) -> httpx.Response:
         assert self.server is not None
         sent = {name.replace("_", "-"): value for name, value in headers.items()}
         if key is not None:
             sent["Idempotency-Key"] = key
         with httpx.Client(base_url=self.server.url, timeout=30) as client:
-            return client.post("/orders", json={"amount": amount}, headers=sent)
+            return client.post(path, json={"amount": amount}, headers=sent)
 
     def close(self) -> None:
         if self.server is not None:

@@ -7,6 +7,14 @@ import os
 
 import sqlalchemy as sa
 
+from tests.django.project.common import (  # noqa: F401  (settings)
+    INSTALLED_APPS,
+    MIDDLEWARE,
+    REST_FRAMEWORK,
+    STATIC_URL,
+    TEMPLATES,
+)
+
 _url = sa.make_url(os.environ["OUTBOX_DATABASE_URL"])
 
 SECRET_KEY = "tests-only"
@@ -14,8 +22,6 @@ DEBUG = False
 ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
 USE_TZ = True
 ROOT_URLCONF = "tests.django.project.urls"
-INSTALLED_APPS = ["outbox.django", "tests.django.shop"]
-MIDDLEWARE = ["outbox.django.middleware.IdempotencyKeyMiddleware"]
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.postgresql",

@@ -7,6 +7,9 @@ import json
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
 
 from outbox.http import current_unit_of_work
 from tests.django.shop.models import Order
@@ -35,3 +38,17 @@ def orders(request: HttpRequest) -> HttpResponse:
     answer = JsonResponse({"order_id": order.pk}, status=201)
     answer["Location"] = f"/orders/{order.pk}"
     return answer
+
+
+@api_view(["POST"])
+def api_orders(request: Request) -> Response:
+    """The same order as :func:`orders`, as a Django REST framework view (``X-Hold`` too)."""
+    order = Order.objects.create(order_key=request.headers.get("Idempotency-Key", ""),
+                                 amount=int(request.data.get("amount", 1)))  # fmt: skip
+    if "Idempotency-Key" in request.headers:
+        current_unit_of_work().publish("orders.created", {"id": order.pk}, key=str(order.pk))
+    hold = request.headers.get("X-Hold")
+    if hold:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [int(hold)])
+    return Response({"order_id": order.pk}, status=201, headers={"Location": f"/orders/{order.pk}"})
