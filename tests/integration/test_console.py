@@ -254,6 +254,8 @@ def test_basic_auth_with_the_token_as_password_signs_in(
         ([], {"OUTBOX_CONSOLE_PORT": "http"}, "OUTBOX_CONSOLE_PORT"),
         (["--host", "0.0.0.0/8"], {}, "--host"),
         ([], {"OUTBOX_CONSOLE_ADMIN_TOKEN": "short-secret"}, "at least 16"),
+        (["--count-budget", "-1"], {}, "--count-budget must be positive"),
+        ([], {"OUTBOX_CONSOLE_COUNT_BUDGET": "61"}, "at most 60"),
     ],
 )
 def test_bad_console_settings_exit_2_with_one_line_before_serving(
