@@ -6,7 +6,9 @@
 A scratch database gets ``--pending`` pending rows over 20 topics and ``--parked`` parked rows
 over 5 topics (analyzed), then a real ``outbox console`` process (uvicorn, from the package this
 script imports) serves it and each page is fetched ``--requests`` times over HTTP, one at a
-time. Printed per page: the median and the 95th percentile of the full request time, and the
+time after a first, untimed-in-the-median request. Printed per page: the first request's time
+(the overview's first one counts the pending rows; later ones show that count and count again
+in the background), the median and the 95th percentile of the full request time, and the
 median as a ratio of ``/healthz`` (the same server answering without the database) measured in
 the same run.
 """
@@ -105,8 +107,11 @@ def main() -> None:
                         raise SystemExit("outbox console did not start")
                     time.sleep(0.2)
                 results: dict[str, list[float]] = {}
+                first: dict[str, float] = {}
                 for path, _label in PAGES:
+                    t0 = time.perf_counter()
                     assert client.get(path).status_code == 200, path  # warm-up, and a check
+                    first[path] = time.perf_counter() - t0
                     times = []
                     for _ in range(args.requests):
                         t0 = time.perf_counter()
@@ -119,12 +124,15 @@ def main() -> None:
             server.wait(timeout=30)
 
     baseline = statistics.median(results["/healthz"])
-    print(f"\n{'page':44}  {'median ms':>9}  {'p95 ms':>7}  {'x /healthz':>10}")
+    print(f"\n{'page':44}  {'first ms':>8}  {'median ms':>9}  {'p95 ms':>7}  {'x /healthz':>10}")
     for path, label in PAGES:
         times = sorted(results[path])
         median = statistics.median(times)
         p95 = times[min(len(times) - 1, int(len(times) * 0.95))]
-        print(f"{label:44}  {median * 1000:9.1f}  {p95 * 1000:7.1f}  {median / baseline:10.1f}")
+        print(
+            f"{label:44}  {first[path] * 1000:8.1f}  {median * 1000:9.1f}  {p95 * 1000:7.1f}  "
+            f"{median / baseline:10.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -91,6 +91,21 @@ def outbox_backlog(
     )
 
 
+def outbox_parked_backlog(
+    connection: sa.Connection, schema: str | None, lanes: int
+) -> list[tuple[str, int, int]]:
+    """``(topic, lane, parked)`` of the parked rows, found through the partial index
+    ``ix_outbox_parked``: what it costs grows with the parked rows, never with the pending."""
+    o = tables(schema).outbox
+    lane = (o.c.key_hash % sa.literal(lanes, sa.Integer)).label("lane")
+    rows = connection.execute(
+        sa.select(o.c.topic, lane, sa.func.count().label("parked"))
+        .where(o.c.parked_at.is_not(None))
+        .group_by(o.c.topic, lane)
+    )
+    return [(r.topic, int(r.lane), int(r.parked)) for r in rows]
+
+
 def idempotency_keys_by_scope(
     connection: sa.Connection, schema: str | None
 ) -> list[tuple[str, str, int]]:

@@ -50,10 +50,12 @@ from outbox.admin._gc import (
 from outbox.admin._parked import ParkedRow, discard_parked, list_parked, retry_parked
 from outbox.admin._status import (
     LaneBacklog as LaneBacklog,
+    PendingCount as PendingCount,
     ScopeKeys as ScopeKeys,
     Status,
     TopicBacklog as TopicBacklog,
     choose_lanes as choose_lanes,
+    count_pending as count_pending,
     read_status,
     render_status,
     status_to_json,

@@ -7,7 +7,8 @@ relays and their lanes come from the advisory locks they hold, not from what the
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -56,6 +57,51 @@ class LaneBacklog:
 
 
 @dataclass(frozen=True)
+class PendingCount:
+    """An exact count of the pending rows per topic and per lane, as of ``counted_at`` (the
+    database's clock), and how long counting took: one scan of the outbox table."""
+
+    lanes: int
+    topics: tuple[tuple[str, int, float | None], ...]  # topic, pending, oldest pending's age
+    by_lane: tuple[tuple[int, int], ...]  # lane, pending
+    counted_at: datetime
+    seconds: float
+
+
+def count_pending(connection: sa.Connection, schema: str | None, lanes: int) -> PendingCount:
+    """Count the pending rows of the outbox in ``schema`` split into ``lanes`` lanes (a full
+    scan: its cost grows with the backlog)."""
+    started = time.perf_counter()
+    counted_at = ops.database_now(connection)
+    topics, by_lane = ops.outbox_backlog(connection, validate_schema_name(schema), lanes)
+    return PendingCount(
+        lanes=lanes,
+        topics=tuple((t, n, age) for t, n, _parked, age in topics if n),
+        by_lane=tuple((lane, n) for lane, n, _parked in by_lane if n),
+        counted_at=counted_at,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _with_parked(
+    counted: PendingCount, parked: Iterable[tuple[str, int, int]]
+) -> tuple[list[tuple[str, int, int, float | None]], list[tuple[int, int, int]]]:
+    """The backlog per topic and lane: pending rows as ``counted``, parked rows as ``parked``
+    (``(topic, lane, parked)``)."""
+    topics = {t: (n, 0, age) for t, n, age in counted.topics}
+    by_lane = {lane: (n, 0) for lane, n in counted.by_lane}
+    for topic, lane, n in parked:
+        t_pending, t_parked, age = topics.get(topic, (0, 0, None))
+        topics[topic] = (t_pending, t_parked + n, age)
+        l_pending, l_parked = by_lane.get(lane, (0, 0))
+        by_lane[lane] = (l_pending, l_parked + n)
+    return (
+        [(t, *topics[t]) for t in sorted(topics)],
+        [(lane, *by_lane[lane]) for lane in sorted(by_lane)],
+    )
+
+
+@dataclass(frozen=True)
 class ScopeKeys:
     scope: str
     status: str
@@ -88,6 +134,9 @@ class Status:
     # when no schema is configured): the one a relay with the same URL serves.
     table: str | None = None
     table_schema: str | None = None
+    # When the pending rows were counted, if not in this snapshot (read_status's ``pending``):
+    # the parked numbers are this snapshot's all the same.
+    pending_counted_at: datetime | None = None
 
     @property
     def schema_name(self) -> str:
@@ -187,10 +236,15 @@ def read_status(
     lanes_flag: int | None = None,
     lanes_env: str | None = None,
     horizon_warning_seconds: float = DEFAULT_HORIZON_WARNING_SECONDS,
+    pending: Callable[[sa.Connection, int], PendingCount] | None = None,
 ) -> Status:
     """Collect the status of the outbox in ``schema`` (read-only; one snapshot).
 
-    A horizon held for ``horizon_warning_seconds`` or longer gets a warning.
+    A horizon held for ``horizon_warning_seconds`` or longer gets a warning. Every number is
+    counted in the snapshot, unless ``pending`` is given: then it is asked for the pending
+    rows' count by lane count (:func:`count_pending`, or an earlier one of its answers), and
+    only the parked rows are counted here, through their partial index; the status says when
+    the pending rows were counted (``pending_counted_at``).
     """
     schema = validate_schema_name(schema)
     revision = migrate.current_revision(connection, schema)
@@ -207,7 +261,17 @@ def read_status(
         replace(r, client_addr=_host(r.client_addr))
         for r in lanes_pg.relay_ownership(connection, schema)
     )
-    topics, by_lane = ops.outbox_backlog(connection, schema, lanes)
+    counted_at = None
+    if pending is None:
+        topics, by_lane = ops.outbox_backlog(connection, schema, lanes)
+    else:
+        counted = pending(connection, lanes)
+        if counted.lanes != lanes:
+            raise ValueError(f"pending rows counted in {counted.lanes} lanes, not {lanes}")
+        topics, by_lane = _with_parked(
+            counted, ops.outbox_parked_backlog(connection, schema, lanes)
+        )
+        counted_at = counted.counted_at
     ages = [age for *_, age in topics if age is not None]
     status = Status(
         schema=schema,
@@ -228,6 +292,7 @@ def read_status(
         horizon_warning_seconds=horizon_warning_seconds,
         table=None if resolved is None else resolved[1],
         table_schema=None if resolved is None else resolved[0],
+        pending_counted_at=counted_at,
     )
     return _with_warnings(status)
 

@@ -17,6 +17,7 @@ from outbox.cli._common import (
     add_flags,
     add_kafka_config,
     integer,
+    number,
     ranged,
     require,
 )
@@ -37,6 +38,7 @@ ENV_CONSOLE_HOST = "OUTBOX_CONSOLE_HOST"
 ENV_CONSOLE_PORT = "OUTBOX_CONSOLE_PORT"
 ENV_CONSOLE_ADMIN_TOKEN = "OUTBOX_CONSOLE_ADMIN_TOKEN"
 ENV_CONSOLE_DLQ_LIMIT = "OUTBOX_CONSOLE_DLQ_LIMIT"
+ENV_CONSOLE_COUNT_BUDGET = "OUTBOX_CONSOLE_COUNT_BUDGET"
 
 HOST = Flag(
     "--host",
@@ -74,6 +76,18 @@ DLQ_LIMIT = Flag(
     check=ranged(1, 1_000_000),
 )
 
+COUNT_BUDGET = Flag(
+    "--count-budget",
+    ENV_CONSOLE_COUNT_BUDGET,
+    "seconds the overview may spend counting the pending rows (a scan of the outbox); a "
+    "count that took longer is shown with the time it was made, and the next ones run in the "
+    "background (0: always, after the first)",
+    type=number,
+    kind="a number",
+    default=0.05,
+    check=lambda name, value: _settings.check_seconds(name, value, 60.0, zero=True),
+)
+
 
 def register(subparsers: Any) -> None:
     """Add ``outbox console``."""
@@ -85,7 +99,7 @@ def register(subparsers: Any) -> None:
     )
     add_flags(
         p, "database_url", "schema", "bootstrap_servers", "redis_url", "log_level",
-        HOST, PORT, ADMIN_TOKEN, DLQ_LIMIT,
+        HOST, PORT, ADMIN_TOKEN, DLQ_LIMIT, COUNT_BUDGET,
     )  # fmt: skip
     add_kafka_config(p)
     p.set_defaults(func=command)
@@ -105,6 +119,7 @@ def command(args: argparse.Namespace) -> int:
         admin_token=args.admin_token or None,
         kafka_config=args.kafka_config,
         dead_letters_limit=args.dlq_limit,
+        count_budget=args.count_budget,
     ).validate()
     app = create_app(settings)
     mode = "admin token set" if settings.admin_token else "read-only"

@@ -51,7 +51,7 @@ from outbox._core.dlq import choose_letters, describe_stop, format_cursor
 from outbox._core.lag import GroupLags
 from outbox._core.outage import Outage
 from outbox._core.redact import redact_text, redact_url
-from outbox._core.settings import check_bootstrap_servers
+from outbox._core.settings import check_bootstrap_servers, check_seconds
 from outbox._core.urls import check_database_url, check_redis_url
 from outbox._kafka.lag import read_group_lags
 from outbox._pg import console as console_sql
@@ -75,6 +75,7 @@ MAX_FORM_BYTES = 256 * 1024
 # refreshing page, or many open ones, ask the broker at most this often).
 LAG_TIMEOUT = 3.0
 LAG_CACHE_SECONDS = 5.0
+MAX_COUNT_BUDGET = 60.0
 
 Form = MultiDict
 
@@ -109,8 +110,13 @@ class ConsoleSettings:
     # Dead letters still to handle that one dead-letters page reads (handled ones do not count).
     dead_letters_limit: int = data.MAX_DEAD_LETTERS
 
+    # The longest a page waits for an exact count of the pending rows: a count that took
+    # longer is shown as of when it was made, and the next ones run in the background.
+    count_budget: float = data.DEFAULT_COUNT_BUDGET
+
     def validate(self) -> ConsoleSettings:
         check_database_url(self.database_url)
+        check_seconds("count_budget", self.count_budget, MAX_COUNT_BUDGET, zero=True)
         if type(self.dead_letters_limit) is not int or not (
             1 <= self.dead_letters_limit <= 10 * data.MAX_DEAD_LETTERS
         ):
@@ -222,6 +228,61 @@ class Console:
         self._lag: tuple[float, GroupLags] | None = None
         self.database_outage = Outage("PostgreSQL")
         self._outage_lock = threading.Lock()
+        # The last exact count of the pending rows (with the monotonic time it began), and
+        # whether one is running in the background.
+        self._count_lock = threading.Lock()
+        self._count: tuple[float, admin.PendingCount] | None = None
+        self._counting = False
+
+    # -- the pending rows' count ---------------------------------------------------------
+
+    def pending_count(self, connection: sa.Connection, lanes: int) -> admin.PendingCount:
+        """The pending rows per topic and lane for the overview (data.pending_count_plan):
+        counted on ``connection`` (the page's snapshot), or the last count, with a fresh one
+        started in the background when it is due."""
+        with self._count_lock:
+            last = self._count
+            now, background = data.pending_count_plan(
+                None if last is None else last[1].lanes,
+                lanes,
+                0.0 if last is None else last[1].seconds,
+                0.0 if last is None else time.monotonic() - last[0],
+                self.settings.count_budget,
+                self._counting,
+            )
+            if background:
+                self._counting = True
+        if now or last is None:
+            started = time.monotonic()
+            count = admin.count_pending(connection, self.schema, lanes)
+            self._keep(started, count)
+            return count
+        if background:
+            threading.Thread(
+                target=self._count_in_background, args=(lanes,), name="outbox-console-count",
+                daemon=True,
+            ).start()  # fmt: skip
+        return last[1]
+
+    def _keep(self, started: float, count: admin.PendingCount) -> None:
+        with self._count_lock:
+            if self._count is None or self._count[1].counted_at <= count.counted_at:
+                self._count = (started, count)
+
+    def _count_in_background(self, lanes: int) -> None:
+        try:
+            with self.engine.connect().execution_options(
+                isolation_level="REPEATABLE READ", postgresql_readonly=True
+            ) as conn:
+                started = time.monotonic()
+                count = admin.count_pending(conn, self.schema, lanes)
+                conn.rollback()
+            self._keep(started, count)
+        except sa.exc.DBAPIError as exc:
+            self.database_failed(exc)
+        finally:
+            with self._count_lock:
+                self._counting = False
 
     def group_lags(self) -> GroupLags | None:
         """The consumer groups' lag (``None`` without a broker), at most
@@ -372,12 +433,13 @@ class Console:
         with self.engine.connect().execution_options(
             isolation_level="REPEATABLE READ", postgresql_readonly=True
         ) as conn:
-            status = admin.read_status(conn, self.schema)
+            status = admin.read_status(conn, self.schema, pending=self.pending_count)
             conn.rollback()
         self.sample()
         relayed = chart.per_minute(self.samples.snapshot(), time.time())
         parked = sum(t.parked for t in status.topics)
         pending = sum(t.pending for t in status.topics)
+        counted_at = status.pending_counted_at or status.taken_at
         return self.page(
             request,
             "overview.html",
@@ -385,6 +447,10 @@ class Console:
                 "status": status,
                 "parked": parked,
                 "pending": pending,
+                # Counted in this page's snapshot, or (a big backlog) earlier, in the background.
+                "counted_now": counted_at == status.taken_at,
+                "counted_at": counted_at,
+                "counted_ago": _age((status.taken_at - counted_at).total_seconds()),
                 "age": _age,
                 "refresh": REFRESH_SECONDS,
                 # Numbers only, drawn by chart.svg_bars: safe to put in the page as markup.

@@ -61,6 +61,32 @@ def warning_html(text: str) -> Markup:
     return Markup("".join(html))
 
 
+# The overview's pending counts (a scan of the outbox): counted in the request while that is
+# quick, else in the background at most every RECOUNT_MIN_SECONDS and never more than
+# 1/RECOUNT_FACTOR of the time.
+DEFAULT_COUNT_BUDGET = 0.05
+RECOUNT_MIN_SECONDS = 5.0
+RECOUNT_FACTOR = 10.0
+
+
+def pending_count_plan(
+    last_lanes: int | None,
+    lanes: int,
+    last_took: float,
+    last_age: float,
+    budget: float,
+    counting: bool,
+) -> tuple[bool, bool]:
+    """``(count now, count in the background)`` for an overview: count in the request when
+    there is no earlier count for ``lanes`` or the last one took at most ``budget`` seconds;
+    otherwise show the last count (``last_age`` seconds old, ``last_took`` seconds long) and
+    start another in the background when it is due and none is ``counting``."""
+    if last_lanes != lanes or last_took <= budget:
+        return True, False
+    due = last_age >= max(RECOUNT_MIN_SECONDS, RECOUNT_FACTOR * last_took)
+    return False, due and not counting
+
+
 def _text(name: str, value: str | None) -> str | None:
     if value is None or value == "":
         return None

@@ -254,6 +254,8 @@ def test_basic_auth_with_the_token_as_password_signs_in(
         ([], {"OUTBOX_CONSOLE_PORT": "http"}, "OUTBOX_CONSOLE_PORT"),
         (["--host", "0.0.0.0/8"], {}, "--host"),
         ([], {"OUTBOX_CONSOLE_ADMIN_TOKEN": "short-secret"}, "at least 16"),
+        (["--count-budget", "-1"], {}, "--count-budget must be positive"),
+        ([], {"OUTBOX_CONSOLE_COUNT_BUDGET": "61"}, "at most 60"),
     ],
 )
 def test_bad_console_settings_exit_2_with_one_line_before_serving(
@@ -338,6 +340,36 @@ def test_the_overview_charts_rows_relayed_since_the_console_started(
     wait_for(charted, 30, "the deletes never reached the chart")
     page = httpx.get(server.url + "/").text
     assert '<svg id="relayed-chart"' in page and "<rect " in page
+
+
+def test_a_count_made_in_the_background_says_when_and_parked_rows_stay_exact(
+    console_server: Callable[..., ConsoleServer], engine: sa.Engine
+) -> None:
+    """With a count budget of 0 (every backlog counts as big), the first overview counts in
+    its snapshot and says every count is exact; later ones show that count labeled with its
+    time while the parked numbers are counted for the page, until a background count (due
+    after 5 s) brings the pending numbers up to date."""
+    server = console_server("--count-budget", "0")
+    insert_rows(engine, "orders", [("k1", b"1"), ("k2", b"2")])
+    first = httpx.get(server.url + "/").text
+    assert re.search(r'id="pending">2<', first)
+    assert 'id="counted">Every count is exact' in first
+    assert "pending-counted-at" not in first
+    later = insert_rows(engine, "orders", [("k3", b"3"), ("k4", b"4"), ("k5", b"5")])
+    park(engine, later[:1], "MSG_SIZE_TOO_LARGE")
+    page = httpx.get(server.url + "/").text
+    counted = re.search(r'id="pending-counted-at">counted at (\d\d:\d\d:\d\d) ', page)
+    assert counted, "the pending count is not labeled with the time it was made"
+    assert "Parked rows: exact, counted for this page" in page
+    assert re.search(r'id="pending">2<', page)  # as counted, not as it is now (4)
+    assert re.search(r'id="parked-count"><a href="/parked">1<', page)  # as it is now
+    assert f"pending at {counted.group(1)}</th>" in page
+    assert re.search(r'<td>orders</td><td class="num">2</td>\s*<td class="num"><a href', page)
+
+    def recounted() -> bool:
+        return re.search(r'id="pending">4<', httpx.get(server.url + "/").text) is not None
+
+    wait_for(recounted, 30, "no background count reached the page")
 
 
 # -- dead letters marked handled -------------------------------------------------------------

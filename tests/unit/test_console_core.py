@@ -117,3 +117,19 @@ def test_a_warning_links_a_command_that_has_a_page_and_sets_other_commands_as_co
 def test_a_warning_never_lets_markup_through(text: str) -> None:
     html = str(data.warning_html(text))
     assert "<" not in re.sub(r'</?code>|<a href="/parked">|</a>', "", html)
+
+
+def test_the_pending_rows_are_counted_in_the_request_while_that_is_quick() -> None:
+    plan = data.pending_count_plan
+    # no count yet, or one for another lane count: count now, whatever it costs
+    assert plan(None, 16, 0.0, 0.0, 0.05, False) == (True, False)
+    assert plan(8, 16, 9.0, 1.0, 0.05, False) == (True, False)
+    # the last count was within the budget: count now again
+    assert plan(16, 16, 0.05, 1.0, 0.05, False) == (True, False)
+    # too slow: show the last count; recount in the background once it is old enough
+    assert plan(16, 16, 0.3, 4.9, 0.05, False) == (False, False)
+    assert plan(16, 16, 0.3, 5.0, 0.05, False) == (False, True)
+    assert plan(16, 16, 0.3, 5.0, 0.05, True) == (False, False)  # one is already running
+    # a count that takes 2 s runs at most a tenth of the time
+    assert plan(16, 16, 2.0, 19.9, 0.05, False) == (False, False)
+    assert plan(16, 16, 2.0, 20.0, 0.05, False) == (False, True)
