@@ -106,7 +106,9 @@ RULES: list[Rule] = [
     Rule(r"\b(\w+)\.sync_(engine|session|connection)\b", r"\1"),
     Rule(r"(\w+) = (\w+)\.get_raw_connection\(\)", r"\1 = \2.connection"),
     # Work after the caller's commit: a task in asyncio, a plain call in the sync flavour.
-    Rule(r"^(\s*)spawn\((.+)\)$", r"\1\2"),
+    Rule(r"^(\s*)spawn\((.+), into=[\w.]+\)$", r"\1\2"),
+    # A line that only the asyncio flavour needs (its tasks).
+    Rule(r"^.*# asyncio only\n", ""),
     # psycopg.
     Rule(r"\bpsycopg\.Async(Connection|Cursor)\b", r"psycopg.\1"),
     Rule(r"\bAsyncClientCursor\b", "ClientCursor"),

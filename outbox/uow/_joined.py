@@ -75,6 +75,8 @@ class JoinedUnits:
         self._notify = notify
         self._pooled = pooled
         self._sql: JoinedStatements = joined_statements(config.schema)
+        # After close, a caller's commit writes no cache entry (the client is closed).
+        self._closed = False
 
     def begin(
         self,
@@ -141,7 +143,7 @@ class JoinedUnits:
         cache = self._cache
 
         def run() -> None:
-            if cache is not None:
+            if cache is not None and not self._closed:
                 self._learn_committed(cache, scope, key)
             if wake:
                 self._notify()
@@ -170,6 +172,11 @@ class JoinedUnits:
         if ttl is not None:
             exact = results.from_database(result_json)  # the result's exact JSON text
             cache.put(scope, key, StoredOutcome(status, stored_fp, exact, error), ttl)
+
+    def close(self) -> None:
+        """Finish the cache writes that callers' commits started, and start no more: the outbox
+        closes its engine and Redis client next, which a write still under way would reopen."""
+        self._closed = True
 
     def _defer(self, joined: Joined, callback: Callable[[], None]) -> None:
         if joined.session is not None:

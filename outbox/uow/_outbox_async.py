@@ -306,7 +306,9 @@ class AsyncOutbox:
         )  # fmt: skip
 
     async def close(self) -> None:
-        """Dispose of the engine and Redis client if this object created them."""
+        """Finish the cache writes that joined units of work started after their callers'
+        commits, then dispose of the engine and Redis client if this object created them."""
+        await self._joined.close()
         if event.contains(self.engine.sync_engine.pool, "connect", self._on_connect):
             event.remove(self.engine.sync_engine.pool, "connect", self._on_connect)
         if self._reader is not self.engine:
