@@ -59,7 +59,6 @@ RULES: list[Rule] = [
     Rule(r"\bAsyncTransaction\b", "Transaction"),
     Rule(r"\bAsyncOutcomeCache\b", "OutcomeCache"),
     Rule(r"\bAsyncKeyReader\b", "KeyReader"),
-    Rule(r"\bsettle_async\b", "settle"),
     Rule(r"\bmake_async_(cache|guard)_client\b", r"make_\1_client"),
     Rule(r"\bdatabase_answers_async\b", "database_answers"),
     Rule(r"\bAsyncRedisGuard\b", "RedisGuard"),
@@ -108,7 +107,9 @@ RULES: list[Rule] = [
     Rule(r"\b(\w+)\.sync_(engine|session|connection)\b", r"\1"),
     Rule(r"(\w+) = (\w+)\.get_raw_connection\(\)", r"\1 = \2.connection"),
     # Work after the caller's commit: a task in asyncio, a plain call in the sync flavour.
-    Rule(r"^(\s*)spawn\((.+)\)$", r"\1\2"),
+    Rule(r"^(\s*)spawn\((.+), into=[\w.]+\)$", r"\1\2"),
+    # A line that only the asyncio flavour needs (its tasks).
+    Rule(r"^.*# asyncio only\n", ""),
     # psycopg.
     Rule(r"\bpsycopg\.Async(Connection|Cursor)\b", r"psycopg.\1"),
     Rule(r"\bAsyncClientCursor\b", "ClientCursor"),

@@ -46,29 +46,22 @@ Callback = Callable[[], None]
 # Engines whose events are hooked (checked on every take(): cheaper than sa.event.contains).
 _hooked: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
 
-# Tasks started by spawn(), kept referenced until they finish.
-_tasks: set[asyncio.Task[Any]] = set()
 
-
-def spawn(coroutine: Coroutine[Any, Any, Any]) -> None:
-    """Run ``coroutine`` on the running event loop without waiting for it (asyncio only)."""
+def spawn(coroutine: Coroutine[Any, Any, Any], into: set[asyncio.Task[Any]]) -> None:
+    """Run ``coroutine`` on the running event loop without waiting for it (asyncio only); its
+    task stays in ``into`` until it finishes, for its owner to :func:`settle` when it closes."""
     task = asyncio.get_running_loop().create_task(coroutine)
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
+    into.add(task)
+    task.add_done_callback(into.discard)
 
 
-async def settle_async(timeout: float = 5.0) -> None:
-    """Wait, up to ``timeout`` seconds, for the tasks :func:`spawn` started on the running loop
-    (an asyncio outbox that closes lets its read-backs finish on connections it still has)."""
+async def settle(tasks: set[asyncio.Task[Any]]) -> None:
+    """Wait until the tasks of ``tasks`` that run on this event loop have finished (a task of
+    another loop cannot be awaited here)."""
     loop = asyncio.get_running_loop()
-    running = [task for task in _tasks if task.get_loop() is loop]
-    if running:
-        await asyncio.wait(running, timeout=timeout)
-
-
-def settle(timeout: float = 5.0) -> None:
-    """:func:`settle_async` of the sync flavour, whose after-commit work runs in the thread that
-    commits: there is nothing to wait for."""
+    mine = [task for task in tasks if task.get_loop() is loop]
+    if mine:
+        await asyncio.gather(*mine, return_exceptions=True)
 
 
 def defer(target: Session | sa.Connection, callback: Callback) -> None:

@@ -76,6 +76,8 @@ class JoinedUnits:
         self._pooled = pooled
         self._sql: JoinedStatements = joined_statements(config.schema)
         self._reader = KeyReader(reader, self._sql.idempotency_key_read)
+        # After close, a caller's commit writes no cache entry (the client is closed).
+        self._closed = False
 
     def begin(
         self,
@@ -138,15 +140,11 @@ class JoinedUnits:
         replay = self._outcomes.replay_claimed(scope, key, fingerprint, typed, acquired, *row)
         return replay, None
 
-    def close(self) -> None:
-        """Close the connections the read-backs keep aside."""
-        self._reader.close()
-
     def _after_commit(self, scope: str, key: str, wake: bool) -> Callable[[], None]:
         cache = self._cache
 
         def run() -> None:
-            if cache is not None:
+            if cache is not None and not self._closed:
                 self._learn_committed(cache, scope, key)
             if wake:
                 self._notify()
@@ -173,6 +171,12 @@ class JoinedUnits:
         if ttl is not None:
             exact = results.from_database(result_json)  # the result's exact JSON text
             cache.put(scope, key, StoredOutcome(status, stored_fp, exact, error), ttl)
+
+    def close(self) -> None:
+        """Finish the cache writes that callers' commits started, and start no more: the outbox
+        closes its engine and Redis client next, which a write still under way would reopen."""
+        self._closed = True
+        self._reader.close()  # the connections the read-backs keep aside
 
     def _defer(self, joined: Joined, callback: Callable[[], None]) -> None:
         if joined.session is not None:

@@ -20,7 +20,7 @@ from outbox._core import claim, results
 from outbox._core.claim import StoredOutcome
 from outbox._core.failures import is_permanent
 from outbox._core.typed_results import TypedResult
-from outbox._pg.after_commit import defer, holds, release, spawn, take
+from outbox._pg.after_commit import defer, holds, release, settle, spawn, take
 from outbox._pg.errors import (
     split_error,
     split_refused,
@@ -80,6 +80,9 @@ class AsyncJoinedUnits:
         self._pooled = pooled
         self._sql: JoinedStatements = joined_statements(config.schema)
         self._reader = AsyncKeyReader(reader, self._sql.idempotency_key_read)
+        # After close, a caller's commit writes no cache entry (the client is closed).
+        self._closed = False
+        self._writes: set[Any] = set()  # asyncio only
 
     async def begin(
         self,
@@ -142,16 +145,12 @@ class AsyncJoinedUnits:
         replay = await self._outcomes.replay_claimed(scope, key, fingerprint, typed, acquired, *row)
         return replay, None
 
-    async def close(self) -> None:
-        """Close the connections the read-backs keep aside."""
-        await self._reader.close()
-
     def _after_commit(self, scope: str, key: str, wake: bool) -> Callable[[], None]:
         cache = self._cache
 
         def run() -> None:
-            if cache is not None:
-                spawn(self._learn_committed(cache, scope, key))
+            if cache is not None and not self._closed:
+                spawn(self._learn_committed(cache, scope, key), into=self._writes)
             if wake:
                 self._notify()
 
@@ -177,6 +176,13 @@ class AsyncJoinedUnits:
         if ttl is not None:
             exact = results.from_database(result_json)  # the result's exact JSON text
             await cache.put(scope, key, StoredOutcome(status, stored_fp, exact, error), ttl)
+
+    async def close(self) -> None:
+        """Finish the cache writes that callers' commits started, and start no more: the outbox
+        closes its engine and Redis client next, which a write still under way would reopen."""
+        self._closed = True
+        await settle(self._writes)  # asyncio only
+        await self._reader.close()  # the connections the read-backs keep aside
 
     def _defer(self, joined: Joined, callback: Callable[[], None]) -> None:
         if joined.session is not None:

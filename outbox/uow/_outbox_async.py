@@ -26,7 +26,7 @@ from outbox._core.events import event_params
 from outbox._core.failures import is_permanent
 from outbox._core.typed_results import ResultCodec, TypedResult, typed_result
 from outbox._core.urls import check_redis_url
-from outbox._pg.after_commit import defer, settle_async, take
+from outbox._pg.after_commit import defer, take
 from outbox._pg.engines import engine_for, notifier_engine, reader_engine, transaction_type
 from outbox._pg.errors import (
     split_error,
@@ -306,11 +306,11 @@ class AsyncOutbox:
         )  # fmt: skip
 
     async def close(self) -> None:
-        """Dispose of the engine and Redis client if this object created them."""
+        """Finish the cache writes that joined units of work started after their callers'
+        commits, then dispose of the engine and Redis client if this object created them."""
+        await self._joined.close()
         if event.contains(self.engine.sync_engine.pool, "connect", self._on_connect):
             event.remove(self.engine.sync_engine.pool, "connect", self._on_connect)
-        await settle_async()
-        await self._joined.close()
         if self._reader is not self.engine:
             await self._reader.dispose()
         if self._owns_engine:

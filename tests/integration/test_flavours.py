@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import OutboxConfig
+from outbox._pg import after_commit
 from outbox.errors import (
     ConfigurationError,
     KeyInProgress,
@@ -83,6 +84,9 @@ class Door:
 
     def checkouts(self) -> int:
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """Wait for the cache writes that joined units of work started after their commits."""
 
 
 def _counters(engine: sa.Engine) -> tuple[list[int], list[int]]:
@@ -293,6 +297,9 @@ class AsyncDoor(Door):
     ) -> Outcome:
         return self.call(self._attempt(key, body, scope, fingerprint))  # type: ignore[no-any-return]
 
+    def settle(self) -> None:
+        self.call(after_commit.settle(self.ob._joined._writes))
+
     def race(self, key: str, bodies: list[Body]) -> list[Outcome | BaseException]:
         async def all_of() -> list[Outcome | BaseException]:
             return await asyncio.gather(
@@ -428,6 +435,7 @@ def test_a_running_key_fails_fast(door: Door, engine: sa.Engine) -> None:
 def test_cached_duplicate_touches_no_database(door: Door) -> None:
     door.attempt("cached", Body(result=7))
     door.attempt("cached", Body())  # the cache is warm now, whoever wrote it
+    door.settle()  # an async joined door's write counts no statement after this
     statements, checkouts = door.statements(), door.checkouts()
     assert door.attempt("cached", Body()) == Outcome(True, 7)
     assert door.statements() == statements  # not one statement, owned or joined
@@ -677,3 +685,40 @@ def test_module_idempotent_decorator_takes_the_flavour_of_its_outbox(
             sa.text("SELECT key FROM idempotency_keys WHERE scope = 'payments' ORDER BY key")
         ).scalars()
         assert list(stored) == ["r-1", "s-1"]
+
+
+def test_closing_an_async_outbox_finishes_its_joined_cache_writes(
+    database_url: str, engine: sa.Engine, redis_url: str, redis_prefix: str
+) -> None:
+    """A joined unit of work writes Redis in a task of its own after the caller's commit:
+    ``close()`` waits for it, so that no write reopens a connection on the closed engine or
+    Redis client afterwards (one left open would be collected later, a ResourceWarning in
+    whatever test runs then)."""
+    name = f"{redis_prefix}-closing"
+    clients: list[Any] = []  # referenced until the connections are listed
+
+    async def scenario() -> str:
+        client = redis.asyncio.Redis.from_url(redis_url, client_name=name)
+        clients.append(client)
+        aob = outbox.AsyncOutbox(
+            database_url, redis=client, config=OutboxConfig(cache_prefix=redis_prefix)
+        )
+        async with AsyncSession(aob.engine) as session:
+            async with aob.unit_of_work("closing", session=session) as uow:
+                uow.result = 1
+            await session.commit()  # the cache write starts now
+        await aob.close()
+        await client.aclose()
+        # Whatever the outbox left running runs to its end now.
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        await asyncio.gather(*others, return_exceptions=True)
+        assert aob.cache is not None
+        return aob.cache.redis_key("default", "closing")
+
+    cache_key = asyncio.run(scenario())
+    probe = redis.Redis.from_url(redis_url)
+    try:
+        assert [c for c in probe.client_list() if c["name"] == name] == []
+        assert probe.exists(cache_key)  # written before close returned, not dropped
+    finally:
+        probe.close()

@@ -286,11 +286,9 @@ def test_permanent_failure_committed_is_cached(
 # -- the asyncio flavour -------------------------------------------------------------------------
 
 
-async def _settle() -> None:
+async def _settle(aob: outbox.AsyncOutbox) -> None:
     """Wait for the after-commit work the hooks started (a task each in asyncio)."""
-    loop = asyncio.get_running_loop()
-    while mine := [task for task in after_commit._tasks if task.get_loop() is loop]:
-        await asyncio.gather(*mine)
+    await after_commit.settle(aob._joined._writes)
 
 
 async def _ajoined(
@@ -445,7 +443,7 @@ def test_async_cache_follows_what_committed(
         )
         try:
             key = await scenario(aob, aob.engine, mode)
-            await _settle()
+            await _settle(aob)
             assert aob.cache is not None
             cached = await client.get(aob.cache.redis_key("default", key)) is not None
             rows = _key_rows(engine, key)

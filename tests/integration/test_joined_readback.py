@@ -60,15 +60,13 @@ def test_async_read_backs_take_nothing_from_the_outbox_pool(
         aob = outbox.AsyncOutbox(
             database_url, redis=client, config=OutboxConfig(cache_prefix=redis_prefix)
         )
-        loop = asyncio.get_running_loop()
 
         async def commit(key: str) -> None:
             async with callers.begin() as conn, aob.unit_of_work(key, connection=conn) as uow:
                 uow.publish("joined.events", {"key": key})
                 uow.result = {"key": key}
             # The read-back runs in a task of its own: wait for it.
-            while mine := [t for t in after_commit._tasks if t.get_loop() is loop]:
-                await asyncio.gather(*mine)
+            await after_commit.settle(aob._joined._writes)
 
         try:
             await commit("warm")
