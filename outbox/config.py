@@ -194,6 +194,10 @@ def check_pooler(name: str, value: object) -> None:
         )
 
 
+# The relay's engines (RelayConfig.engine, outbox-relay --engine).
+RELAY_ENGINES = ("claim", "window")
+
+
 @dataclass(frozen=True, repr=False)
 class RelayConfig:
     """Settings of one ``outbox-relay`` process (every field but the backoff and timing ones
@@ -223,6 +227,9 @@ class RelayConfig:
     backoff_max: float = 10.0
     stats_interval: float = 5.0
     shutdown_grace: float = 5.0
+    # Where batches come from: "claim" (row locks, a DELETE per delivered row) or "window"
+    # (snapshot windows: no row lock, no per-row DELETE; docs/relay.md says when to use which).
+    engine: str = "claim"
 
     def __repr__(self) -> str:
         # The URL's password and the secret Kafka settings never reach a repr (I10).
@@ -254,6 +261,10 @@ class RelayConfig:
             )
         check_port("--metrics-port", self.metrics_port)
         check_host("--metrics-host", self.metrics_host)
+        if self.engine not in RELAY_ENGINES:
+            raise ConfigurationError(
+                f"invalid --engine {shown(self.engine)}: use one of {', '.join(RELAY_ENGINES)}"
+            )
         return self
 
 

@@ -1,5 +1,5 @@
-"""SQLAlchemy Core tables for ``idempotency_keys``, ``outbox``, ``outbox_cache_secret`` and
-``outbox_dlq_handled``.
+"""SQLAlchemy Core tables for ``idempotency_keys``, ``outbox``, ``outbox_cache_secret``,
+``outbox_dlq_handled`` and the window relay's ``outbox_relay_windows`` and ``outbox_relay_held``.
 
 The migrations in ``migrations/`` own the DDL; these tables mirror it exactly (a test compares
 them against a migrated database). An optional PostgreSQL schema name places both tables outside
@@ -33,6 +33,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.types import UserDefinedType
 
 from outbox._core import claim
 from outbox._core.validate import shown
@@ -42,6 +43,8 @@ IDEMPOTENCY_KEYS = "idempotency_keys"
 OUTBOX = "outbox"
 CACHE_SECRET = "outbox_cache_secret"
 DLQ_HANDLED = "outbox_dlq_handled"
+RELAY_WINDOWS = "outbox_relay_windows"
+RELAY_HELD = "outbox_relay_held"
 VERSION_TABLE = "outbox_alembic_version"
 
 STATUS_STARTED = "started"
@@ -71,6 +74,15 @@ def validate_schema_name(schema: str | None) -> str | None:
     return schema
 
 
+class Xid8(UserDefinedType[int]):
+    """PostgreSQL's 64-bit transaction id (``xid8``)."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: object) -> str:
+        return "xid8"
+
+
 @dataclass(frozen=True)
 class Tables:
     """The toolkit's tables bound to one schema."""
@@ -81,6 +93,8 @@ class Tables:
     schema: str | None
     cache_secret: Table
     dlq_handled: Table
+    relay_windows: Table
+    relay_held: Table
 
 
 @functools.cache
@@ -126,6 +140,9 @@ def tables(schema: str | None = None) -> Tables:
         Column("last_error", Text, nullable=True),
         Column("parked_at", DateTime(timezone=True), nullable=True),
         Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        # The writing transaction (migration 0007): the window relay reads the rows of the
+        # transactions that committed between two snapshots. NULL: written before 0007.
+        Column("txid", Xid8(), nullable=True, server_default=text("pg_current_xact_id()")),
         PrimaryKeyConstraint("id", name="outbox_pkey"),
         UniqueConstraint("event_id", name="outbox_event_id_key"),
         # Relay (migration 0002): lets a claim skip keys blocked by a parked row.
@@ -135,6 +152,7 @@ def tables(schema: str | None = None) -> Tables:
             "id",
             postgresql_where=text("parked_at IS NOT NULL"),
         ),
+        Index("ix_outbox_txid", "txid"),
     )
     # One row (migration 0003): the secret that signs the Redis cache's entries.
     cache_secret = Table(
@@ -160,4 +178,37 @@ def tables(schema: str | None = None) -> Tables:
         PrimaryKeyConstraint("dlq_topic", "partition", "offset", name="outbox_dlq_handled_pkey"),
         CheckConstraint("how IN ('discarded', 'redriven')", name="outbox_dlq_handled_how_check"),
     )
-    return Tables(metadata, idempotency_keys, outbox, schema, cache_secret, dlq_handled)
+    # The window relay's cursors (migration 0007): per lane, the snapshot (pg_snapshot as text)
+    # up to which its rows were delivered, the window in progress, the last id sent of it
+    # and its highest id.
+    relay_windows = Table(
+        RELAY_WINDOWS,
+        metadata,
+        Column("lane", Integer, nullable=False),
+        Column("lanes", Integer, nullable=False),
+        Column("delivered", Text, nullable=True),
+        Column("opened", Text, nullable=True),
+        Column("done_id", BigInteger, nullable=False, server_default=text("0")),
+        Column("high_id", BigInteger, nullable=False, server_default=text("0")),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        PrimaryKeyConstraint("lane", name="outbox_relay_windows_pkey"),
+    )
+    # The first row of each key the window relay still owes (a failed or parked row).
+    relay_held = Table(
+        RELAY_HELD,
+        metadata,
+        Column("id", BigInteger, nullable=False),
+        Column("key_hash", Integer, nullable=False),
+        Column("key", LargeBinary, nullable=True),
+        PrimaryKeyConstraint("id", name="outbox_relay_held_pkey"),
+    )
+    return Tables(
+        metadata,
+        idempotency_keys,
+        outbox,
+        schema,
+        cache_secret,
+        dlq_handled,
+        relay_windows,
+        relay_held,
+    )

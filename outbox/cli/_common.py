@@ -41,6 +41,7 @@ from outbox.config import (
     ENV_POOLER,
     ENV_REDIS_URL,
     ENV_RELAY_BATCH_SIZE,
+    ENV_RELAY_ENGINE,
     ENV_RELAY_LANES,
     ENV_RELAY_MAX_ATTEMPTS,
     ENV_RELAY_METRICS_PORT,
@@ -274,6 +275,14 @@ FLAGS: Mapping[str, Flag] = {
             type=_int,
             kind="an integer",
             check=_ranged(1, 1_000_000),
+        ),
+        Flag(
+            "--engine",
+            ENV_RELAY_ENGINE,
+            "where batches come from: claim (row locks, a DELETE per row) or window (snapshot "
+            "windows, no row lock, no per-row DELETE); docs/relay.md",
+            default="claim",
+            choices=("claim", "window"),
         ),
         Flag(
             "--rebalance-interval",

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "lanes",
         "max_attempts",
         "rebalance_interval",
+        "engine",
         "metrics_port",
         "metrics_host",
         batch_size={"default": d.batch_size},
@@ -87,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         lanes=args.lanes,
         max_attempts=args.max_attempts,
         rebalance_interval=args.rebalance_interval,
+        engine=args.engine,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
     ).validate()

@@ -107,6 +107,29 @@ class RelayMetrics:
             ["kind", "pid", "application_name", "state"],
             registry=r,
         )
+        # The window engine (outbox-relay --engine window).
+        self.window_backlog = Gauge(
+            "outbox_relay_window_backlog",
+            "Rows of this relay's lanes not yet past their window cursors (window engine)",
+            registry=r,
+        )
+        self.window_truncates = Counter(
+            "outbox_relay_window_truncates",
+            "Times the window engine gave the delivered rows' space back by TRUNCATE",
+            registry=r,
+        )
+        self.window_reclaimed = Counter(
+            "outbox_relay_window_reclaimed_rows",
+            "Delivered rows the window engine deleted because TRUNCATE could not be had",
+            registry=r,
+        )
+        self.window_reclaim_age = Gauge(
+            "outbox_relay_window_reclaim_age_seconds",
+            "Seconds since the window engine last gave space back (window engine)",
+            registry=r,
+        )
+        self._window_reclaimed_at = time.monotonic()
+        self.window_reclaim_age.set_function(lambda: time.monotonic() - self._window_reclaimed_at)
         self.heartbeat = time.monotonic()
         self.database_up = False
         # Set by the relay: false after a delivery outage or a failed broker check; stopping once
@@ -144,6 +167,13 @@ class RelayMetrics:
             holder.application_name or holder.name or "",
             holder.state or "",
         ).set(1)
+
+    def window_reclaims(self, truncated: bool, deleted: int) -> None:
+        """The window engine gave space back (by TRUNCATE, or by deleting ``deleted`` rows)."""
+        if truncated:
+            self.window_truncates.inc()
+        self.window_reclaimed.inc(deleted)
+        self._window_reclaimed_at = time.monotonic()
 
     def beat(self) -> None:
         """Record that the loop is alive (called every iteration)."""

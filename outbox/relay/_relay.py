@@ -91,6 +91,7 @@ from outbox.config import RelayConfig as RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError, PublishError
 from outbox.relay._lanes import LaneOwnership
 from outbox.relay._metrics import RelayMetrics
+from outbox.relay._window import WindowEngine
 
 log = logging.getLogger("outbox.relay")
 
@@ -208,6 +209,8 @@ class Relay:
         self._assumptions = Assumptions()
         self._low = LowWater()
         self._low_ahead: LowWater | None = None
+        # The window engine, when chosen: where batches come from instead of the claims.
+        self._window = WindowEngine(self) if self.config.engine == "window" else None
 
     @property
     def owned(self) -> set[int]:
@@ -293,6 +296,8 @@ class Relay:
 
     def _drop_connection(self) -> None:
         self._ahead = self._low_ahead = None
+        if self._window is not None:
+            self._window.reset()
         self._low = LowWater()  # from the low end again once the lanes are back
         self._announce = self._announced = False  # the lock went with the session
         conn, self._conn = self._conn, None
@@ -446,6 +451,8 @@ class Relay:
         ahead is sent next; its rows are locked again by that batch's own delete.
         """
         result = BatchResult()
+        if self._window is not None:
+            return self._window.process_batch(conn, result)
         batch, self._ahead = self._ahead, None
         if not self.lanes.owned:
             return result
@@ -597,6 +604,8 @@ class Relay:
             if not (is_database_error(exc) or isinstance(exc, OSError)):
                 raise
             # The database is not reachable yet: checked at the first connection of the loop.
+        if self._window is not None:
+            self._window.eager_reclaim = once  # a drained outbox is left empty
         listener = None
         if not once:
             listener = Listener(
@@ -604,12 +613,14 @@ class Relay:
             )
             listener.start()
         log.info(
-            "event=relay_started database=%s bootstrap=%s lanes=%d batch_size=%d once=%s",
+            "event=relay_started database=%s bootstrap=%s lanes=%d batch_size=%d once=%s "
+            "engine=%s",
             redact_url(self.url),
             self.config.bootstrap_servers,
             self.config.lanes,
             self.config.batch_size,
             once,
+            self.config.engine,
         )
         try:
             # Built up front: its first connection and producer id cost a round trip or two
@@ -732,6 +743,8 @@ class Relay:
     def _rollback(self) -> bool:
         """Roll back the transaction in hand; false when the session did not survive."""
         self._ahead = self._low_ahead = None
+        if self._window is not None:
+            self._window.reset()
         if self._conn is None:
             return False
         try:

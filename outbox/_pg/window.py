@@ -1,0 +1,410 @@
+"""The window relay's PostgreSQL side: its SQL, written once (see :mod:`outbox.relay._window`).
+
+A lane's *window* is the set of its outbox rows whose transactions committed after the lane's
+``delivered`` snapshot and by the ``window`` snapshot taken when the window opened
+(``pg_current_snapshot()``): ``pg_visible_in_snapshot(txid, window) AND NOT
+pg_visible_in_snapshot(txid, delivered)``. Both snapshots are fixed once the window opens, so the
+set is too, and the relay can walk it by id in pages, persisting the last id sent. Reading it
+takes no row lock and changes no row; nothing is deleted per row.
+
+The index on ``txid`` finds a window's rows the way PgQ does: the ids at or above the
+delivered snapshot's ``xmax`` (assigned after it), plus the ids that were still running in it
+(its ``xip`` list); everything below its ``xmin`` had finished and is visible to it. Snapshots
+travel as their text form (``xmin:xmax:xip,...``) and are cast to ``pg_snapshot`` in SQL; every
+value is a bound parameter, table names are allow-listed and quoted
+(:func:`outbox._pg.statements.qualified`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+
+from outbox._core.delivery import ClaimedRow
+from outbox._pg.statements import qualified
+from outbox.schema import OUTBOX, RELAY_HELD, RELAY_WINDOWS, validate_schema_name
+
+_LANE = "(o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])"
+
+# The rows a window holds (the delivered snapshot NULL: a lane's first window holds every row
+# committed by the window snapshot, and those written before migration 0007, without a txid).
+_IN_WINDOW = """
+  CASE WHEN %(delivered)s::text IS NULL
+       THEN (o.txid IS NULL OR pg_visible_in_snapshot(o.txid, %(opened)s::pg_snapshot))
+       ELSE (o.txid >= pg_snapshot_xmin(%(delivered)s::pg_snapshot)
+             AND pg_visible_in_snapshot(o.txid, %(opened)s::pg_snapshot)
+             AND NOT pg_visible_in_snapshot(o.txid, %(delivered)s::pg_snapshot))
+  END"""
+
+# Opens a window: the current snapshot, and the lowest id, highest id and number of rows of the
+# window it closes (from the delivered snapshot to it), with what the window rests on (I15):
+# the session's isolation, and the highest txid in the table (beyond the snapshot's xmax only
+# when the rows came from another cluster, a restore from a dump). In one statement, so that
+# the snapshot returned is the one the rows were counted in. Two index range scans of `txid`:
+# the ids assigned after the delivered snapshot, and those running in it.
+WINDOW_OPEN = f"""
+SELECT pg_current_snapshot()::text, current_setting('transaction_isolation'),
+       (SELECT max(txid) FROM {{outbox}})::text,
+       w.n, w.low, w.high
+FROM (
+    SELECT count(*) AS n, min(id) AS low, max(id) AS high FROM (
+        SELECT o.id FROM {{outbox}} o
+        WHERE %(delivered)s::text IS NOT NULL
+          AND o.txid >= pg_snapshot_xmax(%(delivered)s::pg_snapshot)
+          AND o.txid < pg_snapshot_xmax(pg_current_snapshot())
+          AND pg_visible_in_snapshot(o.txid, pg_current_snapshot())
+          AND {_LANE}
+        UNION ALL
+        SELECT o.id FROM {{outbox}} o
+        WHERE %(delivered)s::text IS NOT NULL
+          AND o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(%(delivered)s::pg_snapshot)))
+          AND pg_visible_in_snapshot(o.txid, pg_current_snapshot())
+          AND {_LANE}
+        UNION ALL
+        SELECT o.id FROM {{outbox}} o
+        WHERE %(delivered)s::text IS NULL
+          AND (o.txid IS NULL OR pg_visible_in_snapshot(o.txid, pg_current_snapshot()))
+          AND {_LANE}
+    ) r
+) w
+"""
+
+# The next page of a window: its rows after the last id sent, in id order (a walk of the primary
+# key; the window's set is fixed, so a LIMIT here cuts no window). Columns as the claim returns
+# them (outbox._core.delivery.ClaimedRow), the last one saying whether the row is parked (a row
+# the claim relay parked before the switch to windows).
+WINDOW_PAGE = f"""
+SELECT o.id, o.attempts, o.topic, o.key, o.value, o.headers::text,
+       convert_to(o.event_id::text, 'UTF8'), o.parked_at IS NOT NULL
+FROM {{outbox}} o
+WHERE o.id > %(done)s AND o.id <= %(high)s
+  AND {_LANE}
+  AND {_IN_WINDOW}
+ORDER BY o.id
+LIMIT %(batch_size)s
+"""
+
+# The rows owed for the held keys of the owned lanes: a held key's rows from its held row on
+# that are behind the cursor (delivered by the windows, or sent from the window in progress),
+# in id order; a key-less held row is owed alone.
+HELD_OWED = f"""
+SELECT o.id, o.attempts, o.topic, o.key, o.value, o.headers::text,
+       convert_to(o.event_id::text, 'UTF8'), o.parked_at IS NOT NULL
+FROM {{held}} h
+JOIN {{outbox}} o ON o.key_hash = h.key_hash AND o.id >= h.id
+     AND ((h.key IS NULL AND o.id = h.id) OR (h.key IS NOT NULL AND o.key = h.key))
+WHERE (h.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
+  AND (
+    (%(delivered)s::text IS NOT NULL
+     AND (o.txid IS NULL OR pg_visible_in_snapshot(o.txid, %(delivered)s::pg_snapshot)))
+    OR (%(opened)s::text IS NOT NULL AND o.id <= %(done)s AND {_IN_WINDOW})
+  )
+ORDER BY o.id
+"""
+
+HELD_READ = f"""
+SELECT h.id, h.key_hash, h.key FROM {{held}} h
+WHERE (h.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
+"""
+
+CURSORS_ENSURE = """
+INSERT INTO {windows} (lane, lanes)
+SELECT g, %(lanes)s FROM generate_series(0, %(lanes)s - 1) g
+WHERE NOT EXISTS (SELECT 1 FROM {windows})
+ON CONFLICT DO NOTHING
+"""
+
+CURSORS_READ = "SELECT lane, lanes, delivered, opened, done_id, high_id FROM {windows} ORDER BY lane"
+
+CURSORS_WRITE = """
+UPDATE {windows}
+SET delivered = %(delivered)s, opened = %(opened)s, done_id = %(done)s, high_id = %(high)s,
+    updated_at = now()
+WHERE lane = ANY(%(owned)s::integer[])
+"""
+
+# Space back (outside the batches): the rows every lane delivered -- committed before the oldest
+# delivered snapshot's xmin, so visible in every lane's -- that no held key still owes. By
+# TRUNCATE when nothing else is left (no dead tuple at all): only under a lock taken with NOWAIT,
+# so that neither writers nor a pg_dump ever wait for it (a writer with rows in flight holds
+# the table's ROW EXCLUSIVE lock, which makes the NOWAIT fail); and only when, under that lock
+# (no row can commit meanwhile), no row is left that a lane has yet to deliver. Else by a
+# bounded DELETE of the delivered rows, once enough have piled up.
+RECLAIM_HORIZON = """
+SELECT CASE WHEN count(*) = %(lanes)s AND count(delivered) = count(*)
+            THEN min(pg_snapshot_xmin(delivered::pg_snapshot))::text END,
+       count(*) FILTER (WHERE lanes <> %(lanes)s)
+FROM {windows}
+"""
+
+RECLAIM_LOCK = "LOCK TABLE {outbox} IN ACCESS EXCLUSIVE MODE NOWAIT"
+
+RECLAIM_ALL_DELIVERED = """
+SELECT NOT EXISTS (SELECT 1 FROM {outbox} WHERE txid >= %(horizon)s::xid8)
+   AND NOT EXISTS (SELECT 1 FROM {outbox} WHERE parked_at IS NOT NULL)
+   AND NOT EXISTS (SELECT 1 FROM {held})
+"""
+
+RECLAIM_TRUNCATE = "TRUNCATE {outbox}"
+
+RECLAIM_DELETE = """
+DELETE FROM {outbox} d WHERE d.id IN (
+    SELECT o.id FROM {outbox} o
+    WHERE (o.txid < %(horizon)s::xid8 OR o.txid IS NULL)
+      AND o.parked_at IS NULL
+      AND NOT EXISTS (
+          SELECT 1 FROM {held} h
+          WHERE h.key_hash = o.key_hash AND h.id <= o.id
+            AND ((h.key IS NULL AND h.id = o.id) OR h.key = o.key))
+    LIMIT %(limit)s)
+"""
+
+# Rows a DELETE reclaim would take (the window relay starts deleting past RECLAIM_DELETE_AFTER).
+RECLAIM_COUNT = """
+SELECT count(*) FROM (SELECT 1 FROM {outbox}
+                      WHERE txid < %(horizon)s::xid8 OR txid IS NULL LIMIT %(limit)s) r
+"""
+
+
+@dataclass(frozen=True)
+class WindowStatements:
+    """The window relay's SQL for one schema."""
+
+    open: str
+    page: str
+    owed: str
+    held: str
+    ensure: str
+    cursors: str
+    write: str
+    horizon: str
+    lock: str
+    all_delivered: str
+    truncate: str
+    delete: str
+    count: str
+    outbox: str
+    held_table: str
+
+    @classmethod
+    def for_schema(cls, schema: str | None) -> WindowStatements:
+        schema = validate_schema_name(schema)
+        names = {
+            "outbox": qualified(schema, OUTBOX),
+            "held": qualified(schema, RELAY_HELD),
+            "windows": qualified(schema, RELAY_WINDOWS),
+        }
+        return cls(
+            open=WINDOW_OPEN.format(**names),
+            page=WINDOW_PAGE.format(**names),
+            owed=HELD_OWED.format(**names),
+            held=HELD_READ.format(**names),
+            ensure=CURSORS_ENSURE.format(**names),
+            cursors=CURSORS_READ.format(**names),
+            write=CURSORS_WRITE.format(**names),
+            horizon=RECLAIM_HORIZON.format(**names),
+            lock=RECLAIM_LOCK.format(**names),
+            all_delivered=RECLAIM_ALL_DELIVERED.format(**names),
+            truncate=RECLAIM_TRUNCATE.format(**names),
+            delete=RECLAIM_DELETE.format(**names),
+            count=RECLAIM_COUNT.format(**names),
+            outbox=names["outbox"],
+            held_table=names["held"],
+        )
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A lane's cursor: the snapshot up to which its rows are delivered (``None``: none yet),
+    the window in progress (``None``: none), the last id sent of it and its highest id."""
+
+    delivered: str | None
+    opened: str | None
+    done: int
+    high: int
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A window just opened: its snapshot, the facts it rests on, and its rows' id range."""
+
+    window: str
+    isolation: str
+    max_txid: int | None
+    rows: int
+    low: int | None
+    high: int | None
+
+
+@dataclass(frozen=True)
+class HeldRow:
+    id: int
+    key_hash: int
+    key: bytes | None
+
+
+def _driver(conn: sa.Connection) -> psycopg.Connection[Any]:
+    driver: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
+    return driver
+
+
+def _begin(conn: sa.Connection) -> psycopg.Connection[Any]:
+    if not conn.in_transaction():
+        conn.begin()
+    return _driver(conn)
+
+
+def _lane_params(lanes: int, owned: Sequence[int], cursor: Cursor) -> dict[str, Any]:
+    return {
+        "lanes": lanes,
+        "owned": list(owned),
+        "delivered": cursor.delivered,
+        "opened": cursor.opened,
+        "done": cursor.done,
+    }
+
+
+def cursors_read(
+    conn: sa.Connection, sql: WindowStatements, lanes: int
+) -> dict[int, tuple[int, Cursor]]:
+    """Every lane's cursor (created for ``lanes`` lanes where there are none yet), with the lane
+    count it was made for."""
+    driver = _begin(conn)
+    with driver.cursor() as cur:
+        cur.execute(sql.ensure, {"lanes": lanes})
+        cur.execute(sql.cursors)
+        rows = cur.fetchall()
+    conn.commit()
+    return {int(r[0]): (int(r[1]), Cursor(r[2], r[3], int(r[4]), int(r[5]))) for r in rows}
+
+
+def window_open(
+    conn: sa.Connection, sql: WindowStatements, lanes: int, owned: Sequence[int], cursor: Cursor
+) -> Opened:
+    """Take a snapshot and describe the window from ``cursor.delivered`` to it."""
+    params = _lane_params(lanes, owned, cursor)
+    with _begin(conn).cursor() as cur:
+        cur.execute(sql.open, params)
+        row = cur.fetchone()
+    assert row is not None
+    window, isolation, max_txid, rows, low, high = row
+    return Opened(
+        window, isolation, None if max_txid is None else int(max_txid), int(rows), low, high
+    )
+
+
+def window_page(
+    conn: sa.Connection,
+    sql: WindowStatements,
+    lanes: int,
+    owned: Sequence[int],
+    cursor: Cursor,
+    batch_size: int,
+) -> list[ClaimedRow]:
+    """The window's next rows after ``cursor.done`` (at most ``batch_size``), in id order."""
+    params = {**_lane_params(lanes, owned, cursor), "high": cursor.high, "batch_size": batch_size}
+    with _begin(conn).cursor(binary=True) as cur:
+        cur.execute(sql.page, params)
+        rows: list[ClaimedRow] = cur.fetchall()
+    return rows
+
+
+def held_read(
+    conn: sa.Connection, sql: WindowStatements, lanes: int, owned: Sequence[int]
+) -> list[HeldRow]:
+    with _begin(conn).cursor() as cur:
+        cur.execute(sql.held, {"lanes": lanes, "owned": list(owned)})
+        return [HeldRow(int(r[0]), int(r[1]), r[2]) for r in cur.fetchall()]
+
+
+def held_owed(
+    conn: sa.Connection, sql: WindowStatements, lanes: int, owned: Sequence[int], cursor: Cursor
+) -> list[ClaimedRow]:
+    """The rows the held keys of ``owned`` lanes owe, in id order."""
+    with _begin(conn).cursor(binary=True) as cur:
+        cur.execute(sql.owed, _lane_params(lanes, owned, cursor))
+        rows: list[ClaimedRow] = cur.fetchall()
+    return rows
+
+
+def held_write(
+    conn: sa.Connection,
+    sql: WindowStatements,
+    drop: Sequence[int],
+    add: Sequence[HeldRow],
+) -> None:
+    """Forget the held rows ``drop`` and hold ``add`` (in the batch's transaction)."""
+    with _begin(conn).cursor() as cur:
+        if drop:
+            cur.execute(f"DELETE FROM {sql.held_table} WHERE id = ANY(%s::bigint[])", (list(drop),))
+        if add:
+            cur.execute(
+                f"INSERT INTO {sql.held_table} (id, key_hash, key) "
+                "SELECT * FROM unnest(%s::bigint[], %s::integer[], %s::bytea[]) "
+                "ON CONFLICT (id) DO NOTHING",
+                ([h.id for h in add], [h.key_hash for h in add], [h.key for h in add]),
+            )
+
+
+def cursor_write(
+    conn: sa.Connection, sql: WindowStatements, owned: Sequence[int], cursor: Cursor
+) -> None:
+    """Persist the owned lanes' cursor (in the batch's transaction)."""
+    with _begin(conn).cursor() as cur:
+        cur.execute(
+            sql.write,
+            {
+                "owned": list(owned),
+                "delivered": cursor.delivered,
+                "opened": cursor.opened,
+                "done": cursor.done,
+                "high": cursor.high,
+            },
+        )
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """What a reclaim did: truncated the table, or deleted ``deleted`` rows (or nothing)."""
+
+    truncated: bool = False
+    deleted: int = 0
+
+
+def reclaim(
+    conn: sa.Connection, sql: WindowStatements, lanes: int, delete_after: int, limit: int
+) -> Reclaimed:
+    """Give back the space of the rows every lane delivered (see RECLAIM_* above); commits."""
+    driver = _begin(conn)
+    try:
+        with driver.cursor() as cur:
+            cur.execute(sql.horizon, {"lanes": lanes})
+            row = cur.fetchone()
+            assert row is not None
+            horizon = row[0]
+            if horizon is None:
+                return Reclaimed()
+            cur.execute("SAVEPOINT outbox_reclaim")
+            try:
+                cur.execute(sql.lock)
+            except psycopg.errors.LockNotAvailable:
+                cur.execute("ROLLBACK TO SAVEPOINT outbox_reclaim")
+            else:
+                cur.execute(sql.all_delivered, {"horizon": horizon})
+                done = cur.fetchone()
+                if done is not None and done[0]:
+                    cur.execute(sql.truncate)
+                    return Reclaimed(truncated=True)
+                cur.execute("ROLLBACK TO SAVEPOINT outbox_reclaim")  # the lock goes
+            cur.execute(sql.count, {"horizon": horizon, "limit": delete_after})
+            counted = cur.fetchone()
+            if counted is None or int(counted[0]) < delete_after:
+                return Reclaimed()
+            cur.execute(sql.delete, {"horizon": horizon, "limit": limit})
+            return Reclaimed(deleted=cur.rowcount)
+    finally:
+        conn.commit()
