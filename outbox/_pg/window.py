@@ -111,6 +111,23 @@ SELECT h.id, h.key_hash, h.key FROM {{held}} h
 WHERE (h.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
 """
 
+# Parked rows no held key covers (parked by the claim engine before a switch to windows, behind
+# the cursor): held from the first of each key, so that the key's later rows wait behind it and
+# `outbox parked retry` sends it again.
+HELD_ADOPT = """
+INSERT INTO {held} (id, key_hash, key)
+SELECT DISTINCT ON (o.key_hash, o.key, CASE WHEN o.key IS NULL THEN o.id END)
+       o.id, o.key_hash, o.key
+FROM {outbox} o
+WHERE o.parked_at IS NOT NULL
+  AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
+  AND NOT EXISTS (SELECT 1 FROM {held} h
+                  WHERE h.key_hash = o.key_hash
+                    AND ((h.key IS NULL AND h.id = o.id) OR h.key = o.key))
+ORDER BY o.key_hash, o.key, CASE WHEN o.key IS NULL THEN o.id END, o.id
+ON CONFLICT DO NOTHING
+"""
+
 CURSORS_ENSURE = """
 INSERT INTO {windows} (lane, lanes)
 SELECT g, %(lanes)s FROM generate_series(0, %(lanes)s - 1) g
@@ -178,6 +195,7 @@ class WindowStatements:
     page: str
     owed: str
     held: str
+    adopt: str
     ensure: str
     cursors: str
     write: str
@@ -203,6 +221,7 @@ class WindowStatements:
             page=WINDOW_PAGE.format(**names),
             owed=HELD_OWED.format(**names),
             held=HELD_READ.format(**names),
+            adopt=HELD_ADOPT.format(**names),
             ensure=CURSORS_ENSURE.format(**names),
             cursors=CURSORS_READ.format(**names),
             write=CURSORS_WRITE.format(**names),
@@ -316,7 +335,9 @@ def window_page(
 def held_read(
     conn: sa.Connection, sql: WindowStatements, lanes: int, owned: Sequence[int]
 ) -> list[HeldRow]:
+    """The held rows of the ``owned`` lanes (after holding the parked rows none covers)."""
     with _begin(conn).cursor() as cur:
+        cur.execute(sql.adopt, {"lanes": lanes, "owned": list(owned)})
         cur.execute(sql.held, {"lanes": lanes, "owned": list(owned)})
         return [HeldRow(int(r[0]), int(r[1]), r[2]) for r in cur.fetchall()]
 

@@ -113,9 +113,7 @@ class WindowEngine:
                 "switch to the claim engine and back, which makes new cursors: docs/relay.md)"
             )
         self._cursors = {lane: c for lane, (_, c) in cursors.items()}
-        self._held = {
-            h.id: h for h in pg_window.held_read(conn, self.sql, lanes, sorted(range(lanes)))
-        }
+        self._held = {h.id: h for h in pg_window.held_read(conn, self.sql, lanes, owned)}
         conn.commit()
         self._loaded = frozenset(owned)
 
@@ -332,7 +330,9 @@ class WindowEngine:
             result.stale_producer = any(o.stale_producer for o in failures)
             result.error = failures[0].error if failures else None
         relay._report(rows, outcomes, verdict, result, time.monotonic() - started)
-        if after.opened is None and now >= self._next_reclaim:
+        if self.eager_reclaim and not result.sent:
+            self.reclaim(conn, delete_after=1)
+        elif after.opened is None and now >= self._next_reclaim:
             self.reclaim(conn)
         return result
 

@@ -29,7 +29,14 @@ def _topic(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
-def test_records_carry_topic_key_value_and_headers(database_url: str, kafka_bootstrap: str) -> None:
+# The relay's engines (outbox-relay --engine): the contract tests run against both.
+ENGINES = pytest.mark.parametrize("relay_engine", ["claim", "window"])
+
+
+@ENGINES
+def test_records_carry_topic_key_value_and_headers(
+    database_url: str, kafka_bootstrap: str, relay_engine: str
+) -> None:
     topic = _topic("relay-headers")
     ob = Outbox(database_url)
     try:
@@ -38,7 +45,8 @@ def test_records_carry_topic_key_value_and_headers(database_url: str, kafka_boot
             own = uow.publish(
                 topic, b"raw", key=b"\x00bin", headers={"X-Idempotency-Key": "mine", "b": b"\xff"}
             )
-        assert Relay(RelayConfig(database_url, kafka_bootstrap)).run(once=True) == 0
+        config = RelayConfig(database_url, kafka_bootstrap, engine=relay_engine)
+        assert Relay(config).run(once=True) == 0
     finally:
         ob.close()
     records = {r.value: r for r in wait_for_records(kafka_bootstrap, topic, [plain, "mine"])}
@@ -55,8 +63,9 @@ def test_records_carry_topic_key_value_and_headers(database_url: str, kafka_boot
     assert own != plain
 
 
+@ENGINES
 def test_oversized_row_is_parked_while_other_keys_flow(
-    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, relay_engine: str
 ) -> None:
     topic = _topic("relay-poison")
     big = b"x" * 300_000  # above the producer's message.max.bytes set below
@@ -65,7 +74,10 @@ def test_oversized_row_is_parked_while_other_keys_flow(
     )
     ids += insert_rows(engine, topic, [("other", b"o2"), (None, b"free")])
     config = RelayConfig(
-        database_url, kafka_bootstrap, kafka_config={"message.max.bytes": "100000"}
+        database_url,
+        kafka_bootstrap,
+        kafka_config={"message.max.bytes": "100000"},
+        engine=relay_engine,
     )
     assert Relay(config).run(once=True) == 0
     # p1 went out; the oversized row is parked at once; p3 waits behind it; other keys flowed.
@@ -115,8 +127,9 @@ def test_a_batch_claimed_ahead_is_given_up_when_the_batch_in_hand_fails(
     check_key_order(records, {b"a": [str(ids[0])], b"b": [str(ids[3]), str(ids[4])]})
 
 
+@ENGINES
 def test_row_with_malformed_headers_is_parked_not_a_crash(
-    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, relay_engine: str
 ) -> None:
     """A row written by hand with headers the relay cannot read parks with the reason, and is no
     crash: the row of its key before it still goes out (in the same batch, which is all that
@@ -128,7 +141,7 @@ def test_row_with_malformed_headers_is_parked_not_a_crash(
             sa.text("UPDATE outbox SET headers = CAST(:h AS jsonb) WHERE event_id = :e"),
             {"h": '{"h": {"not": "base64"}}', "e": ids[1]},
         )
-    assert Relay(RelayConfig(database_url, kafka_bootstrap)).run(once=True) == 0
+    assert Relay(RelayConfig(database_url, kafka_bootstrap, engine=relay_engine)).run(once=True) == 0
     with engine.connect() as conn:
         parked = list_parked(conn)
     assert [p.event_id for p in parked] == [ids[1]]
@@ -184,10 +197,13 @@ def test_a_row_held_by_another_transaction_blocks_later_rows_of_its_key(
     check_key_order(records, {b"a": [str(ids[0]), str(ids[1])], b"b": [str(ids[2])]})
 
 
+@ENGINES
 def test_relays_split_lanes_and_survivor_takes_over(
-    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, relay_engine: str
 ) -> None:
-    config = RelayConfig(database_url, kafka_bootstrap, lanes=8, rebalance_interval=0.1)
+    config = RelayConfig(
+        database_url, kafka_bootstrap, lanes=8, rebalance_interval=0.1, engine=relay_engine
+    )
     first = RelayThread(config).start()
     second = RelayThread(config).start()
     try:

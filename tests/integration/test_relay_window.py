@@ -1,13 +1,29 @@
-"""The window engine (``outbox-relay --engine window``) against real PostgreSQL and a broker."""
+"""The window engine (``outbox-relay --engine window``) against real PostgreSQL and a broker:
+what only it has to prove (the contract tests shared with the claim engine are parametrized over
+both in test_relay.py and tests/faults/)."""
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Iterator
 
+import pytest
 import sqlalchemy as sa
 
+from outbox._core import codec
+from outbox.admin import discard_parked, list_parked, retry_parked
+from outbox.errors import ConfigurationError
 from outbox.relay import Relay, RelayConfig
-from tests.fixtures.relay import check_key_order, insert_rows, outbox_count, wait_for_records
+from tests.fixtures.common import wait_for
+from tests.fixtures.relay import (
+    RelayThread,
+    check_key_order,
+    insert_rows,
+    outbox_count,
+    read_topic,
+    wait_for_records,
+)
 
 
 def _topic(name: str) -> str:
@@ -18,16 +34,223 @@ def _config(database_url: str, bootstrap: str, **kw: object) -> RelayConfig:
     return RelayConfig(database_url, bootstrap, engine="window", **kw)  # type: ignore[arg-type]
 
 
-def test_window_delivers_in_key_order_and_leaves_the_outbox_empty(
+def _once(database_url: str, bootstrap: str, **kw: object) -> None:
+    assert Relay(_config(database_url, bootstrap, **kw)).run(once=True) == 0
+
+
+def _dead_tuples(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        conn.exec_driver_sql("SELECT pg_stat_force_next_flush()")
+        return int(
+            conn.exec_driver_sql(
+                "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'outbox'"
+            ).scalar_one()
+        )
+
+
+INSERT_ONE = (
+    "INSERT INTO outbox (event_id, topic, key, value, headers, key_hash) "
+    "VALUES (%(e)s, %(t)s, %(k)s, %(v)s, '{}'::jsonb, %(h)s)"
+)
+
+
+def _row(topic: str, key: bytes, value: bytes) -> dict[str, object]:
+    event_id = uuid.uuid4()
+    return {"e": event_id, "t": topic, "k": key, "v": value, "h": codec.key_hash(key, b"")}
+
+
+@pytest.fixture
+def sessions(engine: sa.Engine) -> Iterator[tuple[sa.Connection, sa.Connection]]:
+    a, b = engine.connect(), engine.connect()
+    try:
+        yield a, b
+    finally:
+        for conn in (a, b):
+            conn.rollback()
+            conn.close()
+
+
+def test_window_delivers_in_key_order_and_gives_the_space_back_by_truncate(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str
 ) -> None:
     topic = _topic("window-basic")
     ids = insert_rows(engine, topic, [(f"k{i % 3}", b"v%d" % i) for i in range(30)])
     ids += insert_rows(engine, topic, [(None, b"free")])
-    assert Relay(_config(database_url, kafka_bootstrap, batch_size=7)).run(once=True) == 0
+    before = _dead_tuples(engine)
+    _once(database_url, kafka_bootstrap, batch_size=7)  # pages of 7 through one window
     records = wait_for_records(kafka_bootstrap, topic, ids)
     check_key_order(
-        records, {f"k{k}".encode(): [str(ids[i]) for i in range(30) if i % 3 == k] for k in range(3)}
+        records,
+        {f"k{k}".encode(): [str(ids[i]) for i in range(30) if i % 3 == k] for k in range(3)},
     )
     assert len(records) == len(ids)
     assert outbox_count(engine) == 0
+    assert _dead_tuples(engine) <= before  # TRUNCATE: no dead tuple per row
+
+
+@pytest.mark.parametrize("same_window", [False, True])
+def test_a_later_commit_with_a_smaller_xid_goes_after_the_earlier_commit(
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    sessions: tuple[sa.Connection, sa.Connection],
+    same_window: bool,
+) -> None:
+    """The ordering hazard of transaction ids: B draws its xid first, then waits for the key's
+    order lock that A holds; A writes its row and commits; B writes its row (a larger id) and
+    commits. Ordered by xid B would go first; the window engine sends A first, whether the
+    relay reads between the two commits or after both."""
+    topic = _topic("window-xid-order")
+    a, b = sessions
+    lock = "SELECT pg_advisory_xact_lock(4242)"
+    b.exec_driver_sql("SELECT pg_current_xact_id()")  # B's xid, drawn first
+    a.exec_driver_sql(lock)
+    row_a, row_b = _row(topic, b"k", b"A"), _row(topic, b"k", b"B")
+    a.exec_driver_sql(INSERT_ONE, row_a)
+    waiting = threading.Thread(target=lambda: b.exec_driver_sql(lock))
+    waiting.start()
+    a.commit()
+    waiting.join(10)
+    if not same_window:
+        _once(database_url, kafka_bootstrap)  # B is still open: a window with A only
+    b.exec_driver_sql(INSERT_ONE, row_b)
+    b.commit()
+    _once(database_url, kafka_bootstrap)
+    records = wait_for_records(kafka_bootstrap, topic, [row_a["e"], row_b["e"]])
+    assert [r.value for r in records] == [b"A", b"B"]
+
+
+def test_a_long_writer_holds_back_neither_delivery_nor_its_own_row(
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    sessions: tuple[sa.Connection, sa.Connection],
+) -> None:
+    """A transaction that wrote a row (it holds an xid, and the table's lock) stays open while
+    others commit: their rows go out at once; its own goes out when it commits, with a smaller id
+    than rows already sent; the space comes back only after it ended (TRUNCATE never waits)."""
+    topic = _topic("window-long-writer")
+    long, reader = sessions
+    reader.exec_driver_sql("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    reader.exec_driver_sql("SELECT count(*) FROM outbox")  # a snapshot held, ACCESS SHARE too
+    late = _row(topic, b"late", b"late")
+    long.exec_driver_sql(INSERT_ONE, late)
+    relay = RelayThread(_config(database_url, kafka_bootstrap, poll_interval=0.1)).start()
+    try:
+        early = insert_rows(engine, topic, [(f"k{i}", b"v") for i in range(20)])
+        wait_for_records(kafka_bootstrap, topic, early)
+        long.commit()
+        wait_for_records(kafka_bootstrap, topic, [late["e"]])
+        assert outbox_count(engine) > 0  # the reader's lock: no TRUNCATE, nothing waits
+        reader.rollback()
+        wait_for(lambda: outbox_count(engine) == 0, 20, "the space never came back")
+    finally:
+        relay.stop()
+    records = read_topic(kafka_bootstrap, topic)
+    assert len(records) == 21
+
+
+def test_a_poison_row_holds_only_its_key_until_retried_or_discarded(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """Across windows: the parked row's key waits (its rows in later windows too), the other keys
+    flow; `outbox parked retry` sends it again, `discard` lets the rows behind it go, in order."""
+    topic = _topic("window-poison")
+    big = b"x" * 300_000
+    kw = {"kafka_config": {"message.max.bytes": "100000"}}
+    ids = insert_rows(engine, topic, [("p", b"p1"), ("p", big), ("o", b"o1")])
+    _once(database_url, kafka_bootstrap, **kw)
+    ids += insert_rows(engine, topic, [("p", b"p3"), ("o", b"o2")])  # a later window
+    _once(database_url, kafka_bootstrap, **kw)
+    with engine.connect() as conn:
+        assert [p.event_id for p in list_parked(conn)] == [ids[1]]
+    records = wait_for_records(kafka_bootstrap, topic, [ids[0], ids[2], ids[4]])
+    assert str(ids[3]) not in {r.event_id for r in records}
+    assert outbox_count(engine) == 2  # the parked row and p3 behind it
+    with engine.begin() as conn:
+        assert retry_parked(conn, event_ids=[ids[1]]) == 1
+    _once(database_url, kafka_bootstrap, **kw)
+    assert outbox_count(engine, parked=True) == 1  # parked again, p3 still waits
+    with engine.begin() as conn:
+        assert discard_parked(conn, event_ids=[ids[1]]) == 1
+    _once(database_url, kafka_bootstrap, **kw)
+    records = wait_for_records(kafka_bootstrap, topic, [ids[3]])
+    check_key_order(records, {b"p": [str(ids[0]), str(ids[3])]})
+    assert outbox_count(engine) == 0
+
+
+def test_switching_from_the_claim_engine_keeps_its_parked_rows_parked(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """Rows the claim engine parked, and the rows waiting behind them, stay where they are when
+    the window engine takes over; a retry then sends them in order."""
+    topic = _topic("window-switch")
+    ids = insert_rows(engine, topic, [("k", b"k1"), ("k", b"k2"), ("o", b"o1")])
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE outbox SET parked_at = now(), attempts = 10 WHERE event_id = :e"),
+            {"e": ids[0]},
+        )
+    _once(database_url, kafka_bootstrap)
+    wait_for_records(kafka_bootstrap, topic, [ids[2]])
+    assert outbox_count(engine) == 2
+    with engine.begin() as conn:
+        assert retry_parked(conn) == 1
+    _once(database_url, kafka_bootstrap)
+    records = wait_for_records(kafka_bootstrap, topic, ids)
+    check_key_order(records, {b"k": [str(ids[0]), str(ids[1])]})
+    assert len(records) == 3
+
+
+def test_switching_engines_back_and_forth_loses_nothing(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """claim -> window -> claim -> window on one outbox, rows written in between: every row
+    reaches Kafka, in key order, and none twice (each switch as docs/relay.md says: stop the
+    relays of one engine, then start the other's; leaving windows, a last --once run)."""
+    topic = _topic("window-switch-back")
+    ids: list[uuid.UUID] = []
+    for step, engine_name in enumerate(["claim", "window", "claim", "window"]):
+        ids += insert_rows(engine, topic, [(f"k{i % 4}", b"%d" % step) for i in range(12)])
+        config = RelayConfig(database_url, kafka_bootstrap, engine=engine_name)
+        assert Relay(config).run(once=True) == 0
+        assert outbox_count(engine) == 0
+    records = wait_for_records(kafka_bootstrap, topic, ids)
+    assert len(records) == len(ids)
+    check_key_order(
+        records,
+        {f"k{k}".encode(): [str(ids[i]) for i in range(48) if i % 4 == k] for k in range(4)},
+    )
+
+
+def test_a_cursor_ahead_of_the_server_is_refused(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """After a restore into another cluster the cursor may lie beyond the server's transaction
+    ids: no row committed there would ever be sent, so the relay stops and says so."""
+    insert_rows(engine, _topic("window-restore"), [("k", b"v")])
+    _once(database_url, kafka_bootstrap)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "UPDATE outbox_relay_windows SET delivered = '9000000000:9000000000:'"
+        )
+    with pytest.raises(ConfigurationError, match="transaction ids went backwards"):
+        _once(database_url, kafka_bootstrap)
+
+
+def test_rows_from_another_cluster_are_refused(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    insert_rows(engine, _topic("window-future"), [("k", b"v")])
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE outbox SET txid = '9000000000'::xid8")
+    with pytest.raises(ConfigurationError, match="beyond the server"):
+        _once(database_url, kafka_bootstrap)
+
+
+def test_cursors_made_for_another_lane_count_are_refused(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    _once(database_url, kafka_bootstrap, lanes=4)
+    with pytest.raises(ConfigurationError, match="made for 4 lanes"):
+        _once(database_url, kafka_bootstrap, lanes=8)
