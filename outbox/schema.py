@@ -32,7 +32,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import JSONB, base as postgresql_base
 from sqlalchemy.types import UserDefinedType
 
 from outbox._core import claim
@@ -81,6 +81,10 @@ class Xid8(UserDefinedType[int]):
 
     def get_col_spec(self, **kw: object) -> str:
         return "xid8"
+
+
+# Reflection (the migration drift check, an application's autogenerate) knows the type then.
+postgresql_base.ischema_names.setdefault("xid8", Xid8)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def test_the_table_lives_in_the_chosen_schema(engine: sa.Engine) -> None:
         admin.mark_handled(conn, "o.dlq", [(2, 7)], "redriven", "dlq_schema_1", by="cli x@y")
     with engine.connect() as conn:
         assert admin.read_handled(conn, "o.dlq", "dlq_schema_1") == {(2, 7): "redriven"}
-    migrate.downgrade(engine, "-1", schema="dlq_schema_1")
+    migrate.downgrade(engine, "0005", schema="dlq_schema_1")
     assert not _has_table(engine, "dlq_schema_1")
 
 

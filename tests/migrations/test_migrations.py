@@ -14,7 +14,14 @@ from alembic.migration import MigrationContext
 
 from outbox import migrate
 from outbox.errors import ConfigurationError
-from outbox.schema import CACHE_SECRET, DLQ_HANDLED, VERSION_TABLE, tables
+from outbox.schema import (
+    CACHE_SECRET,
+    DLQ_HANDLED,
+    RELAY_HELD,
+    RELAY_WINDOWS,
+    VERSION_TABLE,
+    tables,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +31,7 @@ def _tables(engine: sa.Engine, schema: str | None = None) -> set[str]:
 
 
 def _drift(engine: sa.Engine, schema: str | None) -> list[object]:
-    own = {"idempotency_keys", "outbox", CACHE_SECRET, DLQ_HANDLED}
+    own = {"idempotency_keys", "outbox", CACHE_SECRET, DLQ_HANDLED, RELAY_WINDOWS, RELAY_HELD}
 
     def include(obj: object, name: str | None, type_: str, *_: object) -> bool:
         if type_ == "table":
@@ -71,6 +78,8 @@ def test_upgrade_downgrade_roundtrip(empty_engine: sa.Engine) -> None:
         "outbox",
         CACHE_SECRET,
         DLQ_HANDLED,
+        RELAY_WINDOWS,
+        RELAY_HELD,
         VERSION_TABLE,
     }
     with empty_engine.connect() as conn:
@@ -98,6 +107,8 @@ def test_schema_option(empty_engine: sa.Engine) -> None:
         "outbox",
         CACHE_SECRET,
         DLQ_HANDLED,
+        RELAY_WINDOWS,
+        RELAY_HELD,
         VERSION_TABLE,
     }
     assert _tables(empty_engine) == set()
