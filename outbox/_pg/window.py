@@ -144,47 +144,48 @@ SET delivered = %(delivered)s, opened = %(opened)s, done_id = %(done)s, high_id 
 WHERE lane = ANY(%(owned)s::integer[])
 """
 
-# Space back (outside the batches): the rows every lane delivered -- committed before the oldest
-# delivered snapshot's xmin, so visible in every lane's -- that no held key still owes. By
-# TRUNCATE when nothing else is left (no dead tuple at all): only under a lock taken with NOWAIT,
-# so that neither writers nor a pg_dump ever wait for it (a writer with rows in flight holds
-# the table's ROW EXCLUSIVE lock, which makes the NOWAIT fail); and only when, under that lock
-# (no row can commit meanwhile), no row is left that a lane has yet to deliver. Else by a
-# bounded DELETE of the delivered rows, once enough have piled up.
+# Space back (outside the batches): the rows their lane delivered -- visible in the lane's
+# delivered snapshot; below the oldest delivered snapshot's xmin every row is -- that no held key
+# still owes. By TRUNCATE when nothing else is left (no dead tuple at all): only under a lock
+# taken with NOWAIT, so that neither writers nor a pg_dump ever wait for it (a writer with rows
+# in flight holds the table's ROW EXCLUSIVE lock, which makes the NOWAIT fail); and only when,
+# under that lock (no row can commit meanwhile), no row is left that a lane has yet to deliver.
+# Else by a bounded DELETE of the delivered rows, once enough have piled up.
 RECLAIM_HORIZON = """
 SELECT CASE WHEN count(*) = %(lanes)s AND count(delivered) = count(*)
-            THEN min(pg_snapshot_xmin(delivered::pg_snapshot))::text END,
-       count(*) FILTER (WHERE lanes <> %(lanes)s)
+            THEN min(pg_snapshot_xmin(delivered::pg_snapshot))::text END
 FROM {windows}
 """
 
+_DELIVERED = """(o.txid IS NULL OR o.txid < %(horizon)s::xid8
+     OR pg_visible_in_snapshot(o.txid, (SELECT w.delivered::pg_snapshot FROM {windows} w
+                                         WHERE w.lane = o.key_hash %% %(lanes)s)))"""
+
 RECLAIM_LOCK = "LOCK TABLE {outbox} IN ACCESS EXCLUSIVE MODE NOWAIT"
 
-RECLAIM_ALL_DELIVERED = """
-SELECT NOT EXISTS (SELECT 1 FROM {outbox} WHERE txid >= %(horizon)s::xid8)
-   AND NOT EXISTS (SELECT 1 FROM {outbox} WHERE parked_at IS NOT NULL)
-   AND NOT EXISTS (SELECT 1 FROM {held})
+RECLAIM_ALL_DELIVERED = f"""
+SELECT NOT EXISTS (SELECT 1 FROM {{outbox}} o
+                   WHERE o.txid >= %(horizon)s::xid8 AND NOT {_DELIVERED})
+   AND NOT EXISTS (SELECT 1 FROM {{outbox}} WHERE parked_at IS NOT NULL)
+   AND NOT EXISTS (SELECT 1 FROM {{held}})
 """
 
 RECLAIM_TRUNCATE = "TRUNCATE {outbox}"
 
-RECLAIM_DELETE = """
-DELETE FROM {outbox} d WHERE d.id IN (
-    SELECT o.id FROM {outbox} o
-    WHERE (o.txid < %(horizon)s::xid8 OR o.txid IS NULL)
+_RECLAIMABLE = f"""
+    SELECT o.id FROM {{outbox}} o
+    WHERE {_DELIVERED}
       AND o.parked_at IS NULL
       AND NOT EXISTS (
-          SELECT 1 FROM {held} h
+          SELECT 1 FROM {{held}} h
           WHERE h.key_hash = o.key_hash AND h.id <= o.id
             AND ((h.key IS NULL AND h.id = o.id) OR h.key = o.key))
-    LIMIT %(limit)s)
-"""
+    LIMIT %(limit)s"""
 
-# Rows a DELETE reclaim would take (the window relay starts deleting past RECLAIM_DELETE_AFTER).
-RECLAIM_COUNT = """
-SELECT count(*) FROM (SELECT 1 FROM {outbox}
-                      WHERE txid < %(horizon)s::xid8 OR txid IS NULL LIMIT %(limit)s) r
-"""
+RECLAIM_DELETE = f"DELETE FROM {{outbox}} d WHERE d.id IN ({_RECLAIMABLE})"
+
+# Rows a DELETE reclaim would take (counted up to the number that makes it worth it).
+RECLAIM_COUNT = f"SELECT count(*) FROM ({_RECLAIMABLE}) r"
 
 
 @dataclass(frozen=True)
@@ -407,6 +408,7 @@ def reclaim(
             row = cur.fetchone()
             assert row is not None
             horizon = row[0]
+            params = {"horizon": horizon, "lanes": lanes}
             if horizon is None:
                 return Reclaimed()
             cur.execute("SAVEPOINT outbox_reclaim")
@@ -415,17 +417,17 @@ def reclaim(
             except psycopg.errors.LockNotAvailable:
                 cur.execute("ROLLBACK TO SAVEPOINT outbox_reclaim")
             else:
-                cur.execute(sql.all_delivered, {"horizon": horizon})
+                cur.execute(sql.all_delivered, params)
                 done = cur.fetchone()
                 if done is not None and done[0]:
                     cur.execute(sql.truncate)
                     return Reclaimed(truncated=True)
                 cur.execute("ROLLBACK TO SAVEPOINT outbox_reclaim")  # the lock goes
-            cur.execute(sql.count, {"horizon": horizon, "limit": delete_after})
+            cur.execute(sql.count, {**params, "limit": delete_after})
             counted = cur.fetchone()
             if counted is None or int(counted[0]) < delete_after:
                 return Reclaimed()
-            cur.execute(sql.delete, {"horizon": horizon, "limit": limit})
+            cur.execute(sql.delete, {**params, "limit": limit})
             return Reclaimed(deleted=cur.rowcount)
     finally:
         conn.commit()
