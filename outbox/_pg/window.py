@@ -179,13 +179,37 @@ _RECLAIMABLE = f"""
       AND NOT EXISTS (
           SELECT 1 FROM {{held}} h
           WHERE h.key_hash = o.key_hash AND h.id <= o.id
-            AND ((h.key IS NULL AND h.id = o.id) OR h.key = o.key))
-    LIMIT %(limit)s"""
+            AND ((h.key IS NULL AND h.id = o.id) OR h.key = o.key))"""
 
-RECLAIM_DELETE = f"DELETE FROM {{outbox}} d WHERE d.id IN ({_RECLAIMABLE})"
+# The oldest transaction id VACUUM must still keep rows for (the xmin horizon: open snapshots,
+# transactions, prepared transactions, replication slots), as xid8. Rows deleted above it would
+# stay behind as dead tuples VACUUM cannot remove (and cost a DELETE for no space): the DELETE
+# reclaim leaves those for TRUNCATE, or for when the horizon moved on.
+VACUUM_HORIZON = """
+SELECT (SELECT min(CASE WHEN h.x <= (c.x & 4294967295)
+                        THEN ((c.x >> 32) << 32) + h.x
+                        ELSE (((c.x >> 32) - 1) << 32) + h.x END)
+        FROM (SELECT backend_xmin::text::bigint AS x FROM pg_stat_activity
+              WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+                AND datname = current_database()
+              UNION ALL SELECT backend_xid::text::bigint FROM pg_stat_activity
+              WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+                AND datname = current_database()
+              UNION ALL SELECT transaction::text::bigint FROM pg_prepared_xacts
+              WHERE database = current_database()
+              UNION ALL SELECT xmin::text::bigint FROM pg_replication_slots
+              WHERE xmin IS NOT NULL) h)::text
+FROM (SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS x) c
+"""
+
+RECLAIM_DELETE = f"""DELETE FROM {{outbox}} d WHERE d.id IN ({_RECLAIMABLE}
+      AND (%(vacuum)s::xid8 IS NULL OR o.txid < %(vacuum)s::xid8)
+    LIMIT %(limit)s)"""
 
 # Rows a DELETE reclaim would take (counted up to the number that makes it worth it).
-RECLAIM_COUNT = f"SELECT count(*) FROM ({_RECLAIMABLE}) r"
+RECLAIM_COUNT = f"""SELECT count(*) FROM ({_RECLAIMABLE}
+      AND (%(vacuum)s::xid8 IS NULL OR o.txid < %(vacuum)s::xid8)
+    LIMIT %(limit)s) r"""
 
 
 @dataclass(frozen=True)
@@ -206,6 +230,7 @@ class WindowStatements:
     truncate: str
     delete: str
     count: str
+    vacuum: str
     outbox: str
     held_table: str
 
@@ -232,6 +257,7 @@ class WindowStatements:
             truncate=RECLAIM_TRUNCATE.format(**names),
             delete=RECLAIM_DELETE.format(**names),
             count=RECLAIM_COUNT.format(**names),
+            vacuum=VACUUM_HORIZON,
             outbox=names["outbox"],
             held_table=names["held"],
         )
@@ -423,6 +449,9 @@ def reclaim(
                     cur.execute(sql.truncate)
                     return Reclaimed(truncated=True)
                 cur.execute("ROLLBACK TO SAVEPOINT outbox_reclaim")  # the lock goes
+            cur.execute(sql.vacuum)
+            kept = cur.fetchone()
+            params["vacuum"] = None if kept is None else kept[0]
             cur.execute(sql.count, {**params, "limit": delete_after})
             counted = cur.fetchone()
             if counted is None or int(counted[0]) < delete_after:
