@@ -156,6 +156,43 @@ def pending(engine: sa.Engine) -> int:
         return int(conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one())
 
 
+def windows_past(engine: sa.Engine) -> Callable[[], bool]:
+    """For the window engine, which leaves delivered rows in place: whether every lane's cursor
+    is past the newest row's transaction (every row was delivered)."""
+    with engine.connect() as conn:
+        txid = conn.execute(
+            sa.text("SELECT txid::text FROM outbox ORDER BY id DESC LIMIT 1")
+        ).scalar_one_or_none()
+    probe = sa.text(
+        "SELECT count(*) FILTER (WHERE delivered IS NULL OR opened IS NOT NULL OR NOT "
+        "pg_visible_in_snapshot(CAST(:x AS xid8), CAST(delivered AS pg_snapshot))), count(*) "
+        "FROM outbox_relay_windows"
+    )
+
+    def past() -> bool:
+        if txid is None:
+            return True
+        with engine.connect() as conn:
+            behind, lanes = conn.execute(probe, {"x": txid}).one()
+        return int(lanes) > 0 and int(behind) == 0
+
+    return past
+
+
+def dead_made(engine: sa.Engine) -> int:
+    """Dead tuples made so far on the outbox and the window cursors (deleted and updated rows,
+    as PostgreSQL's statistics count them: TRUNCATE makes none)."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT coalesce(sum(n_tup_del + n_tup_upd), 0) FROM pg_stat_user_tables "
+                    "WHERE relname IN ('outbox', 'outbox_relay_windows', 'outbox_relay_held')"
+                )
+            ).scalar_one()
+        )
+
+
 def wait_drained(engine: sa.Engine, timeout: float) -> None:
     """Return once the outbox is empty, without loading the database while the relays work.
 
@@ -164,6 +201,9 @@ def wait_drained(engine: sa.Engine, timeout: float) -> None:
     row is among the last to go, so poll for it with one primary-key probe, and only then
     confirm with a count (cheap by then, and exact when rows went out of id order).
     """
+    if ENGINE[0] == "window":
+        wait_until(windows_past(engine), timeout, "relays to deliver the outbox")
+        return
     with engine.connect() as conn:
         newest = conn.execute(sa.text("SELECT max(id) FROM outbox")).scalar_one()
     probe = sa.text("SELECT EXISTS (SELECT 1 FROM outbox WHERE id = :id)")
@@ -319,6 +359,8 @@ def naive_relay(engine: sa.Engine, bootstrap: str, rows: int) -> float:
 
 
 RELAY_ARGS: list[str] = []
+# The engine of the relays a phase starts (outbox-relay --engine; --engines runs each in turn).
+ENGINE = ["claim"]
 # --kafka-config of this run: given to the relays and to the raw and naive producers alike.
 KAFKA_OVERRIDES: dict[str, str] = {}
 
@@ -346,6 +388,7 @@ def relay_procs(
                 "--rebalance-interval",
                 "0.2",
                 *RELAY_ARGS,
+                *(["--engine", ENGINE[0]] if ENGINE[0] != "claim" else []),
                 *(f"--kafka-config={k}={v}" for k, v in KAFKA_OVERRIDES.items()),
             ],
             cwd=checkout,
@@ -407,6 +450,7 @@ def steady_drains(
     of that round."""
     procs = relay_procs(url, bootstrap, relays)
     best: dict[str, tuple[float, Usage]] = {}
+    DEAD[relays] = (0, 0)
     try:
         warm = Producer({"bootstrap.servers": bootstrap})
         for name in DRAINS:
@@ -416,18 +460,35 @@ def steady_drains(
                 wait_until(lambda: relays_idle(engine, relays), 60, "relays to go idle")
                 time.sleep(0.3)
                 cpu = meter(lambda: [p.pid for p in procs])
+                dead = dead_made(engine)
                 insert_pending(engine, drain_topic(name, relays), rows, keys)  # visible at commit
                 cpu.start()
                 committed = time.perf_counter()
                 wait_drained(engine, 600)
                 rate = rows / (time.perf_counter() - committed)
                 usage = cpu.stop()
+                time.sleep(1.5)  # idle backends report their statistics within a second
+                made, sent = DEAD[relays]
+                DEAD[relays] = (made + dead_made(engine) - dead, sent + rows)
                 if rate > best.get(name, (0.0,))[0]:
                     best[name] = (rate, usage)
                 vacuum(engine)
     finally:
         stop(procs)
     return best
+
+
+# Per relay count: dead tuples made and rows delivered over the drains (steady_drains).
+DEAD: dict[int, tuple[int, int]] = {}
+
+
+def use_engine(engine: sa.Engine, name: str) -> None:
+    """Start the next phases' relays with engine ``name``, from an empty outbox and no window
+    cursors (a switch as docs/relay.md describes, without the rows of earlier phases)."""
+    ENGINE[0] = name
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox, outbox_relay_windows, outbox_relay_held"))
+    vacuum(engine)
 
 
 def drain_topic(name: str, relays: int) -> str:
@@ -523,6 +584,9 @@ def pinned_burst(engine: sa.Engine, topic: str, rows: int, timeout: float = 1800
         newest = conn.execute(sa.text("SELECT max(id) FROM outbox")).scalar_one()
         conn.execute(sa.text("SELECT pg_notify('outbox_wakeup', '')"))
     committed = time.perf_counter()
+    if ENGINE[0] == "window":
+        wait_until(windows_past(engine), timeout, "the relay to deliver the burst")
+        return rows / (time.perf_counter() - committed)
     probe = sa.text("SELECT EXISTS (SELECT 1 FROM outbox WHERE id = :id)")
 
     def newest_gone() -> bool:
@@ -593,6 +657,14 @@ def pinned(
             url, bootstrap, 200, args.latency_seconds, True
         )
         out["dead"], out["size"] = dead_tuples(engine)
+        pin.close()
+        pin = None
+        out["after_drain"] = statistics.median(
+            pinned_burst(engine, topic, args.pinned_burst) for _ in range(3)
+        )
+        out["after_p50"], out["after_p99"], _n = latency(
+            url, bootstrap, 200, args.latency_seconds, True
+        )
     finally:
         if pin is not None:
             pin.close()
@@ -754,6 +826,11 @@ def main() -> int:
     )
     parser.add_argument("--pinned-burst", type=int, default=50_000)
     parser.add_argument(
+        "--engines",
+        default="claim,window",
+        help="relay engines the drain, latency and pinned phases run, side by side",
+    )
+    parser.add_argument(
         "--before",
         type=Path,
         default=None,
@@ -827,25 +904,38 @@ def main() -> int:
                 )  # fmt: skip
                 if build:
                     budget("PostgreSQL alone, claim + records + delete", usage)
-        if "drain" in only:
-            for relays in (1, 4):
-                drains = steady_drains(engine, url, bootstrap, args.rows, relays, args.drain_rounds)
-                budget(f"outbox-relay x{relays}, unique keys", drains["unique keys"][1])
-                rates = {name: rate for name, (rate, _usage) in drains.items()}
-                unique = rates["unique keys"]
-                for name, rate in rates.items():
-                    vs_unique = "" if name == "unique keys" else f", {rate / unique:.2f}x unique"
+        engines = args.engines.split(",")
+        for engine_name in engines:
+            use_engine(engine, engine_name)
+            tag = f"outbox-relay --engine {engine_name}"
+            if "drain" in only:
+                for relays in (1, 4):
+                    drains = steady_drains(
+                        engine, url, bootstrap, args.rows, relays, args.drain_rounds
+                    )
+                    budget(f"{tag} x{relays}, unique keys", drains["unique keys"][1])
+                    rates = {name: rate for name, (rate, _usage) in drains.items()}
+                    unique = rates["unique keys"]
+                    for name, rate in rates.items():
+                        vs_unique = (
+                            "" if name == "unique keys" else f", {rate / unique:.2f}x unique"
+                        )
+                        results.append(
+                            (f"{tag} x{relays}, burst of {args.rows:,} rows, {name}",
+                             f"{rate:,.0f} msgs/s ({rate / raw:.2f}x raw{vs_unique})")
+                        )  # fmt: skip
+                    made, sent = DEAD[relays]
                     results.append(
-                        (f"outbox-relay x{relays}, burst of {args.rows:,} rows, {name}",
-                         f"{rate:,.0f} msgs/s ({rate / raw:.2f}x raw{vs_unique})")
+                        (f"{tag} x{relays}, dead tuples made per delivered record",
+                         f"{made / sent:.3f} ({made:,} over {sent:,} records)")
                     )  # fmt: skip
-        if "latency" in only:
-            for rate in (200, 1000):
-                p50, p99, n = latency(url, bootstrap, rate, args.latency_seconds)
-                results.append(
-                    (f"commit -> Kafka at {rate} events/s ({n} events)",
-                     f"p50 {p50:.1f} ms, p99 {p99:.1f} ms")
-                )  # fmt: skip
+            if "latency" in only:
+                for rate in (200, 1000):
+                    p50, p99, n = latency(url, bootstrap, rate, args.latency_seconds)
+                    results.append(
+                        (f"{tag}: commit -> Kafka at {rate} events/s ({n} events)",
+                         f"p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+                    )  # fmt: skip
         if "order" in only and hasattr(_events, "order_lock_id"):
             cost = ordering_cost(url, args.order_seconds, args.order_rounds)
             results.append(
@@ -858,19 +948,23 @@ def main() -> int:
                  f"({cost['shared'] / cost['shared-off'] - 1:+.1%})")
             )  # fmt: skip
         if "pinned" in only:
-            builds = [("this checkout", REPO)]
+            builds = [(f"--engine {e}", REPO, e) for e in engines]
             if args.before is not None:
-                builds.insert(0, ("before", args.before.resolve()))
-            for name, checkout in builds:
+                builds.insert(0, ("before", args.before.resolve(), "claim"))
+            for name, checkout, engine_name in builds:
+                use_engine(engine, engine_name)
                 f = pinned(engine, url, bootstrap, checkout, args)
                 results += [
                     (f"pinned horizon, {name}: burst of {args.pinned_burst:,} unpinned / after "
-                     f"{args.pinned_rows:,} rows pinned",
-                     f"{f['drain']:,.0f} / {f['pinned_drain']:,.0f} rows/s "
-                     f"({f['pinned_drain'] / f['drain']:.2f}x)"),
+                     f"{args.pinned_rows:,} rows pinned / after the pin ended",
+                     f"{f['drain']:,.0f} / {f['pinned_drain']:,.0f} / {f['after_drain']:,.0f} "
+                     f"rows/s ({f['pinned_drain'] / f['drain']:.2f}x, "
+                     f"{f['after_drain'] / f['drain']:.2f}x)"),
                     (f"pinned horizon, {name}: commit -> Kafka at 200 events/s, p50 / p99",
                      f"unpinned {f['p50']:.1f} / {f['p99']:.1f} ms, pinned {f['pinned_p50']:.1f}"
-                     f" / {f['pinned_p99']:.1f} ms (p99 {f['pinned_p99'] / f['p99']:.2f}x)"),
+                     f" / {f['pinned_p99']:.1f} ms (p99 {f['pinned_p99'] / f['p99']:.2f}x), after "
+                     f"{f['after_p50']:.1f} / {f['after_p99']:.1f} ms "
+                     f"(p99 {f['after_p99'] / f['p99']:.2f}x)"),
                     (f"pinned horizon, {name}: {args.pinned_rows:,} rows under the pin took",
                      f"{f['fill_seconds']:.0f} s; then {f['dead']:,.0f} dead tuples, "
                      f"outbox {f['size'] / 2**20:,.0f} MB"),

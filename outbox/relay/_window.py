@@ -220,8 +220,12 @@ class WindowEngine:
 
     def _idle(self, conn: sa.Connection, group: list[int], after: Cursor) -> None:
         now = time.monotonic()
-        changed = after != self._cursors[group[0]]
-        if changed and now >= self._persisted.get(group[0], 0.0):
+        before = self._cursors[group[0]]
+        # A window's end is written at once (the rows it held are delivered); a snapshot that
+        # only moves on while nothing is committed, at most every IDLE_PERSIST seconds.
+        if before.opened is not None or (
+            after != before and now >= self._persisted.get(group[0], 0.0)
+        ):
             pg_window.cursor_write(conn, self.sql, group, after)
             for lane in group:
                 self._persisted[lane] = now + IDLE_PERSIST
