@@ -106,8 +106,8 @@ WHERE (h.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
 ORDER BY o.id
 """
 
-HELD_READ = f"""
-SELECT h.id, h.key_hash, h.key FROM {{held}} h
+HELD_READ = """
+SELECT h.id, h.key_hash, h.key FROM {held} h
 WHERE (h.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
 """
 
@@ -135,7 +135,9 @@ WHERE NOT EXISTS (SELECT 1 FROM {windows})
 ON CONFLICT DO NOTHING
 """
 
-CURSORS_READ = "SELECT lane, lanes, delivered, opened, done_id, high_id FROM {windows} ORDER BY lane"
+CURSORS_READ = (
+    "SELECT lane, lanes, delivered, opened, done_id, high_id FROM {windows} ORDER BY lane"
+)
 
 CURSORS_WRITE = """
 UPDATE {windows}

@@ -613,8 +613,7 @@ class Relay:
             )
             listener.start()
         log.info(
-            "event=relay_started database=%s bootstrap=%s lanes=%d batch_size=%d once=%s "
-            "engine=%s",
+            "event=relay_started database=%s bootstrap=%s lanes=%d batch_size=%d once=%s engine=%s",
             redact_url(self.url),
             self.config.bootstrap_servers,
             self.config.lanes,

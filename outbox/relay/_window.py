@@ -172,7 +172,9 @@ class WindowEngine:
                 cursor = Cursor(opened.window, None, 0, 0)
         page: list[ClaimedRow] = []
         if cursor.opened is not None:
-            page = pg_window.window_page(conn, self.sql, lanes, group, cursor, self.config.batch_size)
+            page = pg_window.window_page(
+                conn, self.sql, lanes, group, cursor, self.config.batch_size
+            )
         held = {h.id: h for h in self._held.values() if h.key_hash % lanes in group}
         owed = pg_window.held_owed(conn, self.sql, lanes, group, cursor) if held else []
         if cursor.opened is not None and len(page) < self.config.batch_size:
@@ -186,7 +188,9 @@ class WindowEngine:
             self._idle(conn, group, after)
             return result
         result.claimed = len(page) + len(owed)
-        return self._deliver(conn, group, after, rows, [*owed, *page], exclude, held, result, started)
+        return self._deliver(
+            conn, group, after, rows, [*owed, *page], exclude, held, result, started
+        )
 
     def _sendable(
         self, owed: list[ClaimedRow], page: list[ClaimedRow], held: dict[int, HeldRow]

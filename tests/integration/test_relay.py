@@ -141,7 +141,9 @@ def test_row_with_malformed_headers_is_parked_not_a_crash(
             sa.text("UPDATE outbox SET headers = CAST(:h AS jsonb) WHERE event_id = :e"),
             {"h": '{"h": {"not": "base64"}}', "e": ids[1]},
         )
-    assert Relay(RelayConfig(database_url, kafka_bootstrap, engine=relay_engine)).run(once=True) == 0
+    assert (
+        Relay(RelayConfig(database_url, kafka_bootstrap, engine=relay_engine)).run(once=True) == 0
+    )
     with engine.connect() as conn:
         parked = list_parked(conn)
     assert [p.event_id for p in parked] == [ids[1]]

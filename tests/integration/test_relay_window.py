@@ -231,9 +231,7 @@ def test_a_cursor_ahead_of_the_server_is_refused(
     insert_rows(engine, _topic("window-restore"), [("k", b"v")])
     _once(database_url, kafka_bootstrap)
     with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "UPDATE outbox_relay_windows SET delivered = '9000000000:9000000000:'"
-        )
+        conn.exec_driver_sql("UPDATE outbox_relay_windows SET delivered = '9000000000:9000000000:'")
     with pytest.raises(ConfigurationError, match="transaction ids went backwards"):
         _once(database_url, kafka_bootstrap)
 
