@@ -31,10 +31,12 @@ a message instead of waiting for transactions that will never come.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 import sqlalchemy as sa
 
@@ -46,18 +48,61 @@ from outbox._core.delivery import (
     KEY,
     TOPIC,
     ClaimedRow,
+    Settlement,
     deliver_in_rounds,
     settle,
 )
-from outbox._kafka.producer import DeliveryReport
+from outbox._kafka.producer import DeliveryReport, KafkaProducer, RecordTuple
+from outbox._kafka.records import build_records, build_records_checked
 from outbox._otel import spans
 from outbox._pg import window as pg_window
-from outbox._pg.relay import outbox_record_failures
+from outbox._pg.relay import OutboxStatements, outbox_record_failures
 from outbox._pg.window import Cursor, HeldRow, WindowStatements
+from outbox.config import RelayConfig
 from outbox.errors import ConfigurationError
+from outbox.relay._lanes import LaneOwnership
+from outbox.relay._metrics import RelayMetrics
 
-if TYPE_CHECKING:
-    from outbox.relay._relay import BatchResult, Relay
+
+class BatchResult(Protocol):
+    """What a batch did (outbox.relay._relay.BatchResult)."""
+
+    claimed: int
+    sent: int
+    confirmed: int
+    parked: int
+    failed: int
+    outage: bool
+    stale_producer: bool
+    error: str | None
+
+
+R = TypeVar("R", bound=BatchResult)
+
+
+class Relay(Protocol):
+    """What the window engine uses of the relay it feeds (outbox.relay._relay.Relay): its
+    settings, lanes, metrics and stop signal, its producer, and its report of a batch."""
+
+    config: RelayConfig
+    lanes: LaneOwnership
+    metrics: RelayMetrics
+    stop_event: threading.Event
+    sql: OutboxStatements
+
+    def _producer_or_new(self) -> KafkaProducer: ...
+
+    def _database_thread(self) -> ThreadPoolExecutor: ...
+
+    def _report(
+        self,
+        rows: Sequence[ClaimedRow],
+        outcomes: Sequence[DeliveryReport | None],
+        verdict: Settlement,
+        result: Any,  # its own BatchResult
+        duration: float,
+    ) -> None: ...
+
 
 log = logging.getLogger("outbox.relay")
 
@@ -97,6 +142,8 @@ class WindowEngine:
         self._held: dict[int, HeldRow] = {}
         self._persisted: dict[int, float] = {}
         self._turn = 0
+        # The next page of the window in progress, read ahead, with the cursor it follows.
+        self._ahead: tuple[Cursor, list[ClaimedRow]] | None = None
 
     # ------------------------------------------------------------------------------- state
 
@@ -152,7 +199,7 @@ class WindowEngine:
 
     # ------------------------------------------------------------------------------- batch
 
-    def process_batch(self, conn: sa.Connection, result: BatchResult) -> BatchResult:
+    def process_batch(self, conn: sa.Connection, result: R) -> R:
         relay = self.relay
         owned = sorted(relay.lanes.owned)
         if not owned:
@@ -171,13 +218,18 @@ class WindowEngine:
             else:
                 cursor = Cursor(opened.window, None, 0, 0)
         page: list[ClaimedRow] = []
-        if cursor.opened is not None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == cursor:
+            page = ahead[1]  # read while Kafka confirmed the page before
+        elif cursor.opened is not None:
             page = pg_window.window_page(
                 conn, self.sql, lanes, group, cursor, self.config.batch_size
             )
         held = {h.id: h for h in self._held.values() if h.key_hash % lanes in group}
         owed = pg_window.held_owed(conn, self.sql, lanes, group, cursor) if held else []
-        if cursor.opened is not None and len(page) < self.config.batch_size:
+        if cursor.opened is not None and (
+            len(page) < self.config.batch_size or page[-1][ID] >= cursor.high
+        ):
             after = Cursor(cursor.opened, None, 0, 0)  # the window's last page
         elif page:
             after = Cursor(cursor.delivered, cursor.opened, page[-1][ID], cursor.high)
@@ -188,8 +240,11 @@ class WindowEngine:
             self._idle(conn, group, after)
             return result
         result.claimed = len(page) + len(owed)
+        # More of the window to come, and nothing held: its next page is read while Kafka
+        # confirms this one (reads take no lock, so nothing waits for the batch's outcome).
+        ahead_of = after if after.opened is not None and not held and not exclude else None
         return self._deliver(
-            conn, group, after, rows, [*owed, *page], exclude, held, result, started
+            conn, group, after, rows, [*owed, *page], exclude, held, result, started, ahead_of
         )
 
     def _sendable(
@@ -258,21 +313,38 @@ class WindowEngine:
         fetched: list[ClaimedRow],
         wait: dict[bytes | int, int],
         held: dict[int, HeldRow],
-        result: BatchResult,
+        result: R,
         started: float,
-    ) -> BatchResult:
-        from outbox.relay._relay import _Batch
-
+        ahead_of: Cursor | None = None,
+    ) -> R:
         relay = self.relay
-        batch = _Batch.of(rows)
+        records: Sequence[RecordTuple | None]
+        unsendable: dict[int, DeliveryReport] = {}
+        try:
+            records = build_records(rows)
+        except Exception:
+            records, broken = build_records_checked(rows)
+            unsendable = {i: DeliveryReport(error=e, permanent=True) for i, e in broken.items()}
         keys = [r[KEY] for r in rows]
         topics = [r[TOPIC] for r in rows]
         ids = [r[ID] for r in rows]
-        records = batch.records
         producer = relay._producer_or_new()
 
+        reading: Future[list[ClaimedRow]] | None = None
+
         def send(todo: list[int]) -> list[DeliveryReport | None]:
+            nonlocal reading
             chosen = records if len(todo) == len(records) else [records[i] for i in todo]
+            if ahead_of is not None and reading is None and not unsendable:
+                reading = relay._database_thread().submit(
+                    pg_window.window_page,
+                    conn,
+                    self.sql,
+                    self.config.lanes,
+                    group,
+                    ahead_of,
+                    self.config.batch_size,
+                )
             sending = producer.start(chosen)  # type: ignore[arg-type]  # no unsendable
             return producer.finish(sending, relay.stop_event, self.config.shutdown_grace)
 
@@ -292,7 +364,7 @@ class WindowEngine:
         outcomes: Sequence[DeliveryReport | None] = []
         if rows:
             outcomes, result.sent, gaps = deliver_in_rounds(
-                keys, topics, send, failed=batch.unsendable, stopping=relay.stop_event.is_set
+                keys, topics, send, failed=unsendable, stopping=relay.stop_event.is_set
             )
             if gaps:
                 log.error(
@@ -301,6 +373,11 @@ class WindowEngine:
                     gaps,
                 )
         verdict = settle(ids, [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts)
+        read_ahead = None
+        # The connection is this thread's again once the page read ahead is in (or failed: the
+        # statements below then fail the batch as any database error does).
+        if reading is not None and reading.exception() is None:
+            read_ahead = reading.result()
         if verdict.outage:
             # Nothing got through: the broker is the problem. The cursor stays; the page is
             # read again after the back-off (its confirmed rows, if any, are sent again).
@@ -323,6 +400,8 @@ class WindowEngine:
         pg_window.held_write(conn, self.sql, drop, add)
         pg_window.cursor_write(conn, self.sql, group, after)
         conn.commit()
+        if ahead_of is not None and read_ahead is not None and not relay.stop_event.is_set():
+            self._ahead = (ahead_of, read_ahead)
         for held_id in drop:
             self._held.pop(held_id, None)
         self._held.update({h.id: h for h in add})
