@@ -34,6 +34,15 @@ BEGIN
     EXECUTE format('GRANT USAGE ON SCHEMA %I TO outbox_relay', schema_name);
     EXECUTE format('GRANT SELECT, UPDATE, DELETE ON %I.outbox TO outbox_relay', schema_name);
     EXECUTE format('GRANT SELECT ON %I.outbox_alembic_version TO outbox_relay', schema_name);
+    -- The window engine (outbox-relay --engine window): its cursors and held keys, and the
+    -- TRUNCATE that gives the delivered rows' space back (without it, a bulk DELETE does).
+    IF to_regclass(format('%I.outbox_relay_windows', schema_name)) IS NOT NULL THEN
+        EXECUTE format('GRANT TRUNCATE ON %I.outbox TO outbox_relay', schema_name);
+        EXECUTE format(
+            'GRANT SELECT, INSERT, UPDATE, DELETE ON %I.outbox_relay_windows, '
+            '%I.outbox_relay_held TO outbox_relay', schema_name, schema_name
+        );
+    END IF;
     EXECUTE format(
         'GRANT SELECT ON SEQUENCE %s TO outbox_relay',
         pg_get_serial_sequence(format('%I.outbox', schema_name), 'id')

@@ -252,3 +252,15 @@ def test_cursors_made_for_another_lane_count_are_refused(
     _once(database_url, kafka_bootstrap, lanes=4)
     with pytest.raises(ConfigurationError, match="made for 4 lanes"):
         _once(database_url, kafka_bootstrap, lanes=8)
+
+
+def test_the_relay_role_of_the_deploy_script_runs_the_window_engine(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, relay_role: str
+) -> None:
+    """deploy/sql/relay-role.sql grants what the window engine needs (its cursors, held keys)."""
+    relay_url = sa.make_url(database_url).set(username=relay_role)
+    topic = _topic("window-role")
+    ids = insert_rows(engine, topic, [(f"k{i}", b"v") for i in range(10)])
+    _once(relay_url.render_as_string(hide_password=False), kafka_bootstrap)
+    wait_for_records(kafka_bootstrap, topic, ids)
+    assert outbox_count(engine) == 0
