@@ -214,6 +214,19 @@ RECLAIM_COUNT = f"""SELECT count(*) FROM ({_RECLAIMABLE}
     LIMIT %(limit)s) r"""
 
 
+# Rows of the owned lanes not yet past their cursors (parked ones aside), from the lowest xmin
+# of their delivered snapshots on (below it every row is delivered).
+WINDOW_BACKLOG = f"""
+SELECT count(*) FROM {{outbox}} o
+WHERE (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
+  AND o.parked_at IS NULL
+  AND (%(floor)s::xid8 IS NULL OR o.txid >= %(floor)s::xid8)
+  AND NOT coalesce(
+      pg_visible_in_snapshot(o.txid, (SELECT w.delivered::pg_snapshot FROM {{windows}} w
+                                       WHERE w.lane = o.key_hash %% %(lanes)s)), false)
+"""
+
+
 @dataclass(frozen=True)
 class WindowStatements:
     """The window relay's SQL for one schema."""
@@ -233,6 +246,7 @@ class WindowStatements:
     delete: str
     count: str
     vacuum: str
+    backlog: str
     outbox: str
     held_table: str
 
@@ -260,6 +274,7 @@ class WindowStatements:
             delete=RECLAIM_DELETE.format(**names),
             count=RECLAIM_COUNT.format(**names),
             vacuum=VACUUM_HORIZON,
+            backlog=WINDOW_BACKLOG.format(**names),
             outbox=names["outbox"],
             held_table=names["held"],
         )
@@ -466,3 +481,17 @@ def reclaim(
             return Reclaimed(deleted=cur.rowcount)
     finally:
         conn.commit()
+
+
+def window_backlog(
+    conn: sa.Connection, sql: WindowStatements, lanes: int, owned: Sequence[int], floor: int | None
+) -> int:
+    """Rows of the ``owned`` lanes their cursors are not past yet (from txid ``floor`` on, when
+    every owned lane has a delivered snapshot); in a transaction the caller commits."""
+    with _begin(conn).cursor() as cur:
+        cur.execute(
+            sql.backlog,
+            {"lanes": lanes, "owned": list(owned), "floor": None if floor is None else str(floor)},
+        )
+        row = cur.fetchone()
+    return 0 if row is None else int(row[0])

@@ -331,6 +331,9 @@ class Relay:
                 ",".join(missing) or "none",
             )
             self.metrics.missing_privileges = missing
+        if self._window is not None:
+            self.metrics.window_backlog.set(self._window.backlog(conn))
+            conn.commit()
         tables = health_pg.table_health(conn, self.config.schema)
         holder = health_pg.horizon_holder(conn)
         conn.commit()

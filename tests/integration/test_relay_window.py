@@ -264,3 +264,23 @@ def test_the_relay_role_of_the_deploy_script_runs_the_window_engine(
     _once(relay_url.render_as_string(hide_password=False), kafka_bootstrap)
     wait_for_records(kafka_bootstrap, topic, ids)
     assert outbox_count(engine) == 0
+
+
+def test_metrics_show_the_window_backlog(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """/metrics: rows not yet past the cursors, and the space given back."""
+    topic = _topic("window-metrics")
+    relay = Relay(_config(database_url, kafka_bootstrap))
+    assert relay.run(once=True) == 0  # cursors made, nothing pending
+    insert_rows(engine, topic, [(f"k{i}", b"v") for i in range(7)])
+    with relay.engine.connect() as conn:
+        relay.lanes.owned = set(range(relay.config.lanes))
+        assert relay._window is not None
+        assert relay._window.backlog(conn) == 7
+    assert relay.run(once=True) == 0
+    with relay.engine.connect() as conn:
+        assert relay._window.backlog(conn) == 0
+    text = relay.metrics.render().decode()
+    truncates = [line for line in text.splitlines() if line.startswith("outbox_relay_window_trunc")]
+    assert truncates and float(truncates[0].split()[-1]) >= 1
