@@ -216,13 +216,13 @@ RECLAIM_COUNT = f"""SELECT count(*) FROM ({_RECLAIMABLE}
 
 # Rows of the owned lanes not yet past their cursors (parked ones aside), from the lowest xmin
 # of their delivered snapshots on (below it every row is delivered).
-WINDOW_BACKLOG = f"""
-SELECT count(*) FROM {{outbox}} o
+WINDOW_BACKLOG = """
+SELECT count(*) FROM {outbox} o
 WHERE (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
   AND o.parked_at IS NULL
   AND (%(floor)s::xid8 IS NULL OR o.txid >= %(floor)s::xid8)
   AND NOT coalesce(
-      pg_visible_in_snapshot(o.txid, (SELECT w.delivered::pg_snapshot FROM {{windows}} w
+      pg_visible_in_snapshot(o.txid, (SELECT w.delivered::pg_snapshot FROM {windows} w
                                        WHERE w.lane = o.key_hash %% %(lanes)s)), false)
 """
 
