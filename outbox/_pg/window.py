@@ -214,16 +214,22 @@ RECLAIM_COUNT = f"""SELECT count(*) FROM ({_RECLAIMABLE}
     LIMIT %(limit)s) r"""
 
 
-# Rows of the owned lanes not yet past their cursors (parked ones aside), from the lowest xmin
-# of their delivered snapshots on (below it every row is delivered).
-WINDOW_BACKLOG = """
-SELECT count(*) FROM {outbox} o
+# Per topic: rows of the owned lanes not yet past their cursors, with the oldest one's age (from
+# the lowest xmin of their delivered snapshots on: below it every row is delivered), and the
+# parked rows (through the small partial index ix_outbox_parked). Never a scan of the rows
+# delivered and not given back yet, which a held horizon can make millions.
+WINDOW_STATS = """
+SELECT o.topic, count(*), 0, EXTRACT(EPOCH FROM now() - min(o.created_at))
+FROM {outbox} o
 WHERE (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
   AND o.parked_at IS NULL
   AND (%(floor)s::xid8 IS NULL OR o.txid >= %(floor)s::xid8)
   AND NOT coalesce(
       pg_visible_in_snapshot(o.txid, (SELECT w.delivered::pg_snapshot FROM {windows} w
                                        WHERE w.lane = o.key_hash %% %(lanes)s)), false)
+GROUP BY o.topic
+UNION ALL
+SELECT p.topic, 0, count(*), 0 FROM {outbox} p WHERE p.parked_at IS NOT NULL GROUP BY p.topic
 """
 
 
@@ -246,7 +252,7 @@ class WindowStatements:
     delete: str
     count: str
     vacuum: str
-    backlog: str
+    stats: str
     outbox: str
     held_table: str
 
@@ -274,7 +280,7 @@ class WindowStatements:
             delete=RECLAIM_DELETE.format(**names),
             count=RECLAIM_COUNT.format(**names),
             vacuum=VACUUM_HORIZON,
-            backlog=WINDOW_BACKLOG.format(**names),
+            stats=WINDOW_STATS.format(**names),
             outbox=names["outbox"],
             held_table=names["held"],
         )
@@ -483,15 +489,16 @@ def reclaim(
         conn.commit()
 
 
-def window_backlog(
+def window_stats(
     conn: sa.Connection, sql: WindowStatements, lanes: int, owned: Sequence[int], floor: int | None
-) -> int:
-    """Rows of the ``owned`` lanes their cursors are not past yet (from txid ``floor`` on, when
-    every owned lane has a delivered snapshot); in a transaction the caller commits."""
+) -> dict[str, tuple[int, int, float]]:
+    """Per topic: rows of the ``owned`` lanes their cursors are not past yet, parked rows, and
+    the oldest pending row's age (see WINDOW_STATS); in a transaction the caller commits."""
+    params = {"lanes": lanes, "owned": list(owned), "floor": None if floor is None else str(floor)}
+    out: dict[str, tuple[int, int, float]] = {}
     with _begin(conn).cursor() as cur:
-        cur.execute(
-            sql.backlog,
-            {"lanes": lanes, "owned": list(owned), "floor": None if floor is None else str(floor)},
-        )
-        row = cur.fetchone()
-    return 0 if row is None else int(row[0])
+        cur.execute(sql.stats, params)
+        for topic, pending, parked, age in cur.fetchall():
+            was = out.get(topic, (0, 0, 0.0))
+            out[topic] = (was[0] + int(pending), was[1] + int(parked), max(was[2], float(age or 0)))
+    return out

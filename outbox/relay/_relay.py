@@ -315,13 +315,19 @@ class Relay:
         every_lane = self._low.lanes == frozenset(self.lanes.owned) and (
             len(self._low.lanes) == self.config.lanes
         )
-        stats = outbox_stats(conn, self.sql, self._low.low if every_lane else 0)
+        if self._window is not None:
+            # The rows not past the cursors: the table also holds delivered rows.
+            by_topic = self._window.stats(conn)
+            self.metrics.window_backlog.set(sum(v[0] for v in by_topic.values()))
+        else:
+            stats = outbox_stats(conn, self.sql, self._low.low if every_lane else 0)
+            by_topic = {t: (s.backlog, s.parked, s.oldest_age) for t, s in stats.items()}
         conn.commit()
-        values = stats.values()
-        self.metrics.backlog.set(sum(s.backlog for s in values))
-        self.metrics.parked_rows.set(sum(s.parked for s in values))
-        self.metrics.oldest_age.set(max((s.oldest_age for s in values), default=0.0))
-        self.metrics.topics({t: (s.backlog, s.parked, s.oldest_age) for t, s in stats.items()})
+        values = by_topic.values()
+        self.metrics.backlog.set(sum(v[0] for v in values))
+        self.metrics.parked_rows.set(sum(v[1] for v in values))
+        self.metrics.oldest_age.set(max((v[2] for v in values), default=0.0))
+        self.metrics.topics(by_topic)
         missing = outbox_privileges(conn, self.sql)
         if missing != self.metrics.missing_privileges:
             log.warning(
@@ -331,9 +337,6 @@ class Relay:
                 ",".join(missing) or "none",
             )
             self.metrics.missing_privileges = missing
-        if self._window is not None:
-            self.metrics.window_backlog.set(self._window.backlog(conn))
-            conn.commit()
         tables = health_pg.table_health(conn, self.config.schema)
         holder = health_pg.horizon_holder(conn)
         conn.commit()

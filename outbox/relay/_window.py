@@ -294,17 +294,18 @@ class WindowEngine:
         if self.eager_reclaim or now >= self._next_reclaim:
             self.reclaim(conn, delete_after=1 if self.eager_reclaim else RECLAIM_DELETE_AFTER)
 
-    def backlog(self, conn: sa.Connection) -> int:
-        """Rows of the owned lanes not yet past their cursors (for /metrics)."""
+    def stats(self, conn: sa.Connection) -> dict[str, tuple[int, int, float]]:
+        """Per topic, for /metrics: rows of the owned lanes not yet past their cursors, parked
+        rows, and the oldest pending row's age."""
         owned = sorted(self.relay.lanes.owned)
         if not owned:
-            return 0
+            return {}
         self._load(conn, owned)
         delivered = [self._cursors[lane].delivered for lane in owned]
         floor = None
         if all(d is not None for d in delivered):
             floor = min(int(d.split(":")[0]) for d in delivered if d is not None)
-        return pg_window.window_backlog(conn, self.sql, self.config.lanes, owned, floor)
+        return pg_window.window_stats(conn, self.sql, self.config.lanes, owned, floor)
 
     def reclaim(self, conn: sa.Connection, delete_after: int = RECLAIM_DELETE_AFTER) -> None:
         """Give back the delivered rows' space (see :func:`outbox._pg.window.reclaim`)."""
