@@ -68,6 +68,7 @@ RULES: list[Rule] = [
     Rule(r"\bAsyncClient\b", "Client"),
     Rule(r"\bas_async_client\b", "as_client"),
     Rule(r"\brefuse_undeclared_async\b", "refuse_undeclared"),
+    Rule(r"\brun_lanes_async\b", "run_lanes"),
     Rule(r"\bAsyncConsumerRunner\b", "ConsumerRunner"),
     Rule(r"\bAsync(Attempts|MicroBatches|JoinedUnits|Outcomes|Verdicts|GuardedAttempts)\b", r"\1"),
     Rule(r"\bAsync(Guarded)?Handler\b", r"\1Handler"),

@@ -8,6 +8,7 @@ share of the micro-batch.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -16,12 +17,13 @@ from collections.abc import Callable
 from outbox._core import claim
 from outbox._core.batching import Entry, Fate, MicroBatch, Slice
 from outbox._core.disposition import Failure, Outcome
-from outbox._core.offsets import TP, Assignment, Partition
+from outbox._core.offsets import TP, Assignment, Partition, Tries
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
 from outbox._pg.errors import database_unavailable
 from outbox.config import ConsumerConfig
 from outbox.consumer._attempt_async import AsyncAttempts, AsyncGuardedAttempts, Carried
+from outbox.consumer._lanes import lanes_of, run_lanes_async
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.errors import KeyReuseError, PreviouslyFailed
 from outbox.uow._batch_async import AsyncBatch
@@ -58,6 +60,10 @@ class AsyncMicroBatches:
         """One micro-batch. ``mb.moved`` is False when nothing moved; ``mb.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
         mb = MicroBatch(time.perf_counter())
+        if self.config.concurrency > 1:
+            await self._run_lanes(mb, plan)
+            self._record(mb)
+            return mb
         slices = []
         for tp, state, messages in plan:
             sl = await self._read(mb, Slice(tp, state, []), messages)
@@ -133,6 +139,55 @@ class AsyncMicroBatches:
         if outcome is Outcome.DEAD_LETTERED:
             mb.dead_lettered.add(sl.tp)
         return True
+
+    async def _run_lanes(
+        self, mb: MicroBatch, plan: list[tuple[TP, Partition[Message], list[Message]]]
+    ) -> None:
+        """Key-ordered concurrency: every message in a unit of work of its own (as with
+        ``batch_size=1``), up to ``concurrency`` at once; a partition's messages of one Kafka
+        key in offset order, a lane stopping at its first message to be tried again. Then each
+        partition's messages are finished in offset order up to the first that is not: its
+        offset is the watermark below which every message is done."""
+        slices: list[Slice[Message]] = []
+        lanes: list[list[tuple[Slice[Message], Entry[Message], Tries]]] = []
+        for tp, state, messages in plan:
+            sl = Slice(tp, state, [Entry(m, coordinates(m)[2]) for m in messages])
+            slices.append(sl)
+            # Tries are taken here, before any lane runs: the lanes never change the dict.
+            queued = [(sl, e, state.tries(e.offset, sl.is_head(e))) for e in sl.entries]
+            lanes += lanes_of(queued, lambda q: q[1].message.key())
+
+        async def lane(queued: list[tuple[Slice[Message], Entry[Message], Tries]]) -> None:
+            for sl, entry, tries in queued:
+                if (
+                    self._stopping.is_set()
+                    or self._partitions.get(sl.tp) is not sl.state
+                    or tries.retry_at > time.monotonic()
+                ):
+                    return  # stopping, revoked, or waiting for its retry: the lane stops
+                self._beat()
+                started = time.perf_counter()
+                try:
+                    entry.outcome = await self._attempts.apply(entry.message, tries)
+                finally:
+                    self._metrics.attempted(
+                        self.config.group, sl.tp[0], entry.outcome, time.perf_counter() - started
+                    )
+                mb.moved = True
+                if entry.outcome is Outcome.RETRY:
+                    return  # the key's later messages wait for it
+
+        await run_lanes_async([functools.partial(lane, q) for q in lanes], self.config.concurrency)
+        for sl in slices:
+            if self._partitions.get(sl.tp) is not sl.state:
+                continue  # revoked meanwhile: the new owner replays whatever committed
+            for entry in sl.entries:
+                if entry.outcome is None or entry.outcome is Outcome.RETRY:
+                    break  # the messages after it that finished are replays when they come again
+                mb.alone += 1
+                self._pop(sl, entry)
+                if entry.outcome is Outcome.DEAD_LETTERED:
+                    mb.dead_lettered.add(sl.tp)
 
     async def _answer_from_cache(self, mb: MicroBatch, sl: Slice[Message]) -> None:
         """Duplicates the Redis fast path knows: no transaction for them."""
