@@ -394,6 +394,7 @@ def runner_phase(
     batch_size: int,
     chunk: int,
     concurrency: int,
+    optimistic: bool,
     handler: str,
     handler_dir: str,
     profile: Path | None,
@@ -407,6 +408,7 @@ def runner_phase(
             "--topic", topic, "--group", group, "--scope", scope, "--database-url", url,
             "--bootstrap-servers", bootstrap, "--batch-size", str(batch_size),
             "--savepoint-chunk", str(chunk), "--concurrency", str(concurrency),
+            *(["--optimistic"] if optimistic else []),
             "--metrics-port", str(port), "--log-level", "WARNING",
             *(f"--kafka-config={k}={v}" for k, v in KAFKA.items()),
             *(["--redis-url", redis_url] if redis_url else [])]  # fmt: skip
@@ -466,6 +468,11 @@ def main() -> None:
         "(default 32; '' for none)",
     )
     parser.add_argument(
+        "--optimistic-sizes",
+        default="500",
+        help="batch sizes of the per-message handler with --optimistic (default 500; '' for none)",
+    )
+    parser.add_argument(
         "--concurrencies",
         default="16",
         help="concurrency of the per-message handler that waits 5 ms per message, beside "
@@ -494,25 +501,32 @@ def main() -> None:
     )
     args = parser.parse_args()  # fmt: skip
     n = args.messages
-    # (label, batch size, handler, savepoint chunk, concurrency, messages)
+    # (label, batch size, handler, savepoint chunk, concurrency, optimistic, messages)
     runners = [
-        (f"batch {int(b)}", int(b), "handle", 1, 1, n) for b in args.batch_sizes.split(",") if b
+        (f"batch {int(b)}", int(b), "handle", 1, 1, False, n)
+        for b in args.batch_sizes.split(",")
+        if b
     ]
     largest = max((size for _, size, *_ in runners), default=500)
     runners += [
-        (f"batch {largest}, chunk {int(c)}", largest, "handle", int(c), 1, n)
+        (f"batch {largest}, chunk {int(c)}", largest, "handle", int(c), 1, False, n)
         for c in args.savepoint_chunks.split(",")
         if c
     ]
     runners += [
-        (f"batch {int(b)}, batch handler", int(b), "handle_batch", 1, 1, n)
+        (f"batch {int(b)}, optimistic", int(b), "handle", 1, 1, True, n)
+        for b in args.optimistic_sizes.split(",")
+        if b
+    ]
+    runners += [
+        (f"batch {int(b)}, batch handler", int(b), "handle_batch", 1, 1, False, n)
         for b in args.batch_handler_sizes.split(",")
         if b
     ]
     slow = args.slow_messages
     runners += [
         (f"batch {largest}, 5 ms handler, concurrency {int(c)}", largest, "handle_slow", 1,
-         int(c), slow)
+         int(c), False, slow)
         for c in ["1", *args.concurrencies.split(",")]
         if c and args.concurrencies
     ]  # fmt: skip
@@ -568,7 +582,7 @@ def main() -> None:
         floor(f"{FLOOR} (before)")
 
         for redis_url in [args.redis_url, *([None] if args.without_redis else [])]:
-            for base, size, handler, chunk, concurrency, count in runners:
+            for base, size, handler, chunk, concurrency, optimistic, count in runners:
                 scope = f"bench-{uuid.uuid4().hex[:8]}"
                 scopes.append(scope)
                 run = uuid.uuid4().hex[:8]
@@ -587,7 +601,8 @@ def main() -> None:
                     seconds, commit, received = runner_phase(
                         url=measured_url, redis_url=redis_url, bootstrap=bootstrap, topic=topic,
                         partitions=parts, count=count, scope=scope, batch_size=size, chunk=chunk,
-                        concurrency=concurrency, handler=f"bench_handler:{handler}",
+                        concurrency=concurrency, optimistic=optimistic,
+                        handler=f"bench_handler:{handler}",
                         handler_dir=handler_dir, profile=profile,
                     )  # fmt: skip
                     spent, turns = transactions(url) - before, delta(wire, turns)

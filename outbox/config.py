@@ -299,6 +299,10 @@ class ConsumerConfig:
     # own: above 1, messages of different Kafka keys in one partition run concurrently, those of
     # one key in offset order (docs/consumer.md, "Concurrency").
     concurrency: int = 1
+    # Run a micro-batch's per-message handlers with no savepoint between them and their
+    # statements pipelined; a failure gives up the batch, whose messages run again with a
+    # savepoint each (docs/consumer.md, "Optimistic batches").
+    optimistic: bool = False
     poll_timeout: float = 0.5
     commit_interval: float = 1.0
     # How a message's stored trace context relates to its `process` span (docs/tracing.md):
@@ -371,6 +375,10 @@ class ConsumerConfig:
         check_int("batch_size", self.batch_size, 1, 1_000_000)
         check_int("savepoint_chunk", self.savepoint_chunk, 1, 1_000_000)
         check_int("concurrency", self.concurrency, 1, MAX_CONCURRENCY)
+        if not isinstance(self.optimistic, bool):
+            raise ConfigurationError(
+                f"optimistic must be True or False, got {type(self.optimistic).__name__}"
+            )
         for name in (
             "retry_backoff",
             "retry_backoff_max",

@@ -112,7 +112,7 @@ RULES: list[Rule] = [
     # A line that only the asyncio flavour needs (its tasks).
     Rule(r"^.*# asyncio only\n", ""),
     # psycopg.
-    Rule(r"\bpsycopg\.Async(Connection|Cursor)\b", r"psycopg.\1"),
+    Rule(r"\bpsycopg\.Async(Connection|Cursor|Pipeline)\b", r"psycopg.\1"),
     Rule(r"\bAsyncClientCursor\b", "ClientCursor"),
     # redis-py.
     Rule(r"\bredis\.asyncio\b", "redis"),

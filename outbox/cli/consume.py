@@ -108,6 +108,11 @@ def register(subparsers: Any) -> None:
         "messages of different Kafka keys run concurrently, those of one key in order "
         f"(default {ConsumerConfig.concurrency})",
     )  # fmt: skip
+    p.add_argument(
+        "--optimistic", action="store_true",
+        help="run a batch's handlers without savepoints, their statements pipelined; a failure "
+        "runs the batch again with a savepoint per message (handlers must be safe to run twice)",
+    )  # fmt: skip
     add_flags(p, CONSUMER_METRICS_PORT, "metrics_host", "trace_context", "log_level")
     p.set_defaults(func=command)
 
@@ -133,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> ConsumerConfig:
         batch_wait=args.batch_wait,
         savepoint_chunk=args.savepoint_chunk,
         concurrency=args.concurrency,
+        optimistic=args.optimistic,
         trace_context=args.trace_context,
     ).validate()
 

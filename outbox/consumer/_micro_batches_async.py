@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from outbox._core import claim
-from outbox._core.batching import Entry, Fate, MicroBatch, Slice
+from outbox._core.batching import Abandoned, Entry, Fate, MicroBatch, Slice
 from outbox._core.disposition import Failure, Outcome
 from outbox._core.offsets import TP, Assignment, Partition, Tries
 from outbox._core.redact import one_line
@@ -229,10 +229,17 @@ class AsyncMicroBatches:
         if not todo:
             return
         mb.moved = True
+        # Optimistic: no savepoints, statements pipelined -- unless a message of the batch is
+        # one an optimistic batch failed for, which must learn whose failure it was.
+        optimistic = (
+            self.config.optimistic
+            and not attempts.batch_form
+            and all(e.offset > sl.state.careful_to for sl in slices for e in sl.entries)
+        )
         try:
             batch = await AsyncBatch.open(
                 attempts.outbox, self._scope, [e.key for e in todo],
-                chunk=self.config.savepoint_chunk,
+                chunk=self.config.savepoint_chunk, optimistic=optimistic,
             )  # fmt: skip
         except Exception as exc:
             await self._batch_failed(slices, exc)
@@ -242,14 +249,38 @@ class AsyncMicroBatches:
                 await self._run_group(mb, attempts, batch, slices)
             else:
                 await self._run_each(mb, attempts, batch, slices)
-            if batch.usable():
+            if batch.abandoned:
+                self._abandon(slices)
+            elif batch.usable():
                 try:
                     await batch.commit()
                 except Exception as exc:
-                    await self._batch_failed(slices, exc)
+                    if optimistic and not database_unavailable(exc):
+                        self._abandon(slices)
+                    else:
+                        await self._batch_failed(slices, exc)
         finally:
             await batch.close()
         mb.committed = batch.committed
+
+    def _abandon(self, slices: list[Slice[Message]]) -> None:
+        """An optimistic batch failed (a handler, or a pipelined statement whose message is not
+        known): nothing of it was recorded or sent. Each partition's share runs again from its
+        first message the batch held, with a savepoint per message; no attempt is counted."""
+        held = 0
+        for sl in slices:
+            first = next(
+                (i for i, e in enumerate(sl.entries) if e.fate in (Fate.OPEN, Fate.PENDING)),
+                None,
+            )
+            if first is None:
+                continue
+            held += len(sl.entries) - first
+            sl.state.careful_to = max(sl.state.careful_to, sl.entries[-1].offset)
+            del sl.entries[first:]
+        log.info(
+            "an optimistic batch failed; its %d messages run again with a savepoint each", held
+        )
 
     async def _run_each(
         self,
@@ -273,6 +304,8 @@ class AsyncMicroBatches:
                     break
                 self._beat()
                 placed = await self._run_one(mb, attempts, batch, sl, entry)
+                if batch.abandoned:
+                    return  # every partition's share runs again: see _abandon
                 lost = batch.take_lost()
                 if lost:
                     # It failed in the savepoint it shared with them: they run again in the
@@ -310,7 +343,14 @@ class AsyncMicroBatches:
         """Run one message in a savepoint of ``batch`` and place it; False when its partition
         stops there."""
         tries = sl.state.tries(entry.offset, sl.is_head(entry))
-        outcome = await attempts.run(entry.message, tries, entry.key, entry.fingerprint, batch)
+        # Only a key whose work runs can fail for a reason not known without the database.
+        optimistic = batch.optimistic and batch.lookup(entry.key).runnable
+        try:
+            outcome = await attempts.run(
+                entry.message, tries, entry.key, entry.fingerprint, batch, optimistic
+            )
+        except Abandoned:
+            return False  # the batch is given up: see _abandon
         return self._place(mb, sl, entry, outcome)
 
     async def _run_group(

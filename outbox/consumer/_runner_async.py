@@ -205,6 +205,11 @@ class AsyncConsumerRunner:
                     f"concurrency={self.config.concurrency} runs each message in a unit of work "
                     "of its own: a @batch_handler needs concurrency=1"
                 )
+            if self.config.optimistic and not getattr(outbox._transactions, "tells_failures", True):
+                raise ConfigurationError(
+                    "optimistic=True needs a psycopg engine (postgresql+psycopg://): it "
+                    "pipelines the handlers' statements, which asyncpg cannot"
+                )
             if self.config.savepoint_chunk > 1 and not getattr(
                 outbox._transactions, "tells_failures", True
             ):
