@@ -112,8 +112,10 @@ def test_keys_run_concurrently_in_order_and_offsets_stop_at_the_first_unfinished
     else:  # closed in its runner's loop
         store, handler = AsyncOutbox(database_url, redis_url=redis_url, config=config), handle_async
     try:
-        running = start(store, handler, name, concurrency=8, max_attempts=1000,
-                        retry_backoff=0.02, retry_backoff_max=0.05, commit_interval=0.05)  # fmt: skip
+        running = start(
+            store, handler, name, concurrency=8, max_attempts=1000,
+            retry_backoff=0.02, retry_backoff_max=0.05, commit_interval=0.05,
+        )  # fmt: skip
         group = running.runner.config.group
 
         def later_done_but_held() -> bool:
