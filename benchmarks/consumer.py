@@ -84,6 +84,8 @@ BENCH_DDL = (
 HANDLER = '''\
 """The benchmark's handlers: one business row per message."""
 
+import time
+
 import sqlalchemy as sa
 
 from outbox.consumer import batch_handler
@@ -99,6 +101,11 @@ def handle(uow, message):
 @batch_handler
 def handle_batch(batch):
     batch.connection.execute(INSERT_ALL, {"keys": [uow.key for uow, _ in batch]})
+
+
+def handle_slow(uow, message):
+    time.sleep(0.005)  # waits 5 ms on I/O (a call to another service)
+    uow.connection.execute(INSERT, {"key": uow.key})
 '''
 
 
@@ -188,9 +195,10 @@ class Result:
     transactions: int | None = None
     effects: str = ""
     round_trips: int | None = None
+    count: int | None = None  # messages of the phase, when not the run's --messages
 
     def rate(self, count: int) -> float:
-        return count / self.seconds
+        return (self.count or count) / self.seconds
 
 
 def plain_loop(
@@ -385,6 +393,8 @@ def runner_phase(
     scope: str,
     batch_size: int,
     chunk: int,
+    concurrency: int,
+    optimistic: bool,
     handler: str,
     handler_dir: str,
     profile: Path | None,
@@ -397,7 +407,8 @@ def runner_phase(
     argv = [sys.executable, "-m", "outbox.cli", "consume", handler,
             "--topic", topic, "--group", group, "--scope", scope, "--database-url", url,
             "--bootstrap-servers", bootstrap, "--batch-size", str(batch_size),
-            "--savepoint-chunk", str(chunk),
+            "--savepoint-chunk", str(chunk), "--concurrency", str(concurrency),
+            *(["--optimistic"] if optimistic else []),
             "--metrics-port", str(port), "--log-level", "WARNING",
             *(f"--kafka-config={k}={v}" for k, v in KAFKA.items()),
             *(["--redis-url", redis_url] if redis_url else [])]  # fmt: skip
@@ -457,6 +468,23 @@ def main() -> None:
         "(default 32; '' for none)",
     )
     parser.add_argument(
+        "--optimistic-sizes",
+        default="500",
+        help="batch sizes of the per-message handler with --optimistic (default 500; '' for none)",
+    )
+    parser.add_argument(
+        "--concurrencies",
+        default="16",
+        help="concurrency of the per-message handler that waits 5 ms per message, beside "
+        "concurrency 1 (default 16; '' for neither)",
+    )
+    parser.add_argument(
+        "--slow-messages",
+        type=int,
+        default=2000,
+        help="messages of the phases whose handler waits 5 ms per message (default 2000)",
+    )
+    parser.add_argument(
         "--without-redis", action="store_true", help="also run the runner phases without Redis"
     )
     parser.add_argument(
@@ -472,25 +500,42 @@ def main() -> None:
         help="run the runners under py-spy record (stacks in DIR)",
     )
     args = parser.parse_args()  # fmt: skip
-    runners = [(f"batch {int(b)}", int(b), "handle", 1) for b in args.batch_sizes.split(",") if b]
-    largest = max((size for _, size, _, _ in runners), default=500)
+    n = args.messages
+    # (label, batch size, handler, savepoint chunk, concurrency, optimistic, messages)
+    runners = [
+        (f"batch {int(b)}", int(b), "handle", 1, 1, False, n)
+        for b in args.batch_sizes.split(",")
+        if b
+    ]
+    largest = max((size for _, size, *_ in runners), default=500)
     runners += [
-        (f"batch {largest}, chunk {int(c)}", largest, "handle", int(c))
+        (f"batch {largest}, chunk {int(c)}", largest, "handle", int(c), 1, False, n)
         for c in args.savepoint_chunks.split(",")
         if c
     ]
     runners += [
-        (f"batch {int(b)}, batch handler", int(b), "handle_batch", 1)
+        (f"batch {int(b)}, optimistic", int(b), "handle", 1, 1, True, n)
+        for b in args.optimistic_sizes.split(",")
+        if b
+    ]
+    runners += [
+        (f"batch {int(b)}, batch handler", int(b), "handle_batch", 1, 1, False, n)
         for b in args.batch_handler_sizes.split(",")
         if b
     ]
+    slow = args.slow_messages
+    runners += [
+        (f"batch {largest}, 5 ms handler, concurrency {int(c)}", largest, "handle_slow", 1,
+         int(c), False, slow)
+        for c in ["1", *args.concurrencies.split(",")]
+        if c and args.concurrencies
+    ]  # fmt: skip
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     # SIGTERM unwinds like Ctrl-C, so the broker and the scratch database are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
 
-    n = args.messages
     parts = args.partitions
     broker = (contextlib.nullcontext(args.bootstrap_servers) if args.bootstrap_servers
               else tansu())  # fmt: skip
@@ -508,8 +553,9 @@ def main() -> None:
         def report(result: Result) -> None:
             results.append(result)
             commit = f"{result.commit_seconds:6.2f}s" if result.commit_seconds else ""
-            rts = "" if result.round_trips is None else f"{result.round_trips / n:.2f} rt/msg"
-            print(f"  {result.label:<48} {result.rate(n):>9.0f} msg/s {commit:>8} "
+            rts = ("" if result.round_trips is None
+                   else f"{result.round_trips / (result.count or n):.2f} rt/msg")  # fmt: skip
+            print(f"  {result.label:<64} {result.rate(n):>9.0f} msg/s {commit:>8} "
                   f"{result.transactions if result.transactions is not None else '':>7} "
                   f"{rts:>12} {result.effects}", flush=True)  # fmt: skip
 
@@ -536,7 +582,7 @@ def main() -> None:
         floor(f"{FLOOR} (before)")
 
         for redis_url in [args.redis_url, *([None] if args.without_redis else [])]:
-            for base, size, handler, chunk in runners:
+            for base, size, handler, chunk, concurrency, optimistic, count in runners:
                 scope = f"bench-{uuid.uuid4().hex[:8]}"
                 scopes.append(scope)
                 run = uuid.uuid4().hex[:8]
@@ -544,7 +590,7 @@ def main() -> None:
                 # scope (a redelivery): the runner's fingerprint covers the topic, so the same
                 # keys on another topic would be key reuse, not duplicates.
                 new_topic = dup_topic = make_topic(bootstrap, parts)
-                produce(bootstrap, new_topic, n, run)
+                produce(bootstrap, new_topic, count, run)
                 name = base if redis_url else f"{base}, no Redis"
                 for phase, topic in (("new keys", new_topic), ("100% duplicates", dup_topic)):
                     profile = None
@@ -554,18 +600,22 @@ def main() -> None:
                     before, turns = transactions(url), turns_of(wire)
                     seconds, commit, received = runner_phase(
                         url=measured_url, redis_url=redis_url, bootstrap=bootstrap, topic=topic,
-                        partitions=parts, count=n, scope=scope, batch_size=size, chunk=chunk,
-                        handler=f"bench_handler:{handler}", handler_dir=handler_dir,
-                        profile=profile,
+                        partitions=parts, count=count, scope=scope, batch_size=size, chunk=chunk,
+                        concurrency=concurrency, optimistic=optimistic,
+                        handler=f"bench_handler:{handler}",
+                        handler_dir=handler_dir, profile=profile,
                     )  # fmt: skip
                     spent, turns = transactions(url) - before, delta(wire, turns)
                     rows, keys = effects(url, run)
-                    if rows != n or keys != n:
-                        raise RuntimeError(f"{name}, {phase}: {rows} rows for {keys} of {n} keys")
+                    if rows != count or keys != count:
+                        raise RuntimeError(
+                            f"{name}, {phase}: {rows} rows for {keys} of {count} keys"
+                        )
                     note = f"{rows} rows = {keys} keys"
-                    if received != n:
+                    if received != count:
                         note += f" ({received} messages received)"
-                    report(Result(f"runner {name}, {phase}", seconds, commit, spent, note, turns))
+                    report(Result(f"runner {name}, {phase}", seconds, commit, spent, note, turns,
+                                  None if count == n else count))  # fmt: skip
 
         floor(f"{FLOOR} (after)")
 
@@ -574,26 +624,26 @@ def main() -> None:
         for key in client.scan_iter(match=f"outbox:{len(scope)}:{scope}:*", count=1000):
             client.unlink(key)
     client.close()
-    summary(results, n, [name for name, _, _, _ in runners], args.without_redis)
+    summary(results, n, [name for name, *_ in runners], args.without_redis)
 
 
 def summary(results: list[Result], n: int, names: list[str], without_redis: bool) -> None:
     rate = {r.label: r.rate(n) for r in results}
     floor = (rate[f"{FLOOR} (before)"] + rate[f"{FLOOR} (after)"]) / 2
     print()
-    print(f"{'scenario':<48} {'msg/s':>9} {'us/msg':>8} {'commit':>7} {'PG tx':>6} "
+    print(f"{'scenario':<64} {'msg/s':>9} {'us/msg':>8} {'commit':>7} {'PG tx':>6} "
           f"{'tx/msg':>7} {'rt/msg':>7}  effects")  # fmt: skip
     for r in results:
         commit = f"{r.commit_seconds:6.2f}s" if r.commit_seconds else ""
         tx = "" if r.transactions is None else str(r.transactions)
-        per = "" if r.transactions is None else f"{r.transactions / n:.3f}"
-        rts = "" if r.round_trips is None else f"{r.round_trips / n:.3f}"
-        print(f"{r.label:<48} {r.rate(n):>9.0f} {1e6 / r.rate(n):>8.1f} {commit:>7} {tx:>6} "
+        per = "" if r.transactions is None else f"{r.transactions / (r.count or n):.3f}"
+        rts = "" if r.round_trips is None else f"{r.round_trips / (r.count or n):.3f}"
+        print(f"{r.label:<64} {r.rate(n):>9.0f} {1e6 / r.rate(n):>8.1f} {commit:>7} {tx:>6} "
               f"{per:>7} {rts:>7}  {r.effects}")  # fmt: skip
     print()
     print(f"floor (mean of before and after): {floor:.0f} msg/s")
     print(
-        f"{'runner':<32} {'new/floor':>10} {'dup/new':>8} {'new/batch 1':>12} {'dup/batch 1':>12}"
+        f"{'runner':<48} {'new/floor':>10} {'dup/new':>8} {'new/batch 1':>12} {'dup/batch 1':>12}"
     )
     handler_vs_batch = []
     for suffix in ("", ", no Redis") if without_redis else ("",):
@@ -606,13 +656,20 @@ def summary(results: list[Result], n: int, names: list[str], without_redis: bool
                 continue
             vs_new = f"{new / one_new:>11.2f}x" if one_new else f"{'':>12}"
             vs_dup = f"{dup / one_dup:>11.2f}x" if one_dup else f"{'':>12}"
-            print(f"{base + suffix:<32} {new / floor:>9.2f}x {dup / new:>7.2f}x {vs_new} {vs_dup}")
+            print(f"{base + suffix:<48} {new / floor:>9.2f}x {dup / new:>7.2f}x {vs_new} {vs_dup}")
             if base.endswith(", batch handler"):
                 size = base.removesuffix(", batch handler")
                 for each in names:
                     got = rate.get(f"runner {each}{suffix}, new keys")
                     if got is not None and each.split(",")[0] == size and each != base:
                         handler_vs_batch.append(f"{each}{suffix}: {got / new:.2f}x")
+    slow = [base for base in names if "5 ms handler" in base]
+    for suffix in ("", ", no Redis") if without_redis else ("",):
+        alone = rate.get(f"runner {slow[0]}{suffix}, new keys") if slow else None
+        for base in slow[1:]:
+            got = rate.get(f"runner {base}{suffix}, new keys")
+            if alone and got:
+                print(f"{base}{suffix}, new keys: {got / alone:.2f}x concurrency 1")
     if handler_vs_batch:
         print("per-message handler / batch handler, new keys (same batch size): "
               + ", ".join(handler_vs_batch))  # fmt: skip

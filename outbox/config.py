@@ -269,6 +269,9 @@ class RelayConfig:
         return self
 
 
+# ConsumerConfig.concurrency: at most this many messages in flight, each holding a connection.
+MAX_CONCURRENCY = 256
+
 # ConsumerConfig.trace_context: the record's context as the process span's parent, or a link.
 TRACE_CONTEXTS = ("parent", "link")
 
@@ -304,6 +307,14 @@ class ConsumerConfig:
     # handler's failure then rolls back the others of its chunk, which run again in the next
     # micro-batch (docs/consumer.md, "Savepoints").
     savepoint_chunk: int = 1
+    # Messages of a micro-batch in flight at once, each in a unit of work (a transaction) of its
+    # own: above 1, messages of different Kafka keys in one partition run concurrently, those of
+    # one key in offset order (docs/consumer.md, "Concurrency").
+    concurrency: int = 1
+    # Run a micro-batch's per-message handlers with no savepoint between them and their
+    # statements pipelined; a failure gives up the batch, whose messages run again with a
+    # savepoint each (docs/consumer.md, "Optimistic batches").
+    optimistic: bool = False
     poll_timeout: float = 0.5
     commit_interval: float = 1.0
     # How a message's stored trace context relates to its `process` span (docs/tracing.md):
@@ -375,6 +386,11 @@ class ConsumerConfig:
         check_int("max_attempts", self.max_attempts, 1, 1_000_000)
         check_int("batch_size", self.batch_size, 1, 1_000_000)
         check_int("savepoint_chunk", self.savepoint_chunk, 1, 1_000_000)
+        check_int("concurrency", self.concurrency, 1, MAX_CONCURRENCY)
+        if not isinstance(self.optimistic, bool):
+            raise ConfigurationError(
+                f"optimistic must be True or False, got {type(self.optimistic).__name__}"
+            )
         for name in (
             "retry_backoff",
             "retry_backoff_max",

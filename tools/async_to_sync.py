@@ -68,6 +68,7 @@ RULES: list[Rule] = [
     Rule(r"\bAsyncClient\b", "Client"),
     Rule(r"\bas_async_client\b", "as_client"),
     Rule(r"\brefuse_undeclared_async\b", "refuse_undeclared"),
+    Rule(r"\brun_lanes_async\b", "run_lanes"),
     Rule(r"\bAsyncConsumerRunner\b", "ConsumerRunner"),
     Rule(r"\bAsync(Attempts|MicroBatches|JoinedUnits|Outcomes|Verdicts|GuardedAttempts)\b", r"\1"),
     Rule(r"\bAsync(Guarded)?Handler\b", r"\1Handler"),
@@ -111,7 +112,7 @@ RULES: list[Rule] = [
     # A line that only the asyncio flavour needs (its tasks).
     Rule(r"^.*# asyncio only\n", ""),
     # psycopg.
-    Rule(r"\bpsycopg\.Async(Connection|Cursor)\b", r"psycopg.\1"),
+    Rule(r"\bpsycopg\.Async(Connection|Cursor|Pipeline)\b", r"psycopg.\1"),
     Rule(r"\bAsyncClientCursor\b", "ClientCursor"),
     # redis-py.
     Rule(r"\bredis\.asyncio\b", "redis"),

@@ -31,6 +31,12 @@ class Fate(enum.Enum):
     """Finished and taken off its partition's backlog."""
 
 
+class Abandoned(Exception):
+    """A unit of work of an optimistic batch (no savepoints, statements pipelined) failed: the
+    batch is given up as a whole -- nothing of it is recorded or committed, no dead letter is
+    sent -- and its messages run again with a savepoint each, where a failure is its own."""
+
+
 @dataclass(slots=True)
 class Entry(Generic[M]):
     """A message of a micro-batch, with its offset and, once read, its key."""

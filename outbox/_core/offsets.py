@@ -56,7 +56,9 @@ class Partition(Tries, Generic[M]):
     the last one the broker confirmed. Messages up to offset ``isolated_to`` run one per
     transaction: a batch of theirs failed as a whole, and alone each failure is its own. The
     message at ``alone_at`` runs by itself too: its failure rolled back the others of its
-    savepoint once, and must not do so again.
+    savepoint once, and must not do so again. Messages up to offset ``careful_to`` run with a
+    savepoint each: an optimistic batch of theirs (no savepoints, statements pipelined) failed,
+    and which of them failed is learnt only that way.
     """
 
     backlog: deque[M] = field(default_factory=deque)
@@ -64,6 +66,7 @@ class Partition(Tries, Generic[M]):
     committed: int | None = None
     isolated_to: int = -1
     alone_at: int = -1
+    careful_to: int = -1
     ahead: dict[int, Tries] = field(default_factory=dict)
 
     def finish(self, offset: int, next_head: int | None = None) -> None:

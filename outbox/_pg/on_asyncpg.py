@@ -94,6 +94,7 @@ class AsyncpgTransaction(AsyncTransaction):
         self.connection = connection
         self._pooled = False
         self._unit = ""
+        self._pipeline = None  # asyncpg has no pipeline: an optimistic batch needs psycopg
         self._adapter = adapter
         self._pg: Any = adapter.driver_connection
         self._saved_level: Any = None

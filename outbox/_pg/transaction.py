@@ -236,7 +236,9 @@ class Transaction:
     a session-level lock.
     """
 
-    __slots__ = ("_cancel", "_driver", "_pooled", "_saved_autocommit", "_unit", "connection")
+    __slots__ = (
+        "_cancel", "_driver", "_pipeline", "_pooled", "_saved_autocommit", "_unit", "connection",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -254,6 +256,8 @@ class Transaction:
         )
         # The claim's token (see outbox._pg.statements.UNIT_SETTING), new at every begin.
         self._unit = ""
+        # psycopg's pipeline while statements are pipelined (start_pipeline, end_pipeline).
+        self._pipeline: contextlib.AbstractContextManager[Any] | None = None
 
     @classmethod
     def open(cls, engine: Engine, *, pooled: bool = False) -> Transaction:
@@ -379,10 +383,29 @@ class Transaction:
         driver = self._driver
         if driver.broken or driver.closed or self.connection.invalidated:
             return False
-        return driver.pgconn.transaction_status in (
-            pq.TransactionStatus.INTRANS,
-            pq.TransactionStatus.INERROR,
-        )
+        status = driver.pgconn.transaction_status
+        if self._pipeline is not None and status == pq.TransactionStatus.ACTIVE:
+            return True  # statements in flight: what became of them is known at the sync
+        return status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
+    def start_pipeline(self) -> None:
+        """Pipeline what is sent from now on (psycopg's pipeline mode): a statement returns
+        once sent, without waiting for its answer, unless its rows are read. A failed
+        statement's error may then surface in a later statement, or at :meth:`end_pipeline`:
+        which statement failed is not known."""
+        pipeline = self._driver.pipeline()
+        pipeline.__enter__()
+        self._pipeline = pipeline
+
+    def end_pipeline(self) -> None:
+        """Wait for every pipelined statement; raises the error of one that failed."""
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is None:
+            return
+        try:
+            pipeline.__exit__(None, None, None)
+        except psycopg.Error as exc:
+            raise self._translate("(pipelined statements)", {}, exc) from exc
 
     # failed() answers without a round trip: savepoints can be shared (savepoint_chunk).
     tells_failures = True
@@ -578,6 +601,9 @@ class Transaction:
         connection = self.connection
         self._stop_server_work()
         try:
+            if self._pipeline is not None:
+                with contextlib.suppress(psycopg.Error, sa.exc.DBAPIError):  # rolled back below
+                    self.end_pipeline()
             if not connection.invalidated:
                 connection.info[_GUARDED] = False
                 if connection.info.pop(_ENDED, False):

@@ -263,7 +263,9 @@ class AsyncTransaction:
     a session-level lock.
     """
 
-    __slots__ = ("_cancel", "_driver", "_pooled", "_saved_autocommit", "_unit", "connection")
+    __slots__ = (
+        "_cancel", "_driver", "_pipeline", "_pooled", "_saved_autocommit", "_unit", "connection",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -281,6 +283,8 @@ class AsyncTransaction:
         )
         # The claim's token (see outbox._pg.statements.UNIT_SETTING), new at every begin.
         self._unit = ""
+        # psycopg's pipeline while statements are pipelined (start_pipeline, end_pipeline).
+        self._pipeline: contextlib.AbstractAsyncContextManager[Any] | None = None
 
     @classmethod
     async def open(cls, engine: AsyncEngine, *, pooled: bool = False) -> AsyncTransaction:
@@ -406,10 +410,29 @@ class AsyncTransaction:
         driver = self._driver
         if driver.broken or driver.closed or self.connection.invalidated:
             return False
-        return driver.pgconn.transaction_status in (
-            pq.TransactionStatus.INTRANS,
-            pq.TransactionStatus.INERROR,
-        )
+        status = driver.pgconn.transaction_status
+        if self._pipeline is not None and status == pq.TransactionStatus.ACTIVE:
+            return True  # statements in flight: what became of them is known at the sync
+        return status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
+    async def start_pipeline(self) -> None:
+        """Pipeline what is sent from now on (psycopg's pipeline mode): a statement returns
+        once sent, without waiting for its answer, unless its rows are read. A failed
+        statement's error may then surface in a later statement, or at :meth:`end_pipeline`:
+        which statement failed is not known."""
+        pipeline = self._driver.pipeline()
+        await pipeline.__aenter__()
+        self._pipeline = pipeline
+
+    async def end_pipeline(self) -> None:
+        """Wait for every pipelined statement; raises the error of one that failed."""
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is None:
+            return
+        try:
+            await pipeline.__aexit__(None, None, None)
+        except psycopg.Error as exc:
+            raise await self._translate("(pipelined statements)", {}, exc) from exc
 
     # failed() answers without a round trip: savepoints can be shared (savepoint_chunk).
     tells_failures = True
@@ -605,6 +628,9 @@ class AsyncTransaction:
         connection = self.connection
         self._stop_server_work()
         try:
+            if self._pipeline is not None:
+                with contextlib.suppress(psycopg.Error, sa.exc.DBAPIError):  # rolled back below
+                    await self.end_pipeline()
             if not connection.invalidated:
                 connection.info[_GUARDED] = False
                 if connection.info.pop(_ENDED, False):

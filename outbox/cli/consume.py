@@ -102,6 +102,17 @@ def register(subparsers: Any) -> None:
         "message then sends the others of its chunk to the next batch "
         f"(default {ConsumerConfig.savepoint_chunk})",
     )  # fmt: skip
+    p.add_argument(
+        "--concurrency", type=int, default=ConsumerConfig.concurrency,
+        help="messages in flight at once, each in a transaction of its own: a partition's "
+        "messages of different Kafka keys run concurrently, those of one key in order "
+        f"(default {ConsumerConfig.concurrency})",
+    )  # fmt: skip
+    p.add_argument(
+        "--optimistic", action="store_true",
+        help="run a batch's handlers without savepoints, their statements pipelined; a failure "
+        "runs the batch again with a savepoint per message (handlers must be safe to run twice)",
+    )  # fmt: skip
     add_flags(p, CONSUMER_METRICS_PORT, "metrics_host", "trace_context", "log_level")
     p.set_defaults(func=command)
 
@@ -126,6 +137,8 @@ def config_from_args(args: argparse.Namespace) -> ConsumerConfig:
         batch_size=batch_size,
         batch_wait=args.batch_wait,
         savepoint_chunk=args.savepoint_chunk,
+        concurrency=args.concurrency,
+        optimistic=args.optimistic,
         trace_context=args.trace_context,
     ).validate()
 

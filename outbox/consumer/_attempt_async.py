@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from outbox._core import validate as _validate
+from outbox._core.batching import Abandoned
 from outbox._core.deadletter import DeadLetter, Reason
 from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
 from outbox._core.failures import is_permanent
@@ -168,17 +169,20 @@ class AsyncVerdicts(ABC):
         tries: Tries,
         key: str,
         enter: Callable[[], AbstractAsyncContextManager[_Unit]],
+        optimistic: bool = False,
     ) -> Outcome:
         """Run the handler for ``message`` in the unit ``enter()`` opens for ``key`` (a unit of
         work, or a guard's claim), store its result there, and carry out the verdict. The unit
         stores the outcome when it ends: a result, a permanent failure, or nothing (released).
+        ``optimistic`` (a unit of an optimistic batch): any failure raises
+        :class:`~outbox._core.batching.Abandoned` instead, with no verdict carried out.
 
         With tracing on (:mod:`outbox._otel`) all of it runs in the message's ``process`` span:
         the handler's spans and the events it publishes join it."""
         if spans is None:
-            return await self._attempt(message, tries, key, enter, None)
+            return await self._attempt(message, tries, key, enter, None, optimistic)
         with spans.process(message, self.config.group, self._link) as span:
-            outcome = await self._attempt(message, tries, key, enter, span)
+            outcome = await self._attempt(message, tries, key, enter, span, optimistic)
             spans.processed(span, outcome.value)
             return outcome
 
@@ -189,6 +193,7 @@ class AsyncVerdicts(ABC):
         key: str,
         enter: Callable[[], AbstractAsyncContextManager[_Unit]],
         span: Any,
+        optimistic: bool,
     ) -> Outcome:
         sent = replayed = False
         answered: str | None = None
@@ -201,7 +206,7 @@ class AsyncVerdicts(ABC):
                     try:
                         result = await self._call(unit, message)
                     except BaseException as exc:
-                        if not is_permanent(exc, self._permanent_errors):
+                        if optimistic or not is_permanent(exc, self._permanent_errors):
                             raise
                         # Dead-letter while the key is still held, before the unit records the
                         # failure by the same rule: a key recorded as failed has always been
@@ -211,10 +216,14 @@ class AsyncVerdicts(ABC):
                         raise
                     store_result(unit, result)
         except Carried as exc:
+            if optimistic:
+                raise Abandoned() from exc.error
             if span is not None:
                 spans.failed(span, exc.error)
             return await self.dispose(message, tries, exc.error, key=key)
         except Exception as exc:
+            if optimistic:
+                raise Abandoned() from exc
             if span is not None and not isinstance(exc, KeyInProgress):  # a wait, not an error
                 spans.failed(span, exc)
             return await self.dispose(message, tries, exc, key=key, dead_lettered=sent)
@@ -427,14 +436,16 @@ class AsyncAttempts(AsyncVerdicts):
         key: str,
         fingerprint: str | None,
         units: AsyncOutbox | AsyncBatch,
+        optimistic: bool = False,
     ) -> Outcome:
         """Run ``message``'s unit of work (its own, or one of a batch) and carry out the
-        verdict."""
+        verdict; ``optimistic``: see :meth:`attempt`."""
         return await self.attempt(
             message,
             tries,
             key,
             lambda: units.unit_of_work(key, scope=self._scope, fingerprint=fingerprint),
+            optimistic,
         )
 
     async def _call(self, unit: Any, message: Message) -> Any:

@@ -3,20 +3,22 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 
 from outbox._core import claim
-from outbox._core.batching import Entry, Fate, MicroBatch, Slice
+from outbox._core.batching import Abandoned, Entry, Fate, MicroBatch, Slice
 from outbox._core.disposition import Failure, Outcome
-from outbox._core.offsets import TP, Assignment, Partition
+from outbox._core.offsets import TP, Assignment, Partition, Tries
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
 from outbox._pg.errors import database_unavailable
 from outbox.config import ConsumerConfig
 from outbox.consumer._attempt import Attempts, Carried, GuardedAttempts
+from outbox.consumer._lanes import lanes_of, run_lanes
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.errors import KeyReuseError, PreviouslyFailed
 from outbox.uow._batch import Batch
@@ -53,6 +55,10 @@ class MicroBatches:
         """One micro-batch. ``mb.moved`` is False when nothing moved; ``mb.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
         mb = MicroBatch(time.perf_counter())
+        if self.config.concurrency > 1:
+            self._run_lanes(mb, plan)
+            self._record(mb)
+            return mb
         slices = []
         for tp, state, messages in plan:
             sl = self._read(mb, Slice(tp, state, []), messages)
@@ -127,6 +133,55 @@ class MicroBatches:
             mb.dead_lettered.add(sl.tp)
         return True
 
+    def _run_lanes(
+        self, mb: MicroBatch, plan: list[tuple[TP, Partition[Message], list[Message]]]
+    ) -> None:
+        """Key-ordered concurrency: every message in a unit of work of its own (as with
+        ``batch_size=1``), up to ``concurrency`` at once; a partition's messages of one Kafka
+        key in offset order, a lane stopping at its first message to be tried again. Then each
+        partition's messages are finished in offset order up to the first that is not: its
+        offset is the watermark below which every message is done."""
+        slices: list[Slice[Message]] = []
+        lanes: list[list[tuple[Slice[Message], Entry[Message], Tries]]] = []
+        for tp, state, messages in plan:
+            sl = Slice(tp, state, [Entry(m, coordinates(m)[2]) for m in messages])
+            slices.append(sl)
+            # Tries are taken here, before any lane runs: the lanes never change the dict.
+            queued = [(sl, e, state.tries(e.offset, sl.is_head(e))) for e in sl.entries]
+            lanes += lanes_of(queued, lambda q: q[1].message.key())
+
+        def lane(queued: list[tuple[Slice[Message], Entry[Message], Tries]]) -> None:
+            for sl, entry, tries in queued:
+                if (
+                    self._stopping.is_set()
+                    or self._partitions.get(sl.tp) is not sl.state
+                    or tries.retry_at > time.monotonic()
+                ):
+                    return  # stopping, revoked, or waiting for its retry: the lane stops
+                self._beat()
+                started = time.perf_counter()
+                try:
+                    entry.outcome = self._attempts.apply(entry.message, tries)
+                finally:
+                    self._metrics.attempted(
+                        self.config.group, sl.tp[0], entry.outcome, time.perf_counter() - started
+                    )
+                mb.moved = True
+                if entry.outcome is Outcome.RETRY:
+                    return  # the key's later messages wait for it
+
+        run_lanes([functools.partial(lane, q) for q in lanes], self.config.concurrency)
+        for sl in slices:
+            if self._partitions.get(sl.tp) is not sl.state:
+                continue  # revoked meanwhile: the new owner replays whatever committed
+            for entry in sl.entries:
+                if entry.outcome is None or entry.outcome is Outcome.RETRY:
+                    break  # the messages after it that finished are replays when they come again
+                mb.alone += 1
+                self._pop(sl, entry)
+                if entry.outcome is Outcome.DEAD_LETTERED:
+                    mb.dead_lettered.add(sl.tp)
+
     def _answer_from_cache(self, mb: MicroBatch, sl: Slice[Message]) -> None:
         """Duplicates the Redis fast path knows: no transaction for them."""
         for i, entry in enumerate(sl.entries):
@@ -165,10 +220,17 @@ class MicroBatches:
         if not todo:
             return
         mb.moved = True
+        # Optimistic: no savepoints, statements pipelined -- unless a message of the batch is
+        # one an optimistic batch failed for, which must learn whose failure it was.
+        optimistic = (
+            self.config.optimistic
+            and not attempts.batch_form
+            and all(e.offset > sl.state.careful_to for sl in slices for e in sl.entries)
+        )
         try:
             batch = Batch.open(
                 attempts.outbox, self._scope, [e.key for e in todo],
-                chunk=self.config.savepoint_chunk,
+                chunk=self.config.savepoint_chunk, optimistic=optimistic,
             )  # fmt: skip
         except Exception as exc:
             self._batch_failed(slices, exc)
@@ -178,14 +240,38 @@ class MicroBatches:
                 self._run_group(mb, attempts, batch, slices)
             else:
                 self._run_each(mb, attempts, batch, slices)
-            if batch.usable():
+            if batch.abandoned:
+                self._abandon(slices)
+            elif batch.usable():
                 try:
                     batch.commit()
                 except Exception as exc:
-                    self._batch_failed(slices, exc)
+                    if optimistic and not database_unavailable(exc):
+                        self._abandon(slices)
+                    else:
+                        self._batch_failed(slices, exc)
         finally:
             batch.close()
         mb.committed = batch.committed
+
+    def _abandon(self, slices: list[Slice[Message]]) -> None:
+        """An optimistic batch failed (a handler, or a pipelined statement whose message is not
+        known): nothing of it was recorded or sent. Each partition's share runs again from its
+        first message the batch held, with a savepoint per message; no attempt is counted."""
+        held = 0
+        for sl in slices:
+            first = next(
+                (i for i, e in enumerate(sl.entries) if e.fate in (Fate.OPEN, Fate.PENDING)),
+                None,
+            )
+            if first is None:
+                continue
+            held += len(sl.entries) - first
+            sl.state.careful_to = max(sl.state.careful_to, sl.entries[-1].offset)
+            del sl.entries[first:]
+        log.info(
+            "an optimistic batch failed; its %d messages run again with a savepoint each", held
+        )
 
     def _run_each(
         self,
@@ -209,6 +295,8 @@ class MicroBatches:
                     break
                 self._beat()
                 placed = self._run_one(mb, attempts, batch, sl, entry)
+                if batch.abandoned:
+                    return  # every partition's share runs again: see _abandon
                 lost = batch.take_lost()
                 if lost:
                     # It failed in the savepoint it shared with them: they run again in the
@@ -246,7 +334,14 @@ class MicroBatches:
         """Run one message in a savepoint of ``batch`` and place it; False when its partition
         stops there."""
         tries = sl.state.tries(entry.offset, sl.is_head(entry))
-        outcome = attempts.run(entry.message, tries, entry.key, entry.fingerprint, batch)
+        # Only a key whose work runs can fail for a reason not known without the database.
+        optimistic = batch.optimistic and batch.lookup(entry.key).runnable
+        try:
+            outcome = attempts.run(
+                entry.message, tries, entry.key, entry.fingerprint, batch, optimistic
+            )
+        except Abandoned:
+            return False  # the batch is given up: see _abandon
         return self._place(mb, sl, entry, outcome)
 
     def _run_group(

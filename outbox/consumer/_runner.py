@@ -101,8 +101,13 @@ class ConsumerRunner:
     ``outbox`` is an :class:`~outbox.uow.Outbox`, or an
     :class:`~outbox.guard.RedisGuard` for handlers whose effects are not in
     PostgreSQL: the handler is then ``handler(claim, message)``, each message runs under a claim
-    of its key, one at a time (``batch_size`` must be 1, its default there), and no batch
-    handler is taken.
+    of its key, one at a time (``batch_size`` must be 1, its default there, unless
+    ``concurrency`` is above 1), and no batch handler is taken.
+
+    ``concurrency=N`` (default 1) runs up to N messages at once, each in a unit of work of its
+    own: a partition's messages of different Kafka keys concurrently (asyncio tasks here,
+    threads in the sync runner), those of one key in offset order; a partition's offset moves
+    only past messages that are all finished.
 
     ``ConsumerRunner(outbox, handler, topics=[...], group="billing",
     bootstrap_servers=..., kafka_config={...}, key_header=..., max_attempts=5,
@@ -189,6 +194,16 @@ class ConsumerRunner:
             _check_guarded(self.config, handler)
             self.guard = outbox
         else:
+            if self.config.concurrency > 1 and getattr(handler, BATCH_HANDLER, False):
+                raise ConfigurationError(
+                    f"concurrency={self.config.concurrency} runs each message in a unit of work "
+                    "of its own: a @batch_handler needs concurrency=1"
+                )
+            if self.config.optimistic and not getattr(outbox._transactions, "tells_failures", True):
+                raise ConfigurationError(
+                    "optimistic=True needs a psycopg engine (postgresql+psycopg://): it "
+                    "pipelines the handlers' statements, which asyncpg cannot"
+                )
             if self.config.savepoint_chunk > 1 and not getattr(
                 outbox._transactions, "tells_failures", True
             ):
@@ -515,11 +530,12 @@ def consume(
 def _check_guarded(config: ConsumerConfig, handler: object) -> None:
     """Refuse what a runner under the Redis guard cannot do: there is no transaction for
     messages to share, so no micro-batches and no batch handler."""
-    if config.batch_size != 1:
+    if config.batch_size != 1 and config.concurrency == 1:
         raise ConfigurationError(
             f"a runner with a Redis guard handles one message at a time: batch_size must be 1, "
             f"got {config.batch_size} (micro-batches share a PostgreSQL transaction, which a "
-            "guard does not have)"
+            "guard does not have; with concurrency above 1, batch_size is how many messages a "
+            "turn takes, each under a claim of its own)"
         )
     if getattr(handler, BATCH_HANDLER, False):
         raise ConfigurationError(

@@ -112,6 +112,12 @@ class AsyncBatch:
       whole chunk back: the chunk's other units of work are then *lost* -- not recorded, their
       keys not to be used again in this batch -- and :meth:`take_lost` names them, so that the
       caller runs them again in another batch.
+    * ``open(..., optimistic=True)`` sets no savepoint between units of work and pipelines
+      their statements (a statement returns once sent; psycopg only): a message that writes
+      costs no round trip of its own unless it reads rows. Any failure of a unit of work (or of
+      a pipelined statement, which may surface in a later one: whose it was is not known)
+      makes the batch :attr:`abandoned`: nothing of it is recorded, and its caller closes it
+      and runs its messages again in batches with a savepoint each.
     * :meth:`commit` writes every key's final row and every outbox row in one statement and
       commits in the same round trip, after the last unit of work's business writes took their
       locks (as a single unit of work does); the outcomes go to Redis only after the commit.
@@ -127,9 +133,12 @@ class AsyncBatch:
         tx: AsyncTransaction,
         lookups: dict[str, KeyLookup],
         chunk: int = 1,
+        optimistic: bool = False,
     ) -> None:
         self._outbox = outbox
         self.chunk = chunk
+        self.optimistic = optimistic
+        self.abandoned = False  # an optimistic batch's unit of work failed: it cannot commit
         # Units of work that ended well in the current savepoint, not staged yet (it may still
         # be rolled back); whether any of them touched the connection; and the keys of units of
         # work lost with a savepoint since take_lost() last asked.
@@ -157,11 +166,18 @@ class AsyncBatch:
 
     @classmethod
     async def open(
-        cls, outbox: AsyncOutbox, scope: str, keys: list[str], *, chunk: int = 1
+        cls,
+        outbox: AsyncOutbox,
+        scope: str,
+        keys: list[str],
+        *,
+        chunk: int = 1,
+        optimistic: bool = False,
     ) -> AsyncBatch:
         """Begin the batch's transaction, take every key's lock and read every key's outcome
         (``keys``: distinct, already validated) in one round trip; raises what the database
-        raised (nothing is held then). ``chunk``: units of work per savepoint."""
+        raised (nothing is held then). ``chunk``: units of work per savepoint; ``optimistic``:
+        none between them, their statements pipelined."""
         if len(set(keys)) != len(keys):
             raise ConfigurationError("a batch claims each key once")
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
@@ -179,6 +195,8 @@ class AsyncBatch:
                 },
                 savepoint=True,
             )
+            if optimistic:
+                await tx.start_pipeline()
         except BaseException:
             await tx.close()
             raise
@@ -190,7 +208,7 @@ class AsyncBatch:
         for key, acquired in zip(keys, locks[0][0], strict=True):
             outcome, age = stored.get(key, (None, None))
             lookups[key] = KeyLookup(bool(acquired), outcome, age)
-        return cls(outbox, scope, tx, lookups, chunk)
+        return cls(outbox, scope, tx, lookups, chunk, optimistic)
 
     def lookup(self, key: str) -> KeyLookup:
         """What the batch's lookup learned about ``key`` (one of the keys it was opened with)."""
@@ -198,7 +216,7 @@ class AsyncBatch:
 
     def usable(self) -> bool:
         """True while more units of work can run and the batch can still commit."""
-        return self._tx is not None and self._tx.usable()
+        return self._tx is not None and not self.abandoned and self._tx.usable()
 
     def full(self) -> bool:
         """True once the batch released :data:`MAX_SAVEPOINTS` savepoints that wrote: another
@@ -260,6 +278,9 @@ class AsyncBatch:
         tx = self._tx
         assert tx is not None
         touched = any(u.touched for u in units)
+        if self.optimistic:
+            await self._end_optimistic(units, exc, tx)
+            return
         if exc is None:
             try:
                 done = [await uow.complete() for uow in units]
@@ -288,6 +309,24 @@ class AsyncBatch:
             self._stage(uow.key, claim.STATUS_FAILED, uow.fingerprint, None, None,
                         claim.failure_text(exc))  # fmt: skip
 
+    async def _end_optimistic(
+        self, units: list[AsyncBatchUnitOfWork], exc: BaseException | None, tx: AsyncTransaction
+    ) -> None:
+        """End ``units`` of an optimistic batch: kept for the commit, or the batch abandoned
+        (no rollback here: the whole transaction goes when the batch is closed)."""
+        try:
+            if exc is None and not tx.failed():
+                done = [await uow.complete() for uow in units]
+                self.staged_bytes += sum(len(e.value or b"") for d in done for e in d.events)
+                self._pending.extend(done)
+                return
+            self.abandoned = True
+        except BaseException:
+            self.abandoned = True
+            raise
+        finally:
+            await _close(units)
+
     async def _roll_back(self, units: list[AsyncBatchUnitOfWork], touched: bool) -> None:
         try:
             await _close(units)
@@ -308,7 +347,7 @@ class AsyncBatch:
     async def _make_room(self) -> None:
         """Before a unit of work begins: a full chunk's savepoint is released and the next one
         set (one round trip; none if the chunk wrote nothing), and its units of work staged."""
-        if len(self._pending) < self.chunk:
+        if self.optimistic or len(self._pending) < self.chunk:
             return
         tx = self._tx
         if self._dirty and tx is not None:
@@ -351,6 +390,12 @@ class AsyncBatch:
         tx = self._tx
         if tx is None:
             raise ConfigurationError("the batch has ended")
+        if self.abandoned:
+            raise ConfigurationError("an abandoned batch cannot commit")
+        if self.optimistic:
+            await tx.end_pipeline()  # raises the error of a pipelined statement that failed
+            if tx.failed():
+                raise ConfigurationError("a statement failed in the optimistic batch")
         self._stage_pending()  # COMMIT releases the last savepoint
         if not self._keys:
             await tx.finish()  # nothing to write: no statement, no COMMIT record to wait for

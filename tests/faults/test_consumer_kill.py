@@ -316,18 +316,22 @@ STORM_KILLS = int(os.environ.get("OUTBOX_TEST_KILL_STORM", "20"))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "savepoints", [["--savepoint-chunk", "16"], ["--optimistic"]], ids=["chunks", "optimistic"]
+)
 def test_a_storm_of_kills_on_chunked_savepoints_leaves_one_effect_per_key(
     kafka_bootstrap: str,
     database_url: str,
     engine: sa.Engine,
     private_redis: Any,
     fleet: Callable[[list[str]], Fleet],
+    savepoints: list[str],
 ) -> None:
-    """One consumer with 16 messages per savepoint, SIGKILLed and restarted STORM_KILLS times
-    as soon as its effects grew past the last kill's count, so that every kill lands while
-    micro-batches are in flight; poison messages fail after writing, so each rolls its chunk
-    back among them. Still every good key has exactly one effect and every offset is
-    committed."""
+    """One consumer with 16 messages per savepoint (or optimistic batches: none, statements
+    pipelined), SIGKILLed and restarted STORM_KILLS times as soon as its effects grew past the
+    last kill's count, so that every kill lands while micro-batches are in flight; poison
+    messages fail after writing, so each rolls its chunk back among them (gives its optimistic
+    batch up). Still every good key has exactly one effect and every offset is committed."""
     rng = random.Random(41)
     good, poison, keyless, duplicates = 2000, 20, 10, 400
     topic = f"storm-{uuid.uuid4().hex[:10]}"
@@ -342,7 +346,7 @@ def test_a_storm_of_kills_on_chunked_savepoints_leaves_one_effect_per_key(
         OUTBOX_BIN, "consume", f"{__name__}:handle_after_writing", "--topic", topic,
         "--group", group, "--database-url", database_url, "--redis-url", private_redis().url,
         "--bootstrap-servers", kafka_bootstrap, "--log-level", "WARNING",
-        "--batch-size", "200", "--savepoint-chunk", "16",
+        "--batch-size", "200", *savepoints,
     ]  # fmt: skip
     for name, value in KAFKA.items():
         command += ["--kafka-config", f"{name}={value}"]
