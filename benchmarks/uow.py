@@ -735,8 +735,8 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
     header = (
         f"{'workers':>7} | {'bare/s':>7} {'floor/s':>7} | {'uow/s':>7} {'p50 ms':>6} "
         f"{'p99 ms':>6} | {'/bare':>5} {'/floor':>6} | {'no Redis':>8} {'/floor':>6} | "
-        f"{'no wake':>7} {'/floor':>6} | {'joined':>7} {'/floor':>6} | {'j no R':>7} {'/floor':>6} | "
-        f"{'by hand':>7} {'/floor':>6}"
+        f"{'no wake':>7} {'/floor':>6} | {'joined':>7} {'/floor':>6} | "
+        f"{'j no R':>7} {'/floor':>6} | {'by hand':>7} {'/floor':>6}"
     )
     print(header)
     print("-" * len(header))

@@ -102,7 +102,8 @@ RULES: list[Rule] = [
     ),
     Rule(r"^from sqlalchemy\.ext\.asyncio import AsyncEngine$", "from sqlalchemy import Engine"),
     Rule(
-        r"^from sqlalchemy\.ext\.asyncio import AsyncConnection$", "from sqlalchemy import Connection"
+        r"^from sqlalchemy\.ext\.asyncio import AsyncConnection$",
+        "from sqlalchemy import Connection",
     ),
     Rule(
         r"^from sqlalchemy\.ext\.asyncio import AsyncConnection, AsyncSession$",
