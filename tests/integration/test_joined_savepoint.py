@@ -96,3 +96,19 @@ def test_a_failed_caller_transaction_is_reported(
         error = asyncio.run(run())
     assert type(error.orig).__name__ == "InFailedSqlTransaction"
     assert count(engine, "idempotency_keys") == 0
+
+
+def test_a_large_final_statement_is_bound_and_the_savepoint_released(engine: sa.Engine) -> None:
+    """Events beyond the literals' limit go bound by the driver, the release in a message of its
+    own; a unit of work after it in the same transaction still has its own savepoint."""
+    create_orders(engine)
+    value = b"\x00\xff" * 40_000  # 80 KB of bytes no text literal could carry as such
+    with outbox.Outbox(engine) as ob, engine.begin() as conn:
+        with ob.unit_of_work("large", connection=conn) as uow:
+            uow.publish("t", value)
+        with pytest.raises(ValueError), ob.unit_of_work("next", connection=conn):
+            conn.execute(INSERT_ORDER, {"k": "dropped"})
+            raise ValueError("transient")
+    assert rows(engine, "SELECT value FROM outbox") == [(value,)]
+    assert rows(engine, "SELECT key FROM idempotency_keys") == [("large",)]
+    assert count(engine, "orders") == 0
