@@ -397,10 +397,13 @@ async def _async_phase(
                 return
             n += 1
             params = {"customer": prefix, "amount": n}
-            if mode == "bare":
+            if mode in ("bare", "floor"):
                 async with engine.begin() as conn:
                     await conn.execute(BUSINESS_INSERT, params)
                     await conn.execute(BARE_OUTBOX_INSERT, bare_outbox_params(prefix))
+                    if mode == "floor":
+                        key = {"scope": "bench", "key": f"{prefix}-{n}"}
+                        await conn.execute(FLOOR_KEY_INSERT, key)
             elif mode == "joined":
                 async with (
                     engine.begin() as conn,
@@ -438,8 +441,7 @@ async def _async_once(mode: str, engine: Any, aob: Any, prefix: str, i: int) -> 
             await uow.connection.execute(BUSINESS_INSERT, params)
             uow.publish("orders.created", VALUE, key=prefix)
             uow.result = {"order": i}
-    while after_commit._tasks:  # the read-back and cache write of a joined unit
-        await asyncio.gather(*list(after_commit._tasks))
+    await after_commit.settle(aob._joined._writes)  # the read-back and cache write of a joined unit
 
 
 async def async_unit_costs(
@@ -484,28 +486,35 @@ async def async_benchmark(url: str, sync_engine: sa.Engine, args: argparse.Names
     """The asyncio flavour in one process: bare async transactions, units of work, joined."""
     counts = [int(c) for c in args.tasks.split(",")]
     engine = create_async_engine(url, pool_size=max(counts), max_overflow=0)
-    aob = outbox.AsyncOutbox(engine)
-    print(f"asyncio: {args.seconds:g}s per phase, best of {args.rounds} alternating rounds")
+    aob = outbox.AsyncOutbox(
+        engine,
+        redis_url=args.redis_url,
+        config=outbox.OutboxConfig(cache_prefix=f"bench-{uuid.uuid4().hex}"),
+    )
+    print(
+        f"asyncio: {args.seconds:g}s per phase, best of {args.rounds} alternating rounds "
+        "(units of work with Redis and wake-up on)"
+    )
     header = (
-        f"{'tasks':>7} | {'bare tx/s':>10} {'p50 ms':>7} {'p99 ms':>7} | "
-        f"{'uow/s':>10} {'p50 ms':>7} {'p99 ms':>7} | {'uow/bare':>8} | "
-        f"{'joined/s':>9} {'/owned':>6}"
+        f"{'tasks':>7} | {'bare tx/s':>10} {'p50 ms':>7} {'p99 ms':>7} | {'floor/s':>8} | "
+        f"{'uow/s':>10} {'p50 ms':>7} {'p99 ms':>7} | {'uow/bare':>8} {'/floor':>6} | "
+        f"{'joined/s':>9} {'/owned':>6} {'/floor':>6}"
     )
     print(header)
     print("-" * len(header))
     for tasks in counts:
         best: dict[str, tuple[float, float, float]] = {}
         for _ in range(args.rounds):
-            for mode in ("bare", "uow", "joined"):
+            for mode in ("bare", "floor", "uow", "joined"):
                 truncate(sync_engine)
                 res = await _async_phase(mode, engine, aob, tasks, args.seconds)
                 if mode not in best or res[0] > best[mode][0]:
                     best[mode] = res
-        b, u, j = best["bare"], best["uow"], best["joined"]
+        b, f, u, j = best["bare"], best["floor"][0], best["uow"], best["joined"]
         print(
-            f"{tasks:>7} | {b[0]:>10.0f} {b[1] * 1e3:>7.2f} {b[2] * 1e3:>7.2f} | "
-            f"{u[0]:>10.0f} {u[1] * 1e3:>7.2f} {u[2] * 1e3:>7.2f} | {u[0] / b[0]:>8.2f} | "
-            f"{j[0]:>9.0f} {j[0] / u[0]:>6.2f}",
+            f"{tasks:>7} | {b[0]:>10.0f} {b[1] * 1e3:>7.2f} {b[2] * 1e3:>7.2f} | {f:>8.0f} | "
+            f"{u[0]:>10.0f} {u[1] * 1e3:>7.2f} {u[2] * 1e3:>7.2f} | {u[0] / b[0]:>8.2f} "
+            f"{u[0] / f:>6.2f} | {j[0]:>9.0f} {j[0] / u[0]:>6.2f} {j[0] / f:>6.2f}",
             flush=True,
         )
     truncate(sync_engine)
@@ -719,11 +728,15 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
         flush=True,
     )
     print()
-    modes = ("bare", "floor", "uow", "uow-no-redis", "uow-no-wakeup", "joined", "by hand")
+    modes = (
+        "bare", "floor", "uow", "uow-no-redis", "uow-no-wakeup", "joined", "joined-no-redis",
+        "by hand",
+    )  # fmt: skip
     header = (
         f"{'workers':>7} | {'bare/s':>7} {'floor/s':>7} | {'uow/s':>7} {'p50 ms':>6} "
         f"{'p99 ms':>6} | {'/bare':>5} {'/floor':>6} | {'no Redis':>8} {'/floor':>6} | "
-        f"{'no wake':>7} {'/floor':>6} | {'joined':>7} {'/floor':>6} | {'by hand':>7} {'/floor':>6}"
+        f"{'no wake':>7} {'/floor':>6} | {'joined':>7} {'/floor':>6} | "
+        f"{'j no R':>7} {'/floor':>6} | {'by hand':>7} {'/floor':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -740,19 +753,20 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
                     best[mode] = res
         b, f, u = best["bare"][0], best["floor"][0], best["uow"]
         r, w, j = best["uow-no-redis"][0], best["uow-no-wakeup"][0], best["joined"][0]
-        h = best["by hand"][0]
+        jr, h = best["joined-no-redis"][0], best["by hand"][0]
         print(
             f"{workers:>7} | {b:>7.0f} {f:>7.0f} | {u[0]:>7.0f} {u[1] * 1e3:>6.2f} "
             f"{u[2] * 1e3:>6.2f} | {u[0] / b:>5.2f} {u[0] / f:>6.2f} | {r:>8.0f} {r / f:>6.2f} | "
-            f"{w:>7.0f} {w / f:>6.2f} | {j:>7.0f} {j / f:>6.2f} | {h:>7.0f} {h / f:>6.2f}",
+            f"{w:>7.0f} {w / f:>6.2f} | {j:>7.0f} {j / f:>6.2f} | {jr:>7.0f} {jr / f:>6.2f} | "
+            f"{h:>7.0f} {h / f:>6.2f}",
             flush=True,
         )
         for mode in COUNTED:
             if mode in best:
                 ratios[mode].append(best[mode][0] / f)
-        for mode in ("floor", "uow", "uow-no-redis", "by hand"):
+        for mode in ("floor", "uow", "uow-no-redis", "joined", "joined-no-redis", "by hand"):
             _rate, _p50, _p99, usage, count = best[mode]
-            budgets.append(f"{workers:>7} | {mode:<12} | {usage.per(count, 1000)}")
+            budgets.append(f"{workers:>7} | {mode:<15} | {usage.per(count, 1000)}")
     truncate(engine)
     if cpu_available():
         # With every core busy, a rate is the cores over the machine's CPU time per unit: this

@@ -70,7 +70,11 @@ RULES: list[Rule] = [
     Rule(r"\brefuse_undeclared_async\b", "refuse_undeclared"),
     Rule(r"\brun_lanes_async\b", "run_lanes"),
     Rule(r"\bAsyncConsumerRunner\b", "ConsumerRunner"),
-    Rule(r"\bAsync(Attempts|MicroBatches|JoinedUnits|Outcomes|Verdicts|GuardedAttempts)\b", r"\1"),
+    Rule(
+        r"\bAsync(Attempts|MicroBatches|JoinedUnits|Outcomes|Verdicts|GuardedAttempts"
+        r"|DriverSavepoint)\b",
+        r"\1",
+    ),
     Rule(r"\bAsync(Guarded)?Handler\b", r"\1Handler"),
     Rule(r"\bAsyncKafkaConsumer\b", "KafkaConsumer"),
     Rule(r"\bAsyncDeadLetterProducer\b", "DeadLetterProducer"),
@@ -98,6 +102,10 @@ RULES: list[Rule] = [
         "from sqlalchemy import Connection, Engine",
     ),
     Rule(r"^from sqlalchemy\.ext\.asyncio import AsyncEngine$", "from sqlalchemy import Engine"),
+    Rule(
+        r"^from sqlalchemy\.ext\.asyncio import AsyncConnection$",
+        "from sqlalchemy import Connection",
+    ),
     Rule(
         r"^from sqlalchemy\.ext\.asyncio import AsyncConnection, AsyncSession$",
         "from sqlalchemy import Connection\nfrom sqlalchemy.orm import Session",

@@ -235,6 +235,8 @@ def idempotency_key_complete(schema: str | None, events: int, locks: int = 0) ->
 @dataclass(frozen=True)
 class JoinedStatements:
     idempotency_key_claim: sa.TextClause
+    # The same claim for a message of its own with the savepoint (outbox._pg.savepoint_async).
+    idempotency_key_claim_inline: Prepared
     idempotency_key_fail: sa.TextClause
     idempotency_key_relock: sa.TextClause
     idempotency_key_read: str  # driver-level SQL (outbox._pg.readback_async)
@@ -249,7 +251,19 @@ def _named(sql: str) -> str:
 def joined_statements(schema: str | None) -> JoinedStatements:
     schema = validate_schema_name(schema)
     keys = qualified(schema, IDEMPOTENCY_KEYS)
+    claim_inline = _prepared(
+        "outbox_key_claim_joined",
+        schema,
+        f"WITH lock AS (SELECT pg_try_advisory_xact_lock($1) AS acquired, "
+        f"{_unit_set('$4', append=True)}) "
+        "SELECT lock.acquired, k.status, k.fingerprint, k.result::text AS result, k.error, "
+        "EXTRACT(EPOCH FROM now() - k.updated_at)::float8 AS age "
+        f"FROM lock LEFT JOIN {keys} AS k ON k.scope = $2 AND k.key = $3",
+        ["bigint", "text", "text", "text"],
+        ["%(lock_id)s", "%(scope)s", "%(key)s", "%(unit)s"],
+    )
     return JoinedStatements(
+        idempotency_key_claim_inline=claim_inline,
         idempotency_key_claim=sa.text(
             "WITH lock AS (SELECT pg_try_advisory_xact_lock(:lock_id) AS acquired, "
             f"{_unit_set(':unit', append=True)}) "

@@ -26,8 +26,15 @@ from outbox._pg.errors import (
 )
 from outbox._pg.literals import untranslatable
 from outbox._pg.readback import KeyReader
+from outbox._pg.savepoint import (
+    INLINE_EVENTS,
+    INLINE_LIMIT,
+    DriverSavepoint,
+    driver_of,
+)
 from outbox._pg.statements import (
     JoinedStatements,
+    idempotency_key_complete,
     idempotency_key_complete_joined,
     joined_statements,
 )
@@ -102,8 +109,21 @@ class JoinedUnits:
         if self._pooled:
             check_caller(session, connection)
         unit = secrets.token_hex(8)
-        if session is not None:
-            savepoint: Any = session.begin_nested()
+        params = {"lock_id": lock_id, "scope": scope, "key": key, "unit": unit}
+        # A caller's connection on psycopg: the savepoint is set by the driver, in one message
+        # with the claim (outbox._pg.savepoint). A session's is its own begin_nested(),
+        # which its objects follow.
+        driver = driver_of(connection) if connection is not None else None
+        savepoint: Any
+        if driver is not None:
+            assert connection is not None
+            conn = connection
+            if not conn.in_transaction():
+                # What SQLAlchemy's autobegin does at a statement: its commit() then commits.
+                conn.begin()
+            savepoint = DriverSavepoint(conn, driver, unit)
+        elif session is not None:
+            savepoint = session.begin_nested()
             conn = session.connection()
         else:
             assert connection is not None
@@ -116,11 +136,12 @@ class JoinedUnits:
                 held = conn.execute(self._sql.idempotency_key_held, {"lock_id": lock_id})
                 if held.scalar():
                     raise KeyInProgress(scope, key)
-            result = conn.execute(
-                self._sql.idempotency_key_claim,
-                {"lock_id": lock_id, "scope": scope, "key": key, "unit": unit},
-            )
-            acquired, status, stored_fp, result_json, error, age = result.one()
+            if isinstance(savepoint, DriverSavepoint):
+                row = savepoint.open_with(self._sql.idempotency_key_claim_inline, params)
+            else:
+                result = conn.execute(self._sql.idempotency_key_claim, params)
+                row = result.one()
+            acquired, status, stored_fp, result_json, error, age = row
         except BaseException as exc:
             savepoint.rollback()
             if undefined_table(exc):
@@ -191,11 +212,24 @@ class JoinedUnits:
         cache and the relays hear of it after the caller commits."""
         try:
             done = uow.complete()
-            params, _size, locks = done.bind(self.config.schema)
+            params, size, locks = done.bind(self.config.schema)
             params["unit"] = joined.unit
-            statement = idempotency_key_complete_joined(self.config.schema, len(done.events), locks)
-            joined.connection.execute(statement, params)
-            joined.savepoint.commit()
+            savepoint = joined.savepoint
+            if (
+                isinstance(savepoint, DriverSavepoint)
+                and size <= INLINE_LIMIT
+                and len(done.events) <= INLINE_EVENTS
+            ):
+                # The final statement and the savepoint's release in one message.
+                final = idempotency_key_complete(self.config.schema, len(done.events), locks)
+                savepoint.release_with(final, params)
+            else:
+                # Large values go as binary parameters rather than quoted literals.
+                statement = idempotency_key_complete_joined(
+                    self.config.schema, len(done.events), locks
+                )
+                joined.connection.execute(statement, params)
+                savepoint.commit()
         except BaseException as exc:
             if joined.server is not None and not isinstance(exc, Exception):
                 # Interrupted, maybe while the final statement waited on an order lock: the

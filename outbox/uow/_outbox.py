@@ -402,12 +402,9 @@ class Outbox:
                 raise split_error() from exc
             raise
         uow.close()
-        if self.cache is not None:
-            self.cache.put(
-                uow.scope,
-                uow.key,
-                StoredOutcome(claim.STATUS_COMPLETED, uow.fingerprint, done.result_json, None),
-            )
+        # No cache write here: Redis learns a completed key lazily, from the first duplicate
+        # that PostgreSQL answers (Outcomes.replay_claimed), so a first attempt -- nearly
+        # all of a service's traffic -- pays Redis one read and nothing after its commit.
         if events and relay_idle is not False:  # a relay waits, or no probe was made
             self._notify()
 

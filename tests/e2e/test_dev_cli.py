@@ -74,12 +74,15 @@ def test_dev_brings_up_what_a_trial_needs_and_sigterm_stops_it_all(
     }
     assert _exports((home / "env").read_text()) == exports  # `source DIR/env` says the same
 
-    # The database is migrated and Redis answers: a unit of work commits and caches at once.
+    # The database is migrated and Redis answers: a unit of work commits, its first duplicate
+    # (answered by PostgreSQL) caches it, the next one is answered from Redis.
     outbox = Outbox(exports["OUTBOX_DATABASE_URL"], redis_url=exports["OUTBOX_REDIS_URL"])
     try:
         with outbox.unit_of_work("first-trial") as uow:
             event_id = uow.publish("trial.events", {"hello": "world"})
             uow.result = {"ok": True}
+        with outbox.unit_of_work("first-trial") as again:
+            assert again.replayed_from == "postgres" and again.result == {"ok": True}
         with outbox.unit_of_work("first-trial") as again:
             assert again.replayed_from == "redis" and again.result == {"ok": True}
     finally:

@@ -128,6 +128,10 @@ def test_a_duplicate_replays_the_stored_response_from_redis(
     assert stored[0][1]["status"] == 201
     assert json.loads(stored[0][1]["body"]) == order
 
+    # The first retry is answered from the key's row, which it caches.
+    retried = post(http_app, key, {"amount": 7})
+    assert retried.status_code == 201 and retried.content == first.content
+    assert retried.headers["idempotent-replayed"] == "true"
     cached = redis.Redis.from_url(redis_url).keys(f"*{redis_prefix}*")
     assert cached, "the committed response is in the cache"
     before = database_use(http_app)

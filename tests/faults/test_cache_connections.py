@@ -27,6 +27,7 @@ def test_a_connection_redis_closed_is_replaced_without_a_miss(
     server = private_redis()
     ob = make_outbox(server.url)
     assert place(ob, "c-1") == (False, {"order": "c-1"})
+    assert place(ob, "c-1") == (True, {"order": "c-1"})  # the first duplicate caches it
     _kill_clients(server.url)
     with watch(ob.engine) as activity:
         assert place(ob, "c-1") == (True, {"order": "c-1"})
@@ -44,6 +45,8 @@ def test_async_a_connection_redis_closed_is_replaced_without_a_miss(
         try:
             async with aob.unit_of_work("c-1") as uow:
                 uow.result = {"order": "c-1"}
+            async with aob.unit_of_work("c-1") as uow:  # the first duplicate caches it
+                assert uow.replayed_from == "postgres"
             _kill_clients(server.url)
             async with aob.unit_of_work("c-1") as uow:
                 source = uow.replayed_from

@@ -23,6 +23,7 @@ def ob(
 
 def test_duplicate_of_completed_key_touches_no_postgres(ob: outbox.Outbox) -> None:
     assert place(ob, "o-1") == (False, {"order": "o-1"})
+    assert place(ob, "o-1") == (True, {"order": "o-1"})  # PostgreSQL answers, Redis learns
     with watch(ob.engine) as activity:
         for _ in range(5):
             assert place(ob, "o-1") == (True, {"order": "o-1"})
@@ -54,6 +55,11 @@ def test_redis_is_written_only_after_the_commit(ob: outbox.Outbox) -> None:
         uow.connection.execute(INSERT_ORDER, {"k": "w-1", "a": 1})
         uow.result = {"done": True}
         assert ob.cache.client.exists(cache_key) == 0
+    # A first attempt writes nothing to Redis; its first duplicate, answered by PostgreSQL's
+    # committed row, does.
+    assert ob.cache.client.exists(cache_key) == 0
+    with ob.unit_of_work("w-1", scope="shop") as uow:
+        assert uow.replayed_from == "postgres"
     entry = json.loads(ob.cache.client.get(cache_key))
     assert entry["s"] == "completed" and json.loads(entry["r"]) == {"done": True}
     # A unit of work that does not commit leaves Redis untouched.
@@ -73,6 +79,7 @@ def test_ttl_is_configurable(
         min_redelivery_window=60.0,
     )
     place(ob, "t-1")
+    place(ob, "t-1")  # the first duplicate caches the outcome
     assert ob.cache is not None
     ttl_ms = ob.cache.client.pttl(ob.cache.redis_key("shop", "t-1"))
     assert 110_000 < ttl_ms <= 120_000

@@ -1,0 +1,135 @@
+"""A joined unit of work's savepoint on a caller's connection, set and ended by the driver
+in the same messages as the unit of work's own statements.
+
+``SAVEPOINT`` travels with the key's claim and ``RELEASE SAVEPOINT`` with the final statement
+(the simple query protocol, the parameters as literals: :mod:`outbox._pg.literals`), so a joined
+unit of work costs two round trips beside the caller's statements instead of four. SQLAlchemy
+does not see this savepoint: it is used only on a caller's *connection* (``connection=``), whose
+transaction SQLAlchemy keeps as it was, never with a session, whose objects must follow the
+savepoint's rollback (``session=`` keeps ``Session.begin_nested()``). Statements of the body
+run inside it as the caller sends them; a savepoint the body opens with ``begin_nested()`` ends
+within the body.
+
+The server skips what follows a failed statement of one message: a claim that fails leaves no
+savepoint set beyond the one rolled back here, a final statement that fails leaves the savepoint
+open, to be rolled back by :meth:`AsyncDriverSavepoint.rollback`.
+
+This asyncio module is the source; ``savepoint.py`` (the sync flavour) is generated from it by
+``tools/async_to_sync.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from psycopg import pq
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox._pg.literals import execute_text
+from outbox._pg.statements import Prepared
+
+# Up to this many bytes of event values (and events), a final statement goes as literals with
+# the savepoint's release; larger ones are bound by the driver, in binary.
+INLINE_LIMIT = 64 * 1024
+INLINE_EVENTS = 16
+
+
+async def driver_of(connection: AsyncConnection) -> psycopg.AsyncConnection[Any] | None:
+    """The psycopg connection under a caller's connection, or ``None``: another driver, a
+    connection SQLAlchemy no longer holds, or a client encoding other than UTF-8 (where a joined
+    unit of work's texts are bound by the driver, as the caller's own are, and refused with the
+    same error when the encoding cannot carry them: :func:`outbox._pg.literals.untranslatable`)."""
+    if connection.invalidated or connection.closed:
+        return None
+    raw = await connection.get_raw_connection()
+    driver = raw.driver_connection
+    if not isinstance(driver, psycopg.AsyncConnection) or driver.info.encoding != "utf-8":
+        return None
+    return driver
+
+
+class AsyncDriverSavepoint:
+    """A savepoint named after the unit of work's token, with the interface the unit of work
+    uses of SQLAlchemy's (``is_active``, ``commit()``, ``rollback()``)."""
+
+    __slots__ = ("_connection", "_driver", "_name", "is_active")
+
+    def __init__(
+        self, connection: AsyncConnection, driver: psycopg.AsyncConnection[Any], unit: str
+    ) -> None:
+        self._connection = connection
+        self._driver = driver
+        self._name = f"outbox_unit_{unit}".encode()
+        self.is_active = False
+
+    async def open_with(self, claim: Prepared, params: dict[str, Any]) -> tuple[Any, ...]:
+        """Set the savepoint and run ``claim`` in one message; return the claim's row. On a
+        failure the savepoint is rolled back (if it was set) before the error is raised."""
+        message = b"SAVEPOINT " + self._name + b"; " + self._text(claim, params)
+        driver = self._driver
+        # The SAVEPOINT runs unless the caller's transaction has failed already.
+        healthy = driver.pgconn.transaction_status != pq.TransactionStatus.INERROR
+        cursor = driver.cursor()
+        try:
+            await cursor.execute(message)
+        except psycopg.Error as exc:
+            self.is_active = healthy
+            with contextlib.suppress(Exception):
+                await self.rollback()
+            raise await self._translate(message, exc) from exc
+        except BaseException:
+            self.is_active = True  # interrupted: the caller's handler rolls back to it
+            raise
+        self.is_active = True
+        cursor.nextset()
+        row = await cursor.fetchone()
+        assert row is not None
+        return tuple(row)
+
+    async def release_with(self, final: Prepared, params: dict[str, Any]) -> None:
+        """Run ``final`` and release the savepoint in one message; on a failure the savepoint
+        stays open (the server skipped the ``RELEASE``)."""
+        message = self._text(final, params) + b"; RELEASE SAVEPOINT " + self._name
+        try:
+            await self._driver.execute(message)
+        except psycopg.Error as exc:
+            raise await self._translate(message, exc) from exc
+        self.is_active = False
+
+    async def commit(self) -> None:
+        """Release the savepoint (its work joins the caller's transaction)."""
+        await self._send(b"RELEASE SAVEPOINT " + self._name)
+        self.is_active = False
+
+    async def rollback(self) -> None:
+        """Roll back to the savepoint: its work goes, the caller's earlier work stays. Nothing
+        is sent on a connection that is gone (as SQLAlchemy's own savepoints do)."""
+        if not self.is_active:
+            return
+        self.is_active = False
+        driver = self._driver
+        if driver.closed or driver.broken or self._connection.invalidated:
+            return
+        await self._send(b"ROLLBACK TO SAVEPOINT " + self._name)
+
+    def _text(self, statement: Prepared, params: dict[str, Any]) -> bytes:
+        return execute_text(self._driver, statement, params, inline=True)
+
+    async def _send(self, message: bytes) -> None:
+        try:
+            await self._driver.execute(message)
+        except psycopg.Error as exc:
+            raise await self._translate(message, exc) from exc
+
+    async def _translate(self, message: bytes, exc: psycopg.Error) -> Exception:
+        """``exc`` as SQLAlchemy raises a driver's error; a broken connection is invalidated."""
+        broken = self._driver.broken or self._driver.closed
+        if broken:
+            await self._connection.invalidate(exc)
+        return sa.exc.DBAPIError.instance(
+            message.decode(errors="replace")[:200], None, exc, psycopg.Error,
+            connection_invalidated=broken,
+        )  # fmt: skip
