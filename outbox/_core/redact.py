@@ -182,7 +182,18 @@ def one_line(
         lines = str(source).strip().splitlines()
     except Exception:  # a __str__ that fails must not hide the error being reported
         lines = []
-    text = redact(_visible(lines[0]), urls=urls, kafka_config=kafka_config) if lines else ""
+    # Redacted before and after escaping: a URL given in ``urls`` is matched as it was given
+    # (control characters and all), and whatever escaping reveals is redacted again.
+    urls = tuple(urls)
+    text = (
+        redact(
+            _visible(redact(lines[0], urls=urls, kafka_config=kafka_config)),
+            urls=urls,
+            kafka_config=kafka_config,
+        )
+        if lines
+        else ""
+    )
     if not with_type:
         return text or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

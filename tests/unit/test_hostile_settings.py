@@ -368,6 +368,13 @@ def test_redaction_of_free_text(case: tuple[str, str, bool], noise: str) -> None
     no_leak("redaction", token, redact_text(f"--kafka-config sasl.password={token}"))
 
 
+def test_a_url_with_control_characters_is_redacted_in_one_line() -> None:
+    # Found by test_redaction_of_free_text: escaping the NUL first hid the URL from its own match.
+    url = "\x00postgresql://@[::1]/db?password=@@Tk123456"
+    text = one_line(RuntimeError(f"could not connect to {url}"), urls=[url])
+    assert "Tk123456" not in text and "\\x00" in text
+
+
 def test_config_reprs_hide_secrets() -> None:
     relay = RelayConfig(
         "postgresql+psycopg://app:pw-Tk123456@db/app",
