@@ -6,7 +6,7 @@ database session holds the PostgreSQL advisory lock ``(LANE namespace, lane)``. 
 dies loses its session, PostgreSQL frees its locks, and the survivors pick the lanes up at their
 next rebalance.
 
-Three advisory-lock namespaces exist per outbox schema (two-key form ``pg_try_advisory_lock(int,
+Four advisory-lock namespaces exist per outbox schema (two-key form ``pg_try_advisory_lock(int,
 int)``, which ``pg_locks`` shows as ``classid = namespace, objid = second key, objsubid = 2``):
 
 * ``member`` -- every running relay holds ``(member, its backend pid)``; counting these locks
