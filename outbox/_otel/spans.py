@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -239,6 +239,30 @@ def end_send(
             pass
         finally:
             span.end()
+
+
+_Report = TypeVar("_Report", bound=DeliveryReport)
+
+
+def traced_send(
+    rows: Sequence[ClaimedRow],
+    send: Callable[[list[int]], list[_Report | None]],
+) -> Callable[[list[int]], list[_Report | None]]:
+    """``send`` inside ``send {topic}`` spans linked to the rows' stored contexts (one relay
+    engine or the other); the records carry those stored contexts (their headers), never these
+    spans'."""
+
+    def traced(todo: list[int]) -> list[_Report | None]:
+        sending = start_send(rows, todo)
+        try:
+            outcomes = send(todo)
+        except BaseException as exc:
+            end_send(sending, None, exc)
+            raise
+        end_send(sending, outcomes)
+        return outcomes
+
+    return traced
 
 
 def _report_send(

@@ -501,23 +501,9 @@ class Relay:
                 ahead = _Batch.of(fetched)
             return producer.finish(sending, self.stop_event, self.config.shutdown_grace)
 
-        if spans is not None:
-            untraced = send
-
-            def send(todo: list[int]) -> list[DeliveryReport | None]:
-                # `send {topic}` spans linked to the rows' stored contexts; the records carry
-                # those stored contexts (their headers), never these spans'.
-                sending = spans.start_send(rows, todo)
-                try:
-                    outcomes = untraced(todo)
-                except BaseException as exc:
-                    spans.end_send(sending, None, exc)
-                    raise
-                spans.end_send(sending, outcomes)
-                return outcomes
-
+        traced = send if spans is None else spans.traced_send(rows, send)
         outcomes, result.sent, gaps = deliver_in_rounds(
-            keys, topics, send, failed=batch.unsendable, stopping=self.stop_event.is_set
+            keys, topics, traced, failed=batch.unsendable, stopping=self.stop_event.is_set
         )
         if gaps:
             log.error(

@@ -361,23 +361,11 @@ class WindowEngine:
             sending = producer.start(chosen)  # type: ignore[arg-type]  # no unsendable
             return producer.finish(sending, relay.stop_event, self.config.shutdown_grace)
 
-        if spans is not None:
-            untraced = send
-
-            def send(todo: list[int]) -> list[DeliveryReport | None]:
-                sending = spans.start_send(rows, todo)
-                try:
-                    outcomes = untraced(todo)
-                except BaseException as exc:
-                    spans.end_send(sending, None, exc)
-                    raise
-                spans.end_send(sending, outcomes)
-                return outcomes
-
+        traced = send if spans is None else spans.traced_send(rows, send)
         outcomes: Sequence[DeliveryReport | None] = []
         if rows:
             outcomes, result.sent, gaps = deliver_in_rounds(
-                keys, topics, send, failed=unsendable, stopping=relay.stop_event.is_set
+                keys, topics, traced, failed=unsendable, stopping=relay.stop_event.is_set
             )
             if gaps:
                 log.error(
