@@ -19,17 +19,21 @@ from django.http import HttpRequest, HttpResponse
 
 from outbox._core.http import (
     Headers,
-    HttpSettings,
-    Refused,
     Request,
-    Response,
     decode_response,
     encode_response,
     fingerprint,
     is_stored,
-    problem_for,
     quoted_path,
     replay_headers,
+)
+from outbox._core.http_admission import (
+    HttpSettings,
+)
+from outbox._core.http_answers import (
+    Refused,
+    Response,
+    problem_for,
     request_too_large,
     response_too_large,
     streaming_refused,

@@ -16,6 +16,8 @@ from outbox._core.http import (
     DEFAULT_STORED_HEADERS,
     Headers,
     Request,
+)
+from outbox._core.http_answers import (
     Response,
 )
 from outbox.errors import NoUnitOfWork

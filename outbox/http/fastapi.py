@@ -36,13 +36,17 @@ from outbox._core.http import (
     IDEMPOTENCY_KEY_HEADER,
     REPLAYED_HEADER,
     Headers,
+    Request,
+    fingerprint,
+)
+from outbox._core.http_admission import (
     HttpSettings,
     PrincipalOf,
+    ScopeOf,
+)
+from outbox._core.http_answers import (
     Problem,
     Refused,
-    Request,
-    ScopeOf,
-    fingerprint,
     missing_key,
     problem_for,
 )

@@ -24,23 +24,27 @@ from outbox._core.http import (
     DEFAULT_RETRY_AFTER,
     DEFAULT_STORED_HEADERS,
     Headers,
-    HttpSettings,
-    PrincipalOf,
-    Refused,
     Request,
-    Response,
-    ScopeOf,
     decode_response,
     encode_response,
     fingerprint,
     is_stored,
     is_streaming,
-    problem_for,
     quoted_path,
     replay_headers,
+    status_line,
+)
+from outbox._core.http_admission import (
+    HttpSettings,
+    PrincipalOf,
+    ScopeOf,
+)
+from outbox._core.http_answers import (
+    Refused,
+    Response,
+    problem_for,
     request_too_large,
     response_too_large,
-    status_line,
     streaming_refused,
 )
 from outbox._otel import spans

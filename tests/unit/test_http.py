@@ -10,24 +10,28 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from outbox._core import http
+from outbox._core import http, http_answers
 from outbox._core.http import (
     Headers,
-    HttpSettings,
-    Refused,
     Request,
     decode_response,
     encode_response,
     fingerprint,
     is_stored,
     parse_key,
+)
+from outbox._core.http_admission import (
+    HttpSettings,
+)
+from outbox._core.http_answers import (
+    Refused,
     problem_for,
 )
 from outbox._core.validate import check_key
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
 
 
-def refusal(values: list[str]) -> http.Problem:
+def refusal(values: list[str]) -> http_answers.Problem:
     with pytest.raises(Refused) as caught:
         parse_key(values)
     return caught.value.problem
@@ -392,7 +396,7 @@ def test_problem_documents_follow_rfc_9457() -> None:
     document = json.loads(response.body)
     assert set(document) == {"type", "title", "status", "detail"}
     assert document["status"] == 409
-    assert document["type"] == http.PROBLEM_TYPE_BASE + "idempotency-key-in-progress"
+    assert document["type"] == http_answers.PROBLEM_TYPE_BASE + "idempotency-key-in-progress"
 
     reused = problem_for(KeyReuseError("http", "k"), 1)
     failed = problem_for(PreviouslyFailed("http", "k", "boom"), 1)

@@ -9,10 +9,12 @@ from hypothesis import given, strategies as st
 
 from outbox._core.http import (
     Headers,
-    HttpSettings,
     Request,
-    cookies_of,
     fingerprint,
+)
+from outbox._core.http_admission import (
+    HttpSettings,
+    cookies_of,
 )
 from outbox.errors import ConfigurationError
 
