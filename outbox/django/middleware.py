@@ -38,10 +38,10 @@ from outbox._core.http_answers import (
     response_too_large,
     streaming_refused,
 )
+from outbox._core.http_context import Abort, bound
 from outbox.django._settings import outbox_settings
 from outbox.django._unit import unit_of_work
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
-from outbox.http import _Abort, _bound
 
 
 def _settings() -> HttpSettings:
@@ -104,13 +104,13 @@ class IdempotencyKeyMiddleware:
                 if uow.replayed:
                     stored = decode_response(uow.result)
                     return _django(Response(stored.status, replay_headers(stored), stored.body))
-                with _bound(uow):
+                with bound(uow):
                     try:
                         answer = self.get_response(request)
                     except BaseException as exc:
-                        raise _Abort(error=exc) from None
+                        raise Abort(error=exc) from None
                 self._store(uow, answer)
-        except _Abort as abort:
+        except Abort as abort:
             if abort.error is not None:
                 failure = abort.error
             else:
@@ -125,18 +125,18 @@ class IdempotencyKeyMiddleware:
         return answer
 
     def _store(self, uow: Any, answer: Any) -> None:
-        """Store ``answer`` with the key, or raise :class:`_Abort` to roll the unit back."""
+        """Store ``answer`` with the key, or raise :class:`Abort` to roll the unit back."""
         limit = self.settings.max_response_bytes
         if getattr(answer, "streaming", False):
-            raise _Abort(response=streaming_refused().response())
+            raise Abort(response=streaming_refused().response())
         if hasattr(answer, "render") and not getattr(answer, "is_rendered", True):
             answer.render()  # a TemplateResponse (Django REST framework's Response too)
         status = int(answer.status_code)
         if not is_stored(status):
-            raise _Abort(response=_PASS)
+            raise Abort(response=_PASS)
         content = bytes(answer.content)
         if len(content) > limit:
-            raise _Abort(response=response_too_large(limit).response())
+            raise Abort(response=response_too_large(limit).response())
         uow.result = encode_response(
             status, list(answer.items()), content, self.settings.stored_headers
         )

@@ -44,6 +44,7 @@ from outbox._core.http_answers import (
     response_too_large,
     streaming_refused,
 )
+from outbox._core.http_context import Abort, bound
 from outbox._otel import spans
 from outbox.errors import (
     ConfigurationError,
@@ -52,7 +53,6 @@ from outbox.errors import (
     NoUnitOfWork,
     PreviouslyFailed,
 )
-from outbox.http import _Abort, _bound
 from outbox.uow import AsyncOutbox, AsyncUnitOfWork
 
 Message = MutableMapping[str, Any]
@@ -230,7 +230,7 @@ class IdempotencyMiddleware:
                     response = Response(stored.status, replay_headers(stored), stored.body)
                 else:
                     response, start = await self._run(uow, scope, body, receive)
-        except _Abort as abort:
+        except Abort as abort:
             failure, response, start = abort.error, abort.response, None
         except (KeyInProgress, KeyReuseError, PreviouslyFailed) as exc:
             problem = problem_for(exc, settings.retry_after)
@@ -248,7 +248,7 @@ class IdempotencyMiddleware:
         self, uow: AsyncUnitOfWork, scope: Scope, body: bytes, receive: Receive
     ) -> tuple[Response, Message]:
         """Run the application inside ``uow`` with the response buffered; store it, or raise
-        :class:`_Abort` to roll the unit of work back."""
+        :class:`Abort` to roll the unit of work back."""
         extensions = scope.get("extensions")
         if extensions and not _BODY_EXTENSIONS.isdisjoint(extensions):
             scope = {
@@ -265,19 +265,19 @@ class IdempotencyMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        with _bound(uow):
+        with bound(uow):
             try:
                 await self.app(scope, receive_body, buffer.send)
             except BaseException as exc:
                 if buffer.refusal is None:
-                    raise _Abort(error=exc) from None
+                    raise Abort(error=exc) from None
         if buffer.refusal is not None:
-            raise _Abort(response=buffer.refusal.problem.response())
+            raise Abort(response=buffer.refusal.problem.response())
         if buffer.start is None:
-            raise _Abort(error=RuntimeError("the application returned without a response"))
+            raise Abort(error=RuntimeError("the application returned without a response"))
         response = buffer.response()
         if not is_stored(response.status):
-            raise _Abort(response=response)
+            raise Abort(response=response)
         uow.result = encode_response(
             response.status, response.headers, response.body, self.settings.stored_headers
         )

@@ -47,9 +47,9 @@ from outbox._core.http_answers import (
     response_too_large,
     streaming_refused,
 )
+from outbox._core.http_context import Abort, bound
 from outbox._otel import spans
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
-from outbox.http import _Abort, _bound
 from outbox.uow import Outbox, UnitOfWork
 
 _ExcInfo = tuple[type[BaseException], BaseException, TracebackType] | tuple[None, None, None] | None
@@ -174,7 +174,7 @@ class IdempotencyMiddleware:
                     response = Response(stored.status, replay_headers(stored), stored.body)
                 else:
                     response, line = self._run(uow, environ)
-        except _Abort as abort:
+        except Abort as abort:
             failure, response, line = abort.error, abort.response, None
         except (KeyInProgress, KeyReuseError, PreviouslyFailed) as exc:
             problem = problem_for(exc, settings.retry_after)
@@ -189,11 +189,11 @@ class IdempotencyMiddleware:
 
     def _run(self, uow: UnitOfWork, environ: WSGIEnvironment) -> tuple[Response, str]:
         """Run the application inside ``uow`` with the response buffered; store it, or raise
-        :class:`_Abort` to roll the unit of work back."""
+        :class:`Abort` to roll the unit of work back."""
         limit = self.settings.max_response_bytes
         captured = _Captured(limit)
         refusal: Refused | None = None
-        with _bound(uow):
+        with bound(uow):
             try:
                 chunks = self.app(environ, captured.start_response)
                 try:
@@ -211,16 +211,16 @@ class IdempotencyMiddleware:
                     if close is not None:
                         close()
             except BaseException as exc:
-                raise _Abort(error=exc) from None
+                raise Abort(error=exc) from None
         if refusal is None and captured.size > limit:
             refusal = Refused(response_too_large(limit))  # all of it came through write()
         if refusal is not None:
-            raise _Abort(response=refusal.problem.response())
+            raise Abort(response=refusal.problem.response())
         if captured.status_line is None:
-            raise _Abort(error=RuntimeError("the application returned without a response"))
+            raise Abort(error=RuntimeError("the application returned without a response"))
         response = captured.response()
         if not is_stored(response.status):
-            raise _Abort(response=response)
+            raise Abort(response=response)
         uow.result = encode_response(
             response.status, response.headers, response.body, self.settings.stored_headers
         )
