@@ -28,14 +28,14 @@ from outbox.errors import (
     MissingIdempotencyKey,
     SerializationError,
 )
-from outbox.uow._batch import Batch, MessageBatch
+from outbox.uow import Batch, MessageBatch
 
 if TYPE_CHECKING:
     from outbox._redis.cache import OutcomeCache
     from outbox.config import ConsumerConfig
     from outbox.consumer._metrics import ConsumerMetrics
-    from outbox.guard._guard import RedisGuard
-    from outbox.uow._outbox import Outbox, UnitOfWork
+    from outbox.guard import RedisGuard
+    from outbox.uow import Outbox, UnitOfWork
 
 log = logging.getLogger("outbox.consumer")
 

@@ -33,14 +33,14 @@ from outbox.errors import (
     MissingIdempotencyKey,
     SerializationError,
 )
-from outbox.uow._batch_async import AsyncBatch, AsyncMessageBatch
+from outbox.uow import AsyncBatch, AsyncMessageBatch
 
 if TYPE_CHECKING:
     from outbox._redis.cache_async import AsyncOutcomeCache
     from outbox.config import ConsumerConfig
     from outbox.consumer._metrics import ConsumerMetrics
-    from outbox.guard._guard_async import AsyncRedisGuard
-    from outbox.uow._outbox_async import AsyncOutbox, AsyncUnitOfWork
+    from outbox.guard import AsyncRedisGuard
+    from outbox.uow import AsyncOutbox, AsyncUnitOfWork
 
 log = logging.getLogger("outbox.consumer")
 

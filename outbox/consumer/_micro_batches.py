@@ -21,7 +21,7 @@ from outbox.consumer._attempt import Attempts, Carried, GuardedAttempts
 from outbox.consumer._lanes import lanes_of, run_lanes
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.errors import KeyReuseError, PreviouslyFailed
-from outbox.uow._batch import Batch
+from outbox.uow import Batch
 
 log = logging.getLogger("outbox.consumer")
 

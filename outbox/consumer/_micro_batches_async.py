@@ -26,7 +26,7 @@ from outbox.consumer._attempt_async import AsyncAttempts, AsyncGuardedAttempts, 
 from outbox.consumer._lanes import lanes_of, run_lanes_async
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.errors import KeyReuseError, PreviouslyFailed
-from outbox.uow._batch_async import AsyncBatch
+from outbox.uow import AsyncBatch
 
 log = logging.getLogger("outbox.consumer")
 

@@ -40,14 +40,13 @@ from outbox.consumer._attempt import (
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches import MicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
-from outbox.guard._guard import Claim, RedisGuard
-from outbox.uow._batch import MessageBatch
-from outbox.uow._outbox import Outbox
+from outbox.guard import Claim, RedisGuard
+from outbox.uow import MessageBatch, Outbox
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from outbox.uow._outbox import UnitOfWork
+    from outbox.uow import UnitOfWork
 
 __all__ = [
     "ENV_GROUP",

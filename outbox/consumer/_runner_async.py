@@ -46,14 +46,13 @@ from outbox.consumer._attempt_async import (
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches_async import AsyncMicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
-from outbox.guard._guard_async import AsyncClaim, AsyncRedisGuard
-from outbox.uow._batch_async import AsyncMessageBatch
-from outbox.uow._outbox_async import AsyncOutbox
+from outbox.guard import AsyncClaim, AsyncRedisGuard
+from outbox.uow import AsyncMessageBatch, AsyncOutbox
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from outbox.uow._outbox_async import AsyncUnitOfWork
+    from outbox.uow import AsyncUnitOfWork
 
 __all__ = [
     "ENV_GROUP",
