@@ -15,6 +15,7 @@ from outbox._core.batching import Abandoned
 from outbox._core.deadletter import DeadLetter, Reason
 from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
 from outbox._core.failures import is_permanent
+from outbox._core.handlers import BATCH_HANDLER
 from outbox._core.offsets import Tries
 from outbox._core.redact import one_line
 from outbox._core.retry import backoff_delay
@@ -479,9 +480,6 @@ class GuardedAttempts(Verdicts):
             key,
             lambda: self.guard.claim(key, scope=self._scope, fingerprint=fingerprint),
         )
-
-
-BATCH_HANDLER = "__outbox_batch_handler__"
 
 
 def batch_handler(handler: Callable[..., Any]) -> Callable[..., Any]:

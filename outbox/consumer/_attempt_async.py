@@ -20,6 +20,7 @@ from outbox._core.batching import Abandoned
 from outbox._core.deadletter import DeadLetter, Reason
 from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
 from outbox._core.failures import is_permanent
+from outbox._core.handlers import BATCH_HANDLER
 from outbox._core.offsets import Tries
 from outbox._core.redact import one_line
 from outbox._core.retry import backoff_delay
@@ -498,9 +499,6 @@ class AsyncGuardedAttempts(AsyncVerdicts):
             key,
             lambda: self.guard.claim(key, scope=self._scope, fingerprint=fingerprint),
         )
-
-
-BATCH_HANDLER = "__outbox_batch_handler__"
 
 
 def batch_handler(handler: Callable[..., Any]) -> Callable[..., Any]:

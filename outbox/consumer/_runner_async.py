@@ -10,7 +10,6 @@ partition's finished offsets are committed before it moves on; a lost one's neve
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from outbox._core.deadletter import DeadLetterInfo, Reason
 from outbox._core.disposition import Outcome
 from outbox._core.fingerprint import message_fingerprint, topic_fingerprint
+from outbox._core.handlers import BATCH_HANDLER, is_coroutine_handler
 from outbox._core.offsets import TP, Assignment
 from outbox._core.retry import backoff_delay
 from outbox._core.stopping import stop_on_signals
@@ -36,7 +36,6 @@ from outbox.config import (
     ConsumerConfig,
 )
 from outbox.consumer._attempt_async import (
-    BATCH_HANDLER,
     AsyncAttempts,
     AsyncGuardedAttempts,
     FingerprintFunc,
@@ -549,14 +548,6 @@ def _check_guarded(config: ConsumerConfig, handler: object) -> None:
             "a runner with a Redis guard takes handler(claim, message), not a @batch_handler: "
             "batches need an outbox"
         )
-
-
-def is_coroutine_handler(handler: object) -> bool:
-    """True when calling ``handler`` returns a coroutine: a coroutine function (also behind
-    ``functools.partial`` or as a bound method) or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
-        getattr(handler, "__call__", None)  # noqa: B004 -- the method, not callable()
-    )
 
 
 def _describe(partitions: Iterable[tuple[Any, ...]]) -> str:

@@ -19,13 +19,13 @@ from outbox._core import codec, results
 from outbox._core.deadletter import DeadLetter
 from outbox._core.disposition import Outcome
 from outbox._core.environment import ENV_KAFKA_BOOTSTRAP
+from outbox._core.handlers import BATCH_HANDLER, is_coroutine_handler
 from outbox._core.offsets import Tries
 from outbox._kafka.consumer import header_key, make_message
 from outbox.config import ConsumerConfig
 from outbox.consumer._attempt import Attempts
-from outbox.consumer._attempt_async import BATCH_HANDLER, AsyncAttempts
+from outbox.consumer._attempt_async import AsyncAttempts
 from outbox.consumer._metrics import ConsumerMetrics
-from outbox.consumer._runner_async import is_coroutine_handler
 from outbox.relay import BatchResult, Relay, RelayConfig
 from outbox.schema import tables
 from outbox.testing.databases import ENV_TESTING_BOOTSTRAP

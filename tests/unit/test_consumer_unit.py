@@ -186,8 +186,9 @@ def test_each_runner_takes_handlers_and_outboxes_of_its_flavour() -> None:
     import inspect
 
     from outbox import AsyncOutbox, Outbox
+    from outbox._core.handlers import is_coroutine_handler
     from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, consume
-    from outbox.consumer._runner_async import consume as consume_async, is_coroutine_handler
+    from outbox.consumer._runner_async import consume as consume_async
 
     def plain(uow: Any, message: Any) -> None:
         return None
