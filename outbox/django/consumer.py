@@ -13,8 +13,7 @@ from typing import Any
 
 from outbox._core.disposition import Outcome
 from outbox._core.offsets import Tries
-from outbox.consumer import ConsumerConfig, ConsumerRunner
-from outbox.consumer._attempt import Attempts
+from outbox.consumer import Attempts, ConsumerConfig, ConsumerRunner
 from outbox.django._settings import alias_of, outbox_for
 from outbox.django._unit import unit_of_work
 from outbox.errors import ConfigurationError

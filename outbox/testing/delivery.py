@@ -23,9 +23,7 @@ from outbox._core.handlers import BATCH_HANDLER, is_coroutine_handler
 from outbox._core.offsets import Tries
 from outbox._kafka.consumer import header_key, make_message
 from outbox.config import ConsumerConfig
-from outbox.consumer._attempt import Attempts
-from outbox.consumer._attempt_async import AsyncAttempts
-from outbox.consumer._metrics import ConsumerMetrics
+from outbox.consumer import AsyncAttempts, Attempts, ConsumerMetrics
 from outbox.relay import BatchResult, Relay, RelayConfig
 from outbox.schema import tables
 from outbox.testing.databases import ENV_TESTING_BOOTSTRAP
