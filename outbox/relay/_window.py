@@ -14,18 +14,18 @@ first. (Ordering by transaction id would not do: B may have drawn its xid before
 A's lock.) Transactions that run long do not hold a window back: they are in the snapshot's
 list of running transactions, and their rows join the window in which they commit.
 
-No loss (I6): the cursor moves only in the transaction that records the page's outcomes, after
-Kafka's reports. A row that failed, or that could not go out (its key stopped, the relay
-stopping), is *held*: its id is kept in ``outbox_relay_held`` and its key's later rows wait
-behind it, whatever window they are in; the rows a held key owes are sent first in the next
-batches, until they are all confirmed (or one is parked: the key then waits for ``outbox parked
-retry`` or ``discard``, as with the claim engine). Rows a lane delivered stay in the table until
-every lane delivered past them; they are given back by TRUNCATE when nothing else is left, else
-by a bulk DELETE once many have piled up (:func:`outbox._pg.window.reclaim`).
+No loss (docs/concepts.md I6): the cursor moves only in the transaction that records the page's
+outcomes, after Kafka's reports. A row that failed, or that could not go out (its key stopped, the
+relay stopping), is *held*: its id is kept in ``outbox_relay_held`` and its key's later rows wait
+behind it, whatever window they are in; the rows a held key owes are sent first in the next batches,
+until they are all confirmed (or one is parked: the key then waits for ``outbox parked retry`` or
+``discard``, as with the claim engine). Rows a lane delivered stay in the table until every lane
+delivered past them; they are given back by TRUNCATE when nothing else is left, else by a bulk
+DELETE once many have piled up (:func:`outbox._pg.window.reclaim`).
 
-What the window rests on is checked on every window (I15): the session's isolation, and that
-transaction ids did not go backwards (a restore into another cluster): the relay then stops with
-a message instead of waiting for transactions that will never come.
+What the window rests on is checked on every window (docs/concepts.md I15): the session's isolation,
+and that transaction ids did not go backwards (a restore into another cluster): the relay then stops
+with a message instead of waiting for transactions that will never come.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ class WindowEngine:
         return ordered[self._turn]
 
     def _check(self, cursor: Cursor, opened: pg_window.Opened) -> None:
-        """What a window rests on (I15); a ``ConfigurationError`` stops the relay."""
+        """What a window rests on (docs/concepts.md I15); a ``ConfigurationError`` stops the
+        relay."""
         if opened.isolation != "read committed":
             raise ConfigurationError(
                 f"the relay's session runs at {opened.isolation}, the window engine needs read "

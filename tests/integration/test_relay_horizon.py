@@ -143,8 +143,8 @@ def test_claims_start_above_the_dead_tuples_a_pinned_horizon_keeps_and_status_na
     assert "query" not in doc["horizon"]
     outbox_table = next(t for t in doc["tables"] if t["table"] == "outbox")
     assert outbox_table["dead_tuples"] >= PINNED_ROWS
-    # I14: the last burst's claims started above the dead tuples (at most one batch below the
-    # last id sent before it), not at the index's low end, which would walk all of them.
+    # docs/concepts.md I14: the last burst's claims started above the dead tuples (at most one batch
+    # below the last id sent before it), not at the index's low end, which would walk all of them.
     assert len(watched) >= BURST // BATCH, watched
     assert min(watched) >= below - BATCH, (
         f"a claim started at id {min(watched):,}, below {below - BATCH:,}: it walked up to "
