@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 
 from outbox._core.claim import StoredOutcome
 from outbox._core.disposition import Outcome
-from outbox._core.offsets import TP, Partition
+from outbox._core.offsets import PartitionId, PartitionState
 
 M = TypeVar("M")
 
@@ -54,8 +54,8 @@ class Entry(Generic[M]):
 class Slice(Generic[M]):
     """A partition's messages in a micro-batch, in offset order."""
 
-    tp: TP
-    state: Partition[M]
+    tp: PartitionId
+    state: PartitionState[M]
     entries: list[Entry[M]]
 
     def is_head(self, entry: Entry[M]) -> bool:
@@ -86,7 +86,7 @@ class MicroBatch:
     moved: bool = False
     committed: bool = False
     finished: list[tuple[str, Outcome]] = field(default_factory=list)
-    dead_lettered: set[TP] = field(default_factory=set)
+    dead_lettered: set[PartitionId] = field(default_factory=set)
     # Heads tried alone (each timed by itself): how many finished, and the time they all took.
     alone: int = 0
     alone_seconds: float = 0.0

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from outbox._core import claim
 from outbox._core.batching import Abandoned, Entry, Fate, MicroBatch, Slice
 from outbox._core.disposition import Failure, Outcome
-from outbox._core.offsets import TP, Assignment, Partition, Tries
+from outbox._core.offsets import Assignment, PartitionId, PartitionState, Tries
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
 from outbox._pg.errors import database_unavailable
@@ -51,7 +51,9 @@ class MicroBatches:
         self._stopping = stopping
         self._beat = beat
 
-    def run(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> MicroBatch:
+    def run(
+        self, plan: list[tuple[PartitionId, PartitionState[Message], list[Message]]]
+    ) -> MicroBatch:
         """One micro-batch. ``mb.moved`` is False when nothing moved; ``mb.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
         mb = MicroBatch(time.perf_counter())
@@ -134,7 +136,7 @@ class MicroBatches:
         return True
 
     def _run_lanes(
-        self, mb: MicroBatch, plan: list[tuple[TP, Partition[Message], list[Message]]]
+        self, mb: MicroBatch, plan: list[tuple[PartitionId, PartitionState[Message], list[Message]]]
     ) -> None:
         """Key-ordered concurrency: every message in a unit of work of its own (as with
         ``batch_size=1``), up to ``concurrency`` at once; a partition's messages of one Kafka

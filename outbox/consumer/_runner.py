@@ -14,7 +14,7 @@ from outbox._core.deadletter import DeadLetterInfo, Reason
 from outbox._core.disposition import Outcome
 from outbox._core.fingerprint import message_fingerprint, topic_fingerprint
 from outbox._core.handlers import BATCH_HANDLER, is_coroutine_handler
-from outbox._core.offsets import TP, Assignment
+from outbox._core.offsets import Assignment, PartitionId
 from outbox._core.retry import backoff_delay
 from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
@@ -371,11 +371,11 @@ class ConsumerRunner:
         else:
             log.warning("Kafka client error: %s", error)
 
-    def _on_assign(self, partitions: list[TP]) -> None:
+    def _on_assign(self, partitions: list[PartitionId]) -> None:
         self._partitions.assign(partitions)
         log.info("assigned %s", _describe(partitions))
 
-    def _on_revoke(self, partitions: list[TP]) -> None:
+    def _on_revoke(self, partitions: list[PartitionId]) -> None:
         # The new owner starts at the committed offset: commit what is finished. Messages in a
         # backlog are dropped here and redelivered there; a unit of work that committed but
         # whose offset did not is replayed there, not applied twice. Rebalance callbacks run
@@ -390,12 +390,12 @@ class ConsumerRunner:
         self._forget(partitions)
         log.info("revoked %s", _describe(partitions))
 
-    def _on_lost(self, partitions: list[TP]) -> None:
+    def _on_lost(self, partitions: list[PartitionId]) -> None:
         # Another member may own these already; committing now could move its offsets back.
         self._forget(partitions)
         log.warning("lost %s without a commit (session timed out?)", _describe(partitions))
 
-    def _forget(self, partitions: list[TP]) -> None:
+    def _forget(self, partitions: list[PartitionId]) -> None:
         self._partitions.forget(partitions)
         self._metrics.unassigned(self.config.group, partitions)
         if self._consumer is not None:
@@ -413,7 +413,7 @@ class ConsumerRunner:
                 continue
             self._partitions.confirm((topic, partition), offset)
 
-    def _commit(self, sync: bool, only: list[TP] | None = None) -> None:
+    def _commit(self, sync: bool, only: list[PartitionId] | None = None) -> None:
         consumer = self._consumer
         if consumer is None:
             return
