@@ -65,7 +65,7 @@ class _Unit(Protocol):
     def result(self, value: Any) -> None: ...
 
 
-class Verdicts(ABC):
+class BaseAttempts(ABC):
     """Attempts at messages for one runner, wherever their keys' outcomes are kept: key rules,
     the handler around one attempt, the verdict carried out, metrics and dead letters.
 
@@ -378,10 +378,10 @@ class Verdicts(ABC):
         self._metrics.dead_lettered.labels(self.config.group, message.topic(), reason).inc()
 
 
-class Attempts(Verdicts):
+class Attempts(BaseAttempts):
     """Attempts at messages in units of work of an :class:`~outbox.uow.Outbox`: one
     of their own (:meth:`alone`), or one of a micro-batch's savepoints (:meth:`run`). ``rules``
-    are :class:`Verdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
+    are :class:`BaseAttempts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
     ``beat``...)."""
 
     def __init__(
@@ -446,16 +446,16 @@ class Attempts(Verdicts):
         return unit.replayed_from
 
 
-class GuardedAttempts(Verdicts):
+class GuardedAttempts(BaseAttempts):
     """Attempts at messages, each under a claim of the runner's
     :class:`~outbox.guard.RedisGuard`, for handlers whose effects are not in PostgreSQL.
 
     The handler runs as ``handler(claim, message)`` inside ``guard.claim(key, scope=<the
     runner's scope>, fingerprint=...)``; its return value is the claim's result, stored when the
     claim ends, and only then is the message finished. Everything else -- key rules, verdicts,
-    retries, dead letters -- is :class:`Verdicts`'. There is no transaction to share, so
+    retries, dead letters -- is :class:`BaseAttempts`'. There is no transaction to share, so
     a guarded runner handles one message at a time (``batch_size=1``). ``rules`` are
-    :class:`Verdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
+    :class:`BaseAttempts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
     """
 
     def __init__(

@@ -70,7 +70,7 @@ class _Unit(Protocol):
     def result(self, value: Any) -> None: ...
 
 
-class AsyncVerdicts(ABC):
+class AsyncBaseAttempts(ABC):
     """Attempts at messages for one runner, wherever their keys' outcomes are kept: key rules,
     the handler around one attempt, the verdict carried out, metrics and dead letters.
 
@@ -391,10 +391,10 @@ class AsyncVerdicts(ABC):
         self._metrics.dead_lettered.labels(self.config.group, message.topic(), reason).inc()
 
 
-class AsyncAttempts(AsyncVerdicts):
+class AsyncAttempts(AsyncBaseAttempts):
     """Attempts at messages in units of work of an :class:`~outbox.uow.AsyncOutbox`: one
     of their own (:meth:`alone`), or one of a micro-batch's savepoints (:meth:`run`). ``rules``
-    are :class:`AsyncVerdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
+    are :class:`AsyncBaseAttempts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
     ``beat``...)."""
 
     def __init__(
@@ -463,16 +463,16 @@ class AsyncAttempts(AsyncVerdicts):
         return unit.replayed_from
 
 
-class AsyncGuardedAttempts(AsyncVerdicts):
+class AsyncGuardedAttempts(AsyncBaseAttempts):
     """Attempts at messages, each under a claim of the runner's
     :class:`~outbox.guard.AsyncRedisGuard`, for handlers whose effects are not in PostgreSQL.
 
     The handler runs as ``handler(claim, message)`` inside ``guard.claim(key, scope=<the
     runner's scope>, fingerprint=...)``; its return value is the claim's result, stored when the
     claim ends, and only then is the message finished. Everything else -- key rules, verdicts,
-    retries, dead letters -- is :class:`AsyncVerdicts`'. There is no transaction to share, so
+    retries, dead letters -- is :class:`AsyncBaseAttempts`'. There is no transaction to share, so
     a guarded runner handles one message at a time (``batch_size=1``). ``rules`` are
-    :class:`AsyncVerdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
+    :class:`AsyncBaseAttempts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
     """
 
     def __init__(
