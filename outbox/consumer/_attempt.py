@@ -46,7 +46,7 @@ FingerprintFunc = Callable[[Message], "str | None"]
 """``fingerprint_func(message) -> str | None``: a request hash stored with the key."""
 
 
-class DeadLetters(Protocol):
+class DeadLetterSink(Protocol):
     """Where an attempt sends dead letters: the runner's dead-letter producer."""
 
     def send_message(self, message: Message, letter: DeadLetter) -> None: ...
@@ -85,7 +85,7 @@ class BaseAttempts(ABC):
         metrics: ConsumerMetrics,
         *,
         permanent_errors: tuple[type[BaseException], ...],
-        dlq: DeadLetters,
+        dlq: DeadLetterSink,
         key_func: KeyFunc | None,
         fingerprint_func: FingerprintFunc | None,
         beat: Callable[[], None],

@@ -51,7 +51,7 @@ FingerprintFunc = Callable[[Message], "str | None"]
 """``fingerprint_func(message) -> str | None``: a request hash stored with the key."""
 
 
-class DeadLetters(Protocol):
+class DeadLetterSink(Protocol):
     """Where an attempt sends dead letters: the runner's dead-letter producer."""
 
     async def send_message(self, message: Message, letter: DeadLetter) -> None: ...
@@ -90,7 +90,7 @@ class AsyncBaseAttempts(ABC):
         metrics: ConsumerMetrics,
         *,
         permanent_errors: tuple[type[BaseException], ...],
-        dlq: DeadLetters,
+        dlq: DeadLetterSink,
         key_func: KeyFunc | None,
         fingerprint_func: FingerprintFunc | None,
         beat: Callable[[], None],
