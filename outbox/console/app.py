@@ -47,7 +47,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from outbox import admin
-from outbox._core.dlq import choose_letters, describe_stop, format_cursor
+from outbox._core.deadletter_reading import choose_letters, describe_stop, format_cursor
 from outbox._core.lag import GroupLags
 from outbox._core.outage import Outage
 from outbox._core.redact import redact_text, redact_url
