@@ -44,7 +44,7 @@ class Covered:
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
-    """The middlewares' options (see :mod:`outbox.http`), checked once by :meth:`validate`."""
+    """The middlewares' options (see :mod:`outbox.http`), checked once by :meth:`admission`."""
 
     scope: str | ScopeOf | None = None
     require_key: bool = False
@@ -58,7 +58,9 @@ class HttpSettings:
     caller_cookies: Iterable[str] = ()
     per_caller: bool = True
 
-    def validate(self) -> Admission:
+    def admission(self) -> Admission:
+        """The settings checked (a ``ConfigurationError`` names the wrong one) and turned into the
+        :class:`Admission` the middlewares decide each request with."""
         scope = self.scope
         fixed: str | None = None
         if scope is None:

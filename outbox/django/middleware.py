@@ -68,7 +68,7 @@ class IdempotencyKeyMiddleware:
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
         self.get_response = get_response
-        self.settings = _settings().validate()
+        self.settings = _settings().admission()
 
     def __call__(self, request: HttpRequest) -> Any:
         settings = self.settings

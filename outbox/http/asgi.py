@@ -167,7 +167,7 @@ class IdempotencyMiddleware:
         self.settings = HttpSettings(
             scope, require_key, methods, max_request_bytes, max_response_bytes,
             stored_headers, retry_after, principal, caller_headers, caller_cookies, per_caller,
-        ).validate()  # fmt: skip
+        ).admission()  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = self.settings

@@ -126,7 +126,7 @@ def unit_of_work(
     admission = HttpSettings(
         scope, require_key, _ALL_METHODS, principal=principal, caller_headers=caller_headers,
         caller_cookies=caller_cookies, per_caller=per_caller,
-    ).validate()  # fmt: skip
+    ).admission()  # fmt: skip
     # Required in the signature when the server requires it, so that OpenAPI says so; FastAPI
     # then refuses a request without it (RequestValidationError), which add_exception_handlers
     # answers with the middlewares' 400.

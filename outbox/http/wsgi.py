@@ -124,7 +124,7 @@ class IdempotencyMiddleware:
         self.settings = HttpSettings(
             scope, require_key, methods, max_request_bytes, max_response_bytes,
             stored_headers, retry_after, principal, caller_headers, caller_cookies, per_caller,
-        ).validate()  # fmt: skip
+        ).admission()  # fmt: skip
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         settings = self.settings
