@@ -43,7 +43,7 @@ class Covered:
 
 
 @dataclass(frozen=True, slots=True)
-class HttpSettings:
+class HttpConfig:
     """The middlewares' options (see :mod:`outbox.http`), checked once by :meth:`admission`."""
 
     scope: str | ScopeOf | None = None

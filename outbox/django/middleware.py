@@ -28,7 +28,7 @@ from outbox._core.http import (
     replay_headers,
 )
 from outbox._core.http_admission import (
-    HttpSettings,
+    HttpConfig,
 )
 from outbox._core.http_answers import (
     Refused,
@@ -44,12 +44,12 @@ from outbox.django._unit import unit_of_work
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
 
 
-def _settings() -> HttpSettings:
+def _settings() -> HttpConfig:
     options = outbox_settings().get("HTTP", {})
     if not isinstance(options, dict):
         raise ConfigurationError('settings.OUTBOX["HTTP"] must be a dict of middleware options')
     try:
-        return HttpSettings(**options)
+        return HttpConfig(**options)
     except TypeError as exc:
         raise ConfigurationError(f'settings.OUTBOX["HTTP"]: {exc}') from None
 

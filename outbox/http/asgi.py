@@ -31,7 +31,7 @@ from outbox._core.http import (
     replay_headers,
 )
 from outbox._core.http_admission import (
-    HttpSettings,
+    HttpConfig,
     PrincipalOf,
     ScopeOf,
 )
@@ -164,7 +164,7 @@ class IdempotencyMiddleware:
             )
         self.app = app
         self.outbox = outbox
-        self.settings = HttpSettings(
+        self.settings = HttpConfig(
             scope, require_key, methods, max_request_bytes, max_response_bytes,
             stored_headers, retry_after, principal, caller_headers, caller_cookies, per_caller,
         ).admission()  # fmt: skip

@@ -40,7 +40,7 @@ from outbox._core.http import (
     fingerprint,
 )
 from outbox._core.http_admission import (
-    HttpSettings,
+    HttpConfig,
     PrincipalOf,
     ScopeOf,
 )
@@ -123,7 +123,7 @@ def unit_of_work(
         raise ConfigurationError(
             f"unit_of_work() needs an AsyncOutbox, got {type(outbox).__name__}"
         )
-    admission = HttpSettings(
+    admission = HttpConfig(
         scope, require_key, _ALL_METHODS, principal=principal, caller_headers=caller_headers,
         caller_cookies=caller_cookies, per_caller=per_caller,
     ).admission()  # fmt: skip

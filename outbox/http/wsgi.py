@@ -35,7 +35,7 @@ from outbox._core.http import (
     status_line,
 )
 from outbox._core.http_admission import (
-    HttpSettings,
+    HttpConfig,
     PrincipalOf,
     ScopeOf,
 )
@@ -121,7 +121,7 @@ class IdempotencyMiddleware:
             )
         self.app = wsgi_app
         self.outbox = outbox
-        self.settings = HttpSettings(
+        self.settings = HttpConfig(
             scope, require_key, methods, max_request_bytes, max_response_bytes,
             stored_headers, retry_after, principal, caller_headers, caller_cookies, per_caller,
         ).admission()  # fmt: skip

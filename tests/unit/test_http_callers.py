@@ -13,7 +13,7 @@ from outbox._core.http import (
     fingerprint,
 )
 from outbox._core.http_admission import (
-    HttpSettings,
+    HttpConfig,
     cookies_of,
 )
 from outbox.errors import ConfigurationError
@@ -24,7 +24,7 @@ def request(*pairs: tuple[str, str]) -> Request:
 
 
 def test_the_default_covers_the_authorization_header() -> None:
-    admission = HttpSettings().admission()
+    admission = HttpConfig().admission()
     alice = admission.caller_of(request(("Authorization", "Bearer alice")))
     mallory = admission.caller_of(request(("authorization", "Bearer mallory")))
     assert alice is not None and mallory is not None and alice != mallory
@@ -41,7 +41,7 @@ def test_without_a_caller_the_fingerprint_is_the_earlier_one() -> None:
 
 
 def test_named_cookies_and_headers() -> None:
-    admission = HttpSettings(caller_headers=("X-Api-Key",), caller_cookies=("session",)).admission()
+    admission = HttpConfig(caller_headers=("X-Api-Key",), caller_cookies=("session",)).admission()
     base = admission.caller_of(request(("Cookie", "theme=dark; session=s1"), ("x-api-key", "k")))
     assert base is not None
     # Other cookies and Authorization are not looked at.
@@ -58,19 +58,19 @@ def test_a_principal_decides_alone() -> None:
         token = req.headers.get("authorization")
         return None if token is None else token.rsplit(".", 1)[0]  # the account, not the token
 
-    admission = HttpSettings(principal=principal).admission()
+    admission = HttpConfig(principal=principal).admission()
     one = admission.caller_of(request(("Authorization", "acct-7.token-a")))
     assert one is not None
     assert admission.caller_of(request(("Authorization", "acct-7.token-b"))) == one
     assert admission.caller_of(request(("Authorization", "acct-8.token-a"))) != one
     assert admission.caller_of(request()) is None
-    wrong = HttpSettings(principal=lambda req: 7).admission()  # type: ignore[arg-type,return-value]
+    wrong = HttpConfig(principal=lambda req: 7).admission()  # type: ignore[arg-type,return-value]
     with pytest.raises(ConfigurationError, match="must return a str"):
         wrong.caller_of(request())
 
 
 def test_per_caller_off_shares_responses_among_callers() -> None:
-    admission = HttpSettings(per_caller=False).admission()
+    admission = HttpConfig(per_caller=False).admission()
     assert admission.caller_of(request(("Authorization", "Bearer alice"))) is None
 
 
@@ -88,7 +88,7 @@ def test_per_caller_off_shares_responses_among_callers() -> None:
 )
 def test_bad_caller_settings_are_refused(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
-        HttpSettings(**settings).admission()
+        HttpConfig(**settings).admission()
 
 
 def test_cookie_fields_are_parsed_leniently() -> None:
@@ -102,7 +102,7 @@ def test_cookie_fields_are_parsed_leniently() -> None:
 def test_callers_with_other_credentials_never_share_a_fingerprint(
     a: list[tuple[str, str]], b: list[tuple[str, str]]
 ) -> None:
-    admission = HttpSettings().admission()
+    admission = HttpConfig().admission()
     creds_a = [v for n, v in a if n == "authorization"]
     creds_b = [v for n, v in b if n == "authorization"]
     same = admission.caller_of(request(*a)) == admission.caller_of(request(*b))
