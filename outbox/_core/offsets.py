@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from outbox._core.deadletter import DeadLetter
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 
 M = TypeVar("M")
 
@@ -43,7 +43,7 @@ class Tries:
     waits: int = 0
     retry_at: float = 0.0
     dead_letter: DeadLetter | None = None
-    done: Outcome | None = None
+    done: AttemptVerdict | None = None
 
 
 @dataclass

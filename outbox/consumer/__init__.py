@@ -22,6 +22,7 @@ from outbox.consumer._attempt import Attempts
 from outbox.consumer._attempt_async import AsyncAttempts
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.consumer._runner import (
+    AttemptVerdict,
     ConsumerConfig,
     ConsumerError,
     ConsumerRunner,
@@ -31,7 +32,6 @@ from outbox.consumer._runner import (
     Handler,
     KeyFunc,
     MessageBatch,
-    Outcome,
     Reason,
     batch_handler,
     consume,
@@ -53,6 +53,7 @@ __all__ = [
     "AsyncGuardedHandler",
     "AsyncHandler",
     "AsyncMessageBatch",
+    "AttemptVerdict",
     "ConsumerConfig",
     "ConsumerError",
     "ConsumerRunner",
@@ -62,7 +63,6 @@ __all__ = [
     "Handler",
     "KeyFunc",
     "MessageBatch",
-    "Outcome",
     "Reason",
     "batch_handler",
     "consume",
@@ -75,12 +75,13 @@ __all__ = [
 # message and the runner's metrics. Not API.
 __all__ += ["AsyncAttempts", "Attempts", "ConsumerMetrics"]
 
-# Names this face offered in earlier releases that are not the consumer's API: each still
-# imports from here.
+# Names this face offered in earlier releases: each still imports from here (Outcome is
+# AttemptVerdict's earlier name; the others are not the consumer's API).
 _EARLIER: dict[str, object] = {
     "ENV_GROUP": _ENV_GROUP,
     "ENV_KAFKA_CONFIG": _ENV_KAFKA_CONFIG,
     "ENV_METRICS_PORT": _ENV_METRICS_PORT,
+    "Outcome": AttemptVerdict,
     "backoff_delay": _backoff_delay,
     "database_unavailable": _database_unavailable,
     "header_key": _header_key,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from outbox._core.deadletter import DeadLetterInfo, Reason
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 from outbox._core.fingerprint import message_fingerprint, topic_fingerprint
 from outbox._core.handlers import BATCH_HANDLER, is_coroutine_handler
 from outbox._core.offsets import Assignment, PartitionId
@@ -51,6 +51,7 @@ __all__ = [
     "ENV_GROUP",
     "ENV_KAFKA_CONFIG",
     "ENV_METRICS_PORT",
+    "AttemptVerdict",
     "ConsumerConfig",
     "ConsumerError",
     "ConsumerRunner",
@@ -60,7 +61,6 @@ __all__ = [
     "Handler",
     "KeyFunc",
     "MessageBatch",
-    "Outcome",
     "Reason",
     "backoff_delay",
     "batch_handler",

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from outbox._core.deadletter import DeadLetterInfo, Reason
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 from outbox._core.fingerprint import message_fingerprint, topic_fingerprint
 from outbox._core.handlers import BATCH_HANDLER, is_coroutine_handler
 from outbox._core.offsets import Assignment, PartitionId
@@ -61,12 +61,12 @@ __all__ = [
     "AsyncGuardedHandler",
     "AsyncHandler",
     "AsyncMessageBatch",
+    "AttemptVerdict",
     "ConsumerConfig",
     "ConsumerError",
     "DeadLetterInfo",
     "FingerprintFunc",
     "KeyFunc",
-    "Outcome",
     "Reason",
     "backoff_delay",
     "batch_handler",

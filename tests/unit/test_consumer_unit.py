@@ -315,3 +315,9 @@ def test_the_faces_earlier_names_still_import_but_are_not_its_api() -> None:
     assert not earlier & set(outbox.consumer.__all__)
     with pytest.raises(AttributeError, match="no attribute 'never_was'"):
         outbox.consumer.never_was  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_attempts_verdict_keeps_its_earlier_name() -> None:
+    from outbox.consumer import AttemptVerdict, Outcome  # type: ignore[attr-defined]
+
+    assert Outcome is AttemptVerdict and AttemptVerdict.PROCESSED == "processed"
