@@ -148,10 +148,10 @@ def deliver_in_rounds(
     When ``stopping()`` turns true no further round starts: what was confirmed so far is
     settled, the rest stays.
     """
-    outcomes: list[R | None] = [None] * len(keys)
+    row_reports: list[R | None] = [None] * len(keys)
     failed = failed or {}
     for index, report in failed.items():
-        outcomes[index] = report
+        row_reports[index] = report
     stopped: set[bytes] = set()
     sent = 0
     gaps = 0
@@ -174,18 +174,18 @@ def deliver_in_rounds(
         sent += len(todo)
         trouble = False
         for i, got in zip(todo, reports, strict=True):
-            outcomes[i] = got
+            row_reports[i] = got
             if got is None or got.error is not None:
                 trouble = True
         if trouble:
-            gaps += _stop_failed_keys(todo, keys, outcomes, stopped)
-    return outcomes, sent, gaps
+            gaps += _stop_failed_keys(todo, keys, row_reports, stopped)
+    return row_reports, sent, gaps
 
 
 def _stop_failed_keys(
     todo: list[int],
     keys: Sequence[bytes | None],
-    outcomes: Sequence[DeliveryReport | None],
+    row_reports: Sequence[DeliveryReport | None],
     stopped: set[bytes],
 ) -> int:
     """After a round with failures: stop every key that had a row fail or not go out; count
@@ -196,7 +196,7 @@ def _stop_failed_keys(
         key = keys[i]
         if key is None:
             continue
-        report = outcomes[i]
+        report = row_reports[i]
         if report is None or report.error is not None:
             failing.add(key)
         elif key in failing:
@@ -214,7 +214,7 @@ class Settlement:
     fail_errors: list[str]
     fail_park: list[bool]
     outage: bool
-    failed: int = 0  # rows with an outcome that is not a confirmation
+    failed: int = 0  # rows with a report that is not a confirmation
 
     @property
     def parked(self) -> int:
@@ -224,10 +224,10 @@ class Settlement:
 def settle(
     ids: Sequence[int],
     attempts: Sequence[int],
-    outcomes: Sequence[DeliveryReport | None],
+    row_reports: Sequence[DeliveryReport | None],
     max_attempts: int,
 ) -> Settlement:
-    """Decide each row's fate from its delivery outcome (``None``: not sent in this batch).
+    """Decide each row's fate from its delivery report (``None``: not sent in this batch).
 
     * confirmed -> deleted;
     * permanent error -> parked at once;
@@ -238,27 +238,27 @@ def settle(
     """
     delete: list[int] = []
     failures: list[tuple[int, int, DeliveryReport]] = []
-    for row_id, tries, outcome in zip(ids, attempts, outcomes, strict=True):
-        if outcome is None:
+    for row_id, tries, report in zip(ids, attempts, row_reports, strict=True):
+        if report is None:
             continue
-        if outcome.error is None:
+        if report.error is None:
             delete.append(row_id)
         else:
-            failures.append((row_id, tries, outcome))
+            failures.append((row_id, tries, report))
     fail_ids: list[int] = []
     fail_errors: list[str] = []
     fail_park: list[bool] = []
     any_retriable = False
-    for row_id, tries, outcome in failures:
-        if outcome.permanent:
+    for row_id, tries, report in failures:
+        if report.permanent:
             fail_ids.append(row_id)
-            fail_errors.append(outcome.error or "")
+            fail_errors.append(report.error or "")
             fail_park.append(True)
-        elif outcome.code is not None:
+        elif report.code is not None:
             any_retriable = True
             if delete:
                 fail_ids.append(row_id)
-                fail_errors.append(outcome.error or "")
+                fail_errors.append(report.error or "")
                 fail_park.append(tries + 1 >= max_attempts)
     return Settlement(
         delete,
