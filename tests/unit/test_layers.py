@@ -318,3 +318,24 @@ def test_operator_commands_do_not_load_the_kafka_client(command: str) -> None:
     )
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
     assert "usage: outbox" in out.stdout
+
+
+MAPPED_FOLDERS = ["uow", "guard", "consumer", "relay", "admin", "http", "console", "testing"]
+
+
+def test_the_development_map_names_every_module_of_the_service_folders() -> None:
+    lines = (PACKAGE.parent / "docs" / "development.md").read_text().splitlines()
+    unnamed = []
+    for folder in MAPPED_FOLDERS:
+        # The folder's entry: its line and the more deeply indented ones below it.
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"  {folder}/ "))
+        end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("   "))
+        layout = "\n".join(lines[start:end])
+        for path in sorted((PACKAGE / folder).iterdir()):
+            name = path.name
+            twin = path.with_name(path.stem + "_async.py")
+            if name in ("__init__.py", "__pycache__") or twin.exists():
+                continue  # the face, and generated twins (the map names their sources)
+            if name not in layout and f"{name}/" not in layout:
+                unnamed.append(f"{folder}/{name}")
+    assert unnamed == []
