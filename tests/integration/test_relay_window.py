@@ -15,6 +15,7 @@ from outbox._core import codec
 from outbox.admin import discard_parked, list_parked, retry_parked
 from outbox.errors import ConfigurationError
 from outbox.relay import Relay, RelayConfig
+from outbox.relay._window import WindowEngine
 from tests.fixtures.common import wait_for
 from tests.fixtures.relay import (
     RelayThread,
@@ -276,10 +277,10 @@ def test_metrics_show_the_window_backlog(
     def stats() -> dict[str, tuple[int, int, float]]:
         relay = Relay(_config(database_url, kafka_bootstrap))
         relay.lanes.owned = set(range(relay.config.lanes))
-        assert relay._window is not None
+        assert isinstance(relay.batches, WindowEngine)
         try:
             with relay.engine.connect() as conn:
-                return relay._window.stats(conn)
+                return relay.batches.stats(conn)
         finally:
             relay.engine.dispose()
 
