@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Final, Protocol, TypeVar
 
 
-class DeliveryReport(Protocol):
+class DeliveryFate(Protocol):
     """What the decisions need to know of a record's delivery report (the Kafka adapter's
-    ``DeliveryReport`` is one): ``error`` is ``None`` when Kafka confirmed the record."""
+    :class:`outbox._kafka.producer.DeliveryReport` is one): ``error`` is ``None`` when Kafka
+    confirmed the record."""
 
     @property
     def error(self) -> str | None: ...
@@ -44,7 +45,7 @@ class DeliveryReport(Protocol):
     def permanent(self) -> bool: ...
 
 
-R = TypeVar("R", bound=DeliveryReport)
+R = TypeVar("R", bound=DeliveryFate)
 
 # A row as the claim returns it (a plain tuple: the relay handles thousands per batch):
 # (id, attempts, topic, key, value, headers JSON text, event id as ASCII bytes, skipped).
@@ -185,7 +186,7 @@ def deliver_in_rounds(
 def _stop_failed_keys(
     todo: list[int],
     keys: Sequence[bytes | None],
-    outcomes: Sequence[DeliveryReport | None],
+    outcomes: Sequence[DeliveryFate | None],
     stopped: set[bytes],
 ) -> int:
     """After a round with failures: stop every key that had a row fail or not go out; count
@@ -224,7 +225,7 @@ class Settlement:
 def settle(
     ids: Sequence[int],
     attempts: Sequence[int],
-    outcomes: Sequence[DeliveryReport | None],
+    outcomes: Sequence[DeliveryFate | None],
     max_attempts: int,
 ) -> Settlement:
     """Decide each row's fate from its delivery outcome (``None``: not sent in this batch).
@@ -237,7 +238,7 @@ def settle(
       must never park the whole outbox) and the batch is an *outage* (the caller backs off).
     """
     delete: list[int] = []
-    failures: list[tuple[int, int, DeliveryReport]] = []
+    failures: list[tuple[int, int, DeliveryFate]] = []
     for row_id, tries, outcome in zip(ids, attempts, outcomes, strict=True):
         if outcome is None:
             continue

@@ -32,7 +32,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from outbox._core import codec, events, validate
 from outbox._core.cloudevents import CloudEvent
-from outbox._core.delivery import HEADERS, TOPIC, ClaimedRow, DeliveryReport
+from outbox._core.delivery import HEADERS, TOPIC, ClaimedRow, DeliveryFate
 from outbox._core.redact import one_line, redact_text
 
 _W3C = TraceContextTextMapPropagator()
@@ -227,7 +227,7 @@ def start_send(rows: Sequence[ClaimedRow], todo: Sequence[int]) -> Sending:
 
 def end_send(
     sending: Sending,
-    outcomes: Sequence[DeliveryReport | None] | None,
+    outcomes: Sequence[DeliveryFate | None] | None,
     error: BaseException | None = None,
 ) -> None:
     """End the send spans: ERROR status on a span with records Kafka did not confirm (or
@@ -241,7 +241,7 @@ def end_send(
             span.end()
 
 
-_Report = TypeVar("_Report", bound=DeliveryReport)
+_Report = TypeVar("_Report", bound=DeliveryFate)
 
 
 def traced_send(
@@ -268,7 +268,7 @@ def traced_send(
 def _report_send(
     span: Span,
     positions: list[int],
-    outcomes: Sequence[DeliveryReport | None] | None,
+    outcomes: Sequence[DeliveryFate | None] | None,
     error: BaseException | None,
 ) -> None:
     if error is not None:
