@@ -267,7 +267,7 @@ class Relay:
             self.lanes.next_rebalance = now + self.config.rebalance_interval
         if not once and now >= self._next_stats:
             self.readiness.refresh(conn, self.batches.stats(conn), self.table_name)
-            self.readiness.check_broker(self.producing.get(), self.stop_event)
+            self.readiness.check_broker(self.producing.get, self.stop_event)
             self._next_stats = now + self.config.stats_interval
         self.announcement.on(Event.CLAIM)
         self.kick.clear()

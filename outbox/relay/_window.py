@@ -250,14 +250,17 @@ class WindowEngine:
         """Per topic, for /metrics: rows of the owned lanes not yet past their cursors, parked
         rows, and the oldest pending row's age."""
         owned = sorted(self.relay.lanes.owned)
-        if not owned:
-            return {}
-        self._load(conn, owned)
-        delivered = [self._cursors[lane].delivered for lane in owned]
-        floor = None
-        if all(d is not None for d in delivered):
-            floor = min(int(d.split(":")[0]) for d in delivered if d is not None)
-        return pg_window.window_stats(conn, self.sql, self.config.lanes, owned, floor)
+        by_topic: dict[str, tuple[int, int, float]] = {}
+        if owned:
+            self._load(conn, owned)
+            delivered = [self._cursors[lane].delivered for lane in owned]
+            floor = None
+            if all(d is not None for d in delivered):
+                floor = min(int(d.split(":")[0]) for d in delivered if d is not None)
+            by_topic = pg_window.window_stats(conn, self.sql, self.config.lanes, owned, floor)
+        # The rows not past the cursors: the table also holds delivered rows.
+        self.relay.metrics.window_backlog.set(sum(v[0] for v in by_topic.values()))
+        return by_topic
 
     def reclaim(self, conn: sa.Connection, delete_after: int = RECLAIM_DELETE_AFTER) -> None:
         """Give back the delivered rows' space (see :func:`outbox._pg.window.reclaim`)."""
