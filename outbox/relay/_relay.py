@@ -177,6 +177,7 @@ class Relay:
         result: BatchResult,
         duration: float,
     ) -> None:
+        """A settled batch's metrics, logs and totals (both engines end a batch with it)."""
         m = self.metrics
         m.batch_duration.observe(duration)
         m.published.inc(result.confirmed)
@@ -325,7 +326,7 @@ class Relay:
                 if result.sent == 0:
                     return RunResult.FINISHED
                 continue
-            # Not yet announced: one more claim before waiting.
+            # Nothing to do: announce it first (and claim once more), then wait for work.
             if self.announcement.on(Event.IDLE) is Action.WAIT and not self.kick.is_set():
                 timeout = min(
                     self.config.poll_interval,
