@@ -69,6 +69,9 @@ def snapshot_xmax(snapshot: str) -> int:
 class WindowEngine:
     """Where a window relay's batches come from and what happens after their delivery."""
 
+    # The next page of the window in progress, read ahead, with the cursor it follows.
+    _ahead: tuple[Cursor, list[ClaimedRow]] | None
+
     def __init__(self, relay: Host) -> None:
         self.relay = relay
         self.config = relay.config
@@ -83,9 +86,13 @@ class WindowEngine:
 
     def reset(self, reason: Reset) -> None:
         """After a rollback or with a new session: forget what is known of the cursors (they
-        are read again). A rebalance keeps them: the owned lanes' cursors are read again when
-        the lanes changed (``_load``)."""
-        if reason is not Reset.REBALANCE:
+        are read again). A rebalance keeps them (the owned lanes' cursors are read again when
+        the lanes changed, ``_load``) but drops the page read ahead: it was read for the lanes
+        owned before, and may hold rows of a lane another relay delivers now from the same
+        cursor (sent again here, they would arrive after that lane's later rows)."""
+        if reason is Reset.REBALANCE:
+            self._ahead = None
+        else:
             self._forget()
 
     def _forget(self) -> None:
@@ -94,8 +101,7 @@ class WindowEngine:
         self._held: dict[int, HeldRow] = {}
         self._persisted: dict[int, float] = {}
         self._turn = 0
-        # The next page of the window in progress, read ahead, with the cursor it follows.
-        self._ahead: tuple[Cursor, list[ClaimedRow]] | None = None
+        self._ahead = None
 
     # ------------------------------------------------------------------------------- state
 
