@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from outbox._core.lanes import idle_probe_sql
+from outbox._pg.lanes import idle_probe_sql
 from outbox.schema import IDEMPOTENCY_KEYS, OUTBOX, validate_schema_name
 
 _preparer = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]

@@ -31,78 +31,21 @@ with a message instead of waiting for transactions that will never come.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from concurrent.futures import Future
 
 import sqlalchemy as sa
 
 from outbox._core import codec
-from outbox._core.delivery import (
-    ATTEMPTS,
-    EVENT_ID,
-    ID,
-    KEY,
-    TOPIC,
-    ClaimedRow,
-    Settlement,
-    deliver_in_rounds,
-    settle,
-)
-from outbox._kafka.producer import DeliveryReport, KafkaProducer, RecordTuple
-from outbox._kafka.records import build_records, build_records_checked
-from outbox._otel import spans
+from outbox._core.delivery import ATTEMPTS, EVENT_ID, ID, KEY, ClaimedRow, settle
+from outbox._kafka.producer import DeliveryReport
 from outbox._pg import window as pg_window
-from outbox._pg.relay import OutboxStatements, outbox_record_failures
+from outbox._pg.relay import outbox_record_failures
 from outbox._pg.window import Cursor, HeldRow, WindowStatements
-from outbox.config import RelayConfig
 from outbox.errors import ConfigurationError
-from outbox.relay._lanes import LaneOwnership
-from outbox.relay._metrics import RelayMetrics
-
-
-class BatchResult(Protocol):
-    """What a batch did (outbox.relay._relay.BatchResult)."""
-
-    claimed: int
-    sent: int
-    confirmed: int
-    parked: int
-    failed: int
-    outage: bool
-    stale_producer: bool
-    error: str | None
-
-
-R = TypeVar("R", bound=BatchResult)
-
-
-class Relay(Protocol):
-    """What the window engine uses of the relay it feeds (outbox.relay._relay.Relay): its
-    settings, lanes, metrics and stop signal, its producer, and its report of a batch."""
-
-    config: RelayConfig
-    lanes: LaneOwnership
-    metrics: RelayMetrics
-    stop_event: threading.Event
-    sql: OutboxStatements
-
-    def _producer_or_new(self) -> KafkaProducer: ...
-
-    def _database_thread(self) -> ThreadPoolExecutor: ...
-
-    def _report(
-        self,
-        rows: Sequence[ClaimedRow],
-        outcomes: Sequence[DeliveryReport | None],
-        verdict: Settlement,
-        result: Any,  # its own BatchResult
-        duration: float,
-    ) -> None: ...
-
+from outbox.relay._engine import BatchResult, Host, Reset, records_of
 
 log = logging.getLogger("outbox.relay")
 
@@ -126,24 +69,39 @@ def snapshot_xmax(snapshot: str) -> int:
 class WindowEngine:
     """Where a window relay's batches come from and what happens after their delivery."""
 
-    def __init__(self, relay: Relay) -> None:
+    # The next page of the window in progress, read ahead, with the cursor it follows.
+    _ahead: tuple[Cursor, list[ClaimedRow]] | None
+
+    def __init__(self, relay: Host) -> None:
         self.relay = relay
         self.config = relay.config
         self.sql = WindowStatements.for_schema(relay.config.schema)
-        # Reclaim whenever idle (``Relay.run(once=True)`` sets it: a drained outbox is empty).
+        # Reclaim whenever idle (``Relay.run(once=True)``: a drained outbox is left empty).
         self.eager_reclaim = False
-        self.reset()
+        self._forget()
         self._next_reclaim = 0.0
 
-    def reset(self) -> None:
-        """Forget what is known of the cursors (a new session reads them again)."""
+    def start(self, once: bool) -> None:
+        self.eager_reclaim = once
+
+    def reset(self, reason: Reset) -> None:
+        """After a rollback or with a new session: forget what is known of the cursors (they
+        are read again). A rebalance keeps them (the owned lanes' cursors are read again when
+        the lanes changed, ``_load``) but drops the page read ahead: it was read for the lanes
+        owned before, and may hold rows of a lane another relay delivers now from the same
+        cursor (sent again here, they would arrive after that lane's later rows)."""
+        if reason is Reset.REBALANCE:
+            self._ahead = None
+        else:
+            self._forget()
+
+    def _forget(self) -> None:
         self._cursors: dict[int, Cursor] = {}
         self._loaded: frozenset[int] = frozenset()
         self._held: dict[int, HeldRow] = {}
         self._persisted: dict[int, float] = {}
         self._turn = 0
-        # The next page of the window in progress, read ahead, with the cursor it follows.
-        self._ahead: tuple[Cursor, list[ClaimedRow]] | None = None
+        self._ahead = None
 
     # ------------------------------------------------------------------------------- state
 
@@ -200,7 +158,7 @@ class WindowEngine:
 
     # ------------------------------------------------------------------------------- batch
 
-    def process_batch(self, conn: sa.Connection, result: R) -> R:
+    def process_batch(self, conn: sa.Connection, result: BatchResult) -> BatchResult:
         relay = self.relay
         owned = sorted(relay.lanes.owned)
         if not owned:
@@ -299,14 +257,17 @@ class WindowEngine:
         """Per topic, for /metrics: rows of the owned lanes not yet past their cursors, parked
         rows, and the oldest pending row's age."""
         owned = sorted(self.relay.lanes.owned)
-        if not owned:
-            return {}
-        self._load(conn, owned)
-        delivered = [self._cursors[lane].delivered for lane in owned]
-        floor = None
-        if all(d is not None for d in delivered):
-            floor = min(int(d.split(":")[0]) for d in delivered if d is not None)
-        return pg_window.window_stats(conn, self.sql, self.config.lanes, owned, floor)
+        by_topic: dict[str, tuple[int, int, float]] = {}
+        if owned:
+            self._load(conn, owned)
+            delivered = [self._cursors[lane].delivered for lane in owned]
+            floor = None
+            if all(d is not None for d in delivered):
+                floor = min(int(d.split(":")[0]) for d in delivered if d is not None)
+            by_topic = pg_window.window_stats(conn, self.sql, self.config.lanes, owned, floor)
+        # The rows not past the cursors: the table also holds delivered rows.
+        self.relay.metrics.window_backlog.set(sum(v[0] for v in by_topic.values()))
+        return by_topic
 
     def reclaim(self, conn: sa.Connection, delete_after: int = RECLAIM_DELETE_AFTER) -> None:
         """Give back the delivered rows' space (see :func:`outbox._pg.window.reclaim`)."""
@@ -327,53 +288,35 @@ class WindowEngine:
         fetched: list[ClaimedRow],
         wait: dict[bytes | int, int],
         held: dict[int, HeldRow],
-        result: R,
+        result: BatchResult,
         started: float,
         ahead_of: Cursor | None = None,
-    ) -> R:
+    ) -> BatchResult:
         relay = self.relay
-        records: Sequence[RecordTuple | None]
-        unsendable: dict[int, DeliveryReport] = {}
-        try:
-            records = build_records(rows)
-        except Exception:
-            records, broken = build_records_checked(rows)
-            unsendable = {i: DeliveryReport(error=e, permanent=True) for i, e in broken.items()}
-        keys = [r[KEY] for r in rows]
-        topics = [r[TOPIC] for r in rows]
+        records, unsendable = records_of(rows)
         ids = [r[ID] for r in rows]
-        producer = relay._producer_or_new()
+
+        def read_ahead_page() -> Future[list[ClaimedRow]]:
+            assert ahead_of is not None
+            return relay.database_thread().submit(
+                pg_window.window_page,
+                conn,
+                self.sql,
+                self.config.lanes,
+                group,
+                ahead_of,
+                self.config.batch_size,
+            )
 
         reading: Future[list[ClaimedRow]] | None = None
-
-        def send(todo: list[int]) -> list[DeliveryReport | None]:
-            nonlocal reading
-            chosen = records if len(todo) == len(records) else [records[i] for i in todo]
-            if ahead_of is not None and reading is None and not unsendable:
-                reading = relay._database_thread().submit(
-                    pg_window.window_page,
-                    conn,
-                    self.sql,
-                    self.config.lanes,
-                    group,
-                    ahead_of,
-                    self.config.batch_size,
-                )
-            sending = producer.start(chosen)  # type: ignore[arg-type]  # no unsendable
-            return producer.finish(sending, relay.stop_event, self.config.shutdown_grace)
-
-        traced = send if spans is None else spans.traced_send(rows, send)
         outcomes: Sequence[DeliveryReport | None] = []
         if rows:
-            outcomes, result.sent, gaps = deliver_in_rounds(
-                keys, topics, traced, failed=unsendable, stopping=relay.stop_event.is_set
+            outcomes, result.sent, reading = relay.producing.send(
+                rows,
+                records,
+                unsendable,
+                alongside=read_ahead_page if ahead_of is not None and not unsendable else None,
             )
-            if gaps:
-                log.error(
-                    "event=order_gap rows=%d: Kafka confirmed rows after a failed row of their "
-                    "key (the producer settings that prevent this were changed?)",
-                    gaps,
-                )
         verdict = settle(ids, [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts)
         read_ahead = None
         # The connection is this thread's again once the page read ahead is in (or failed: the
@@ -411,14 +354,8 @@ class WindowEngine:
         for lane in group:
             self._cursors[lane] = after
             self._persisted[lane] = now + IDLE_PERSIST
-        result.confirmed = len(verdict.delete)
-        result.parked = verdict.parked
-        result.failed = verdict.failed
-        if verdict.failed:
-            failures = [o for o in outcomes if o is not None and not o.ok]
-            result.stale_producer = any(o.stale_producer for o in failures)
-            result.error = failures[0].error if failures else None
-        relay._report(rows, outcomes, verdict, result, time.monotonic() - started)
+        result.settled(verdict, outcomes)
+        relay.report(rows, outcomes, verdict, result, time.monotonic() - started)
         if self.eager_reclaim and not result.sent:
             self.reclaim(conn, delete_after=1)
         elif after.opened is None and now >= self._next_reclaim:

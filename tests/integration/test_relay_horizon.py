@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import admin
-from outbox.relay import RelayConfig, _relay as relay_loop
+from outbox.relay import RelayConfig, _claims as relay_loop
 from tests.fixtures.common import wait_for
 from tests.fixtures.relay import RelayThread, insert_rows, wait_for_records
 
