@@ -234,7 +234,7 @@ class ClaimEngine:
             if fetched is not None:
                 ahead.append(_Batch.of(fetched))
 
-        outcomes, result.sent, database = relay.producing.send(
+        reports, result.sent, database = relay.producing.send(
             rows,
             batch.records,
             batch.unsendable,
@@ -242,7 +242,7 @@ class ClaimEngine:
             joined=claimed_ahead,
         )
         optimistic = database is not None
-        verdict = settle(ids, [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts)
+        verdict = settle(ids, [r[ATTEMPTS] for r in rows], reports, self.config.max_attempts)
         low_ahead, self._low_ahead = self._low_ahead, None
         if optimistic and len(verdict.delete) == len(ids):
             conn.commit()  # every row confirmed: the delete in the savepoint stands
@@ -260,6 +260,6 @@ class ClaimEngine:
                     conn, self.sql, verdict.fail_ids, verdict.fail_errors, verdict.fail_park
                 )
             conn.commit()
-        result.settled(verdict, outcomes)
-        relay.report(rows, outcomes, verdict, result, time.monotonic() - started)
+        result.settled(verdict, reports)
+        relay.report(rows, reports, verdict, result, time.monotonic() - started)
         return result

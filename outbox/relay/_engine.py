@@ -42,14 +42,14 @@ class BatchResult:
     stale_producer: bool = False
     error: str | None = None
 
-    def settled(self, verdict: Settlement, outcomes: Sequence[DeliveryReport | None]) -> None:
+    def settled(self, verdict: Settlement, reports: Sequence[DeliveryReport | None]) -> None:
         """Take the counts of a batch's settlement, and the first failure's error."""
         self.confirmed = len(verdict.delete)
         self.parked = verdict.parked
         self.failed = verdict.failed
         self.outage = verdict.outage
         if verdict.failed:
-            failures = [o for o in outcomes if o is not None and not o.ok]
+            failures = [o for o in reports if o is not None and not o.ok]
             self.stale_producer = any(o.stale_producer for o in failures)
             self.error = failures[0].error if failures else None
 
@@ -82,7 +82,7 @@ class Host(Protocol):
     def report(
         self,
         rows: Sequence[ClaimedRow],
-        outcomes: Sequence[DeliveryReport | None],
+        reports: Sequence[DeliveryReport | None],
         verdict: Settlement,
         result: BatchResult,
         duration: float,

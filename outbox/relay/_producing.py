@@ -100,7 +100,7 @@ class Producing:
             return producer.finish(sending, self.stop_event, self.config.shutdown_grace)
 
         traced = send if spans is None else spans.traced_send(rows, send)
-        outcomes, sent, gaps = deliver_in_rounds(
+        reports, sent, gaps = deliver_in_rounds(
             [r[KEY] for r in rows],
             [r[TOPIC] for r in rows],
             traced,
@@ -113,4 +113,4 @@ class Producing:
                 "(the producer settings that prevent this were changed?)",
                 gaps,
             )
-        return outcomes, sent, work
+        return reports, sent, work

@@ -172,7 +172,7 @@ class Relay:
     def report(
         self,
         rows: Sequence[ClaimedRow],
-        outcomes: Sequence[DeliveryReport | None],
+        reports: Sequence[DeliveryReport | None],
         verdict: Settlement,
         result: BatchResult,
         duration: float,
@@ -183,22 +183,22 @@ class Relay:
         m.published.inc(result.confirmed)
         m.parked.inc(result.parked)
         if result.failed:
-            permanent = sum(1 for o in outcomes if o is not None and not o.ok and o.permanent)
+            permanent = sum(1 for o in reports if o is not None and not o.ok and o.permanent)
             if permanent:
                 m.failed.labels("permanent").inc(permanent)
             if result.failed - permanent:
                 m.failed.labels("retriable").inc(result.failed - permanent)
         if result.parked:
             parked_ids = {i for i, p in zip(verdict.fail_ids, verdict.fail_park, strict=True) if p}
-            for row, outcome in zip(rows, outcomes, strict=True):
-                if row[ID] in parked_ids and outcome is not None:
+            for row, report in zip(rows, reports, strict=True):
+                if row[ID] in parked_ids and report is not None:
                     log.warning(
                         "event=row_parked id=%d event_id=%s topic=%r attempts=%d error=%r",
                         row[ID],
                         row[EVENT_ID].decode("ascii"),
                         row[TOPIC],
                         row[ATTEMPTS] + 1,
-                        outcome.error,
+                        report.error,
                     )
         self.totals.claimed += result.claimed
         self.totals.confirmed += result.confirmed

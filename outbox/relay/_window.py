@@ -15,7 +15,7 @@ A's lock.) Transactions that run long do not hold a window back: they are in the
 list of running transactions, and their rows join the window in which they commit.
 
 No loss (docs/concepts.md I6): the cursor moves only in the transaction that records the page's
-outcomes, after Kafka's reports. A row that failed, or that could not go out (its key stopped, the
+reports, after Kafka's reports. A row that failed, or that could not go out (its key stopped, the
 relay stopping), is *held*: its id is kept in ``outbox_relay_held`` and its key's later rows wait
 behind it, whatever window they are in; the rows a held key owes are sent first in the next batches,
 until they are all confirmed (or one is parked: the key then waits for ``outbox parked retry`` or
@@ -200,7 +200,7 @@ class WindowEngine:
             return result
         result.claimed = len(page) + len(owed)
         # More of the window to come, and nothing held: its next page is read while Kafka
-        # confirms this one (reads take no lock, so nothing waits for the batch's outcome).
+        # confirms this one (reads take no lock, so nothing waits for the batch's reports).
         ahead_of = after if after.opened is not None and not held and not exclude else None
         return self._deliver(
             conn, group, after, rows, [*owed, *page], exclude, held, result, started, ahead_of
@@ -309,15 +309,15 @@ class WindowEngine:
             )
 
         reading: Future[list[ClaimedRow]] | None = None
-        outcomes: Sequence[DeliveryReport | None] = []
+        reports: Sequence[DeliveryReport | None] = []
         if rows:
-            outcomes, result.sent, reading = relay.producing.send(
+            reports, result.sent, reading = relay.producing.send(
                 rows,
                 records,
                 unsendable,
                 alongside=read_ahead_page if ahead_of is not None and not unsendable else None,
             )
-        verdict = settle(ids, [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts)
+        verdict = settle(ids, [r[ATTEMPTS] for r in rows], reports, self.config.max_attempts)
         read_ahead = None
         # The connection is this thread's again once the page read ahead is in (or failed: the
         # statements below then fail the batch as any database error does).
@@ -329,11 +329,11 @@ class WindowEngine:
             conn.rollback()
             result.outage = True
             result.failed = verdict.failed
-            failures = [o for o in outcomes if o is not None and not o.ok]
+            failures = [o for o in reports if o is not None and not o.ok]
             result.error = failures[0].error if failures else None
             return result
-        for row, outcome in zip(rows, outcomes, strict=True):
-            if outcome is None or outcome.error is not None:
+        for row, report in zip(rows, reports, strict=True):
+            if report is None or report.error is not None:
                 key = row[KEY]
                 name: bytes | int = key if key is not None else row[ID]
                 wait[name] = min(wait.get(name, row[ID]), row[ID])
@@ -354,8 +354,8 @@ class WindowEngine:
         for lane in group:
             self._cursors[lane] = after
             self._persisted[lane] = now + IDLE_PERSIST
-        result.settled(verdict, outcomes)
-        relay.report(rows, outcomes, verdict, result, time.monotonic() - started)
+        result.settled(verdict, reports)
+        relay.report(rows, reports, verdict, result, time.monotonic() - started)
         if self.eager_reclaim and not result.sent:
             self.reclaim(conn, delete_after=1)
         elif after.opened is None and now >= self._next_reclaim:
