@@ -39,12 +39,13 @@ from outbox.console.access import (
     read_form,
 )
 from outbox.console.pages import HERE, Console, in_thread
-from outbox.console.settings import ConsoleSettings
+from outbox.console.settings import ConsoleConfig, ConsoleSettings
 from outbox.errors import OutboxError, ValidationError
 
 # The console's names keep their import path from this module, where they were first defined.
 __all__ = [
     "Console",
+    "ConsoleConfig",
     "ConsoleSettings",
     "carries_token",
     "create_app",
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 
-def create_app(settings: ConsoleSettings) -> Starlette:
+def create_app(settings: ConsoleConfig) -> Starlette:
     """The console as an ASGI app (serve it with uvicorn, or mount it in your own app)."""
     console = Console(settings)
 

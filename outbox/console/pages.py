@@ -20,7 +20,7 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from outbox import admin
-from outbox._core.dlq import choose_letters, describe_stop, format_cursor
+from outbox._core.deadletter_reading import choose_letters, describe_stop, format_cursor
 from outbox._core.redact import redact_url
 from outbox.console import chart, data
 from outbox.console.access import (
@@ -37,7 +37,7 @@ from outbox.console.access import (
     read_form,
 )
 from outbox.console.readings import Readings
-from outbox.console.settings import ConsoleSettings
+from outbox.console.settings import ConsoleConfig
 from outbox.errors import ValidationError
 
 log = logging.getLogger("outbox.console")
@@ -50,7 +50,7 @@ class Console(Readings):
     """The app's state (:class:`~outbox.console.readings.Readings`), the templates, and a
     method per page and action."""
 
-    def __init__(self, settings: ConsoleSettings) -> None:
+    def __init__(self, settings: ConsoleConfig) -> None:
         super().__init__(settings)
         # Every value is escaped: an event value holding <script> shows as text.
         environment = jinja2.Environment(

@@ -18,7 +18,7 @@ from outbox._kafka.lag import read_group_lags
 from outbox._pg import console as console_sql
 from outbox.config import normalize_database_url
 from outbox.console import chart, data
-from outbox.console.settings import ConsoleSettings
+from outbox.console.settings import ConsoleConfig
 from outbox.schema import validate_schema_name
 
 log = logging.getLogger("outbox.console")
@@ -34,7 +34,7 @@ class Readings:
     """What the console reads and keeps between requests: settings, one small engine, the
     sampled chart, the consumer groups' lag, the pending rows' count, the database's outage."""
 
-    def __init__(self, settings: ConsoleSettings) -> None:
+    def __init__(self, settings: ConsoleConfig) -> None:
         self.settings = settings.validate()
         self.schema = validate_schema_name(settings.schema)
         self.engine = sa.create_engine(

@@ -1,4 +1,4 @@
-"""What the console reads and who may change things: :class:`ConsoleSettings`."""
+"""What the console reads and who may change things: :class:`ConsoleConfig`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ MAX_COUNT_BUDGET = 60.0
 
 
 @dataclass(frozen=True)
-class ConsoleSettings:
+class ConsoleConfig:
     """What the console reads and who may change things."""
 
     database_url: str
@@ -32,7 +32,7 @@ class ConsoleSettings:
     # longer is shown as of when it was made, and the next ones run in the background.
     count_budget: float = data.DEFAULT_COUNT_BUDGET
 
-    def validate(self) -> ConsoleSettings:
+    def validate(self) -> ConsoleConfig:
         check_database_url(self.database_url)
         check_seconds("count_budget", self.count_budget, MAX_COUNT_BUDGET, zero=True)
         if type(self.dead_letters_limit) is not int or not (
@@ -54,3 +54,7 @@ class ConsoleSettings:
                 "make one with `python -c 'import secrets; print(secrets.token_urlsafe())'`"
             )
         return self
+
+
+ConsoleSettings = ConsoleConfig
+"""The earlier name of :class:`ConsoleConfig`, still importable."""
