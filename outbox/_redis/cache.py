@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -15,9 +14,10 @@ from redis.exceptions import ConnectionError as ClosedConnection, RedisError
 from redis.retry import Retry
 
 from outbox._core.claim import StoredOutcome
-from outbox._core.redact import one_line, redact, redact_url
+from outbox._core.redact import redact, redact_url
 from outbox._core.urls import check_redis_url
-from outbox._redis.entry import Signer, decode_entry, derive_key, encode_entry
+from outbox._redis.cache_base import CacheBase
+from outbox._redis.entry import decode_entry, encode_entry
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError
 
@@ -51,19 +51,12 @@ def make_cache_client(url: str, config: OutboxConfig) -> Redis:
         ) from None
 
 
-class OutcomeCache:
+class OutcomeCache(CacheBase):
     """Reads and writes outcomes of ``(scope, key)`` in Redis, never raising to the caller."""
 
     def __init__(self, client: Redis, config: OutboxConfig) -> None:
+        super().__init__(config)
         self._client = client
-        self._prefix = config.cache_prefix
-        self._ttl_ms = max(1, int(config.cache_ttl * 1000))
-        self._retry_after = config.cache_retry_after
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self._signer: Signer | None = None
-        self._generation = 0
-        self._untrusted_warned = False
         # Connections of the client's pool kept checked out for the cache's own GET and SET
         # (see _call), with the process they belong to.
         self._pool = _plain_pool(client)
@@ -74,75 +67,6 @@ class OutcomeCache:
     @property
     def client(self) -> Redis:
         return self._client
-
-    def redis_key(self, scope: str, key: str) -> str:
-        # Length-prefixed so that ("a:b", "c") and ("a", "b:c") never share an entry. The whole
-        # entry is one Redis key, so every command is single-key and Cluster-safe.
-        return f"{self._prefix}:{len(scope)}:{scope}:{key}"
-
-    def available(self) -> bool:
-        return time.monotonic() >= self._down_until
-
-    # -- the database's key ------------------------------------------------------------------
-
-    @property
-    def trusted(self) -> bool:
-        """True once the key of the database's entries is known (see :meth:`trust`)."""
-        return self._signer is not None
-
-    @property
-    def generation(self) -> int:
-        """Changes whenever :meth:`forget` is called; read it before reading the identity."""
-        return self._generation
-
-    def trust(
-        self,
-        generation: int,
-        secret: bytes,
-        database_oid: int,
-        keys_oid: int | None,
-        system_identifier: int,
-        timeline: int,
-    ) -> None:
-        """Sign and accept entries with the key of this identity (read by
-        :mod:`outbox._pg.identity`) -- unless the identity changed since ``generation`` was
-        read, in which case this one may be a previous database's."""
-        signer = Signer(derive_key(secret, database_oid, keys_oid, system_identifier, timeline))
-        with self._lock:
-            if generation == self._generation:
-                self._signer = signer
-
-    def reidentify(
-        self,
-        secret: bytes,
-        database_oid: int,
-        keys_oid: int | None,
-        system_identifier: int,
-        timeline: int,
-    ) -> None:
-        """The identity read on a connection just opened: from now on, the only one trusted."""
-        signer = Signer(derive_key(secret, database_oid, keys_oid, system_identifier, timeline))
-        with self._lock:
-            self._generation += 1
-            self._signer = signer
-
-    def forget(self) -> None:
-        """Trust nothing until the identity is read again."""
-        with self._lock:
-            self._generation += 1
-            self._signer = None
-
-    def untrusted(self, exc: Exception) -> None:
-        """The identity could not be read: step aside for ``cache_retry_after`` seconds."""
-        with self._lock:
-            self._down_until = time.monotonic() + self._retry_after
-            warned, self._untrusted_warned = self._untrusted_warned, True
-        (log.debug if warned else log.warning)(
-            "the cache's key could not be read from PostgreSQL (%s); fast path skipped for "
-            "%.1fs -- is the database migrated (outbox migrate)?",
-            one_line(exc),
-            self._retry_after,
-        )
 
     # -- entries -----------------------------------------------------------------------------
 
@@ -186,18 +110,6 @@ class OutcomeCache:
         else:
             self._idle.append(connection)
         return reply
-
-    def _failed(self, op: str, exc: Exception) -> None:
-        with self._lock:
-            first = self.available()
-            self._down_until = time.monotonic() + self._retry_after
-        if first:
-            log.warning(
-                "redis %s failed (%s); fast path skipped for %.1fs",
-                op,
-                one_line(exc),
-                self._retry_after,
-            )
 
     def get(self, scope: str, key: str) -> CachedOutcome | None:
         """The cached outcome, or ``None`` on a miss, a Redis failure or an entry that is
