@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -16,21 +15,27 @@ from outbox._core.deadletter import DeadLetter, Reason
 from outbox._core.disposition import (
     Action,
     AttemptVerdict,
-    Disposition,
     Failure,
     Key,
-    Schedule,
     classify,
 )
 from outbox._core.failures import is_permanent
 from outbox._core.handlers import BATCH_HANDLER
 from outbox._core.offsets import Tries
 from outbox._core.redact import one_line
-from outbox._core.retry import backoff_delay
-from outbox._kafka.consumer import Message, header_key
-from outbox._kafka.serialization import Deserializer, decode
+from outbox._kafka.consumer import Message
+from outbox._kafka.serialization import Deserializer
 from outbox._otel import spans
 from outbox._pg.errors import database_unavailable, transaction_conflict
+from outbox.consumer._attempt_base import (
+    AttemptsBase,
+    Carried,
+    FingerprintFunc,
+    KeyFunc,
+    _Unit,
+    _where,
+    store_result,
+)
 from outbox.errors import (
     DeadLetterError,
     KeyInProgress,
@@ -48,11 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("outbox.consumer")
 
-KeyFunc = Callable[[Message], "str | None"]
-"""``key_func(message) -> str | None``: the idempotency key of a message (None: none)."""
-FingerprintFunc = Callable[[Message], "str | None"]
-"""``fingerprint_func(message) -> str | None``: a request hash stored with the key."""
-
 
 class DeadLetterSink(Protocol):
     """Where an attempt sends dead letters: the runner's dead-letter producer."""
@@ -60,20 +60,7 @@ class DeadLetterSink(Protocol):
     def send_message(self, message: Message, letter: DeadLetter) -> None: ...
 
 
-class _Unit(Protocol):
-    """What an attempt needs of the unit a handler runs in: a unit of work, or a guard's claim."""
-
-    @property
-    def replayed(self) -> bool: ...
-
-    @property
-    def result(self) -> Any: ...
-
-    @result.setter
-    def result(self, value: Any) -> None: ...
-
-
-class BaseAttempts(ABC):
+class BaseAttempts(AttemptsBase, ABC):
     """Attempts at messages for one runner, wherever their keys' outcomes are kept: key rules,
     the handler around one attempt, the verdict carried out, metrics and dead letters.
 
@@ -100,17 +87,12 @@ class BaseAttempts(ABC):
         key_deserializer: Deserializer | None = None,
         value_deserializer: Deserializer | None = None,
     ) -> None:
-        self.config = config
-        self._deserializers = (key_deserializer, value_deserializer)
-        self._decodes = key_deserializer is not None or value_deserializer is not None
-        self._handler = handler
-        self._key_func = key_func
-        self._fingerprint_func = fingerprint_func
-        self._scope = config.effective_scope
-        self._permanent_errors = permanent_errors
-        self._metrics = metrics
-        self._beat = beat
-        self._link = config.trace_context == "link"
+        super().__init__(
+            handler, config, metrics,
+            permanent_errors=permanent_errors, key_func=key_func,
+            fingerprint_func=fingerprint_func, beat=beat,
+            key_deserializer=key_deserializer, value_deserializer=value_deserializer,
+        )  # fmt: skip
         self._dlq = dlq
 
     def _decided(self, message: Message, tries: Tries) -> AttemptVerdict | None:
@@ -122,14 +104,6 @@ class BaseAttempts(ABC):
             self._beat()
             return self._send_dead_letter(message, tries, tries.dead_letter)
         return None
-
-    def _read_key(self, message: Message) -> tuple[str | None, str | None]:
-        if self._key_func is not None:
-            key = self._key_func(message)
-        else:
-            key = header_key(message, self.config.key_header)
-        fingerprint = self._fingerprint_func(message) if self._fingerprint_func else None
-        return key, fingerprint
 
     def read(
         self, message: Message, tries: Tries, *, validate: bool = False
@@ -233,27 +207,9 @@ class BaseAttempts(ABC):
             return self.dispose(message, tries, exc, key=key, dead_lettered=sent)
         return self.dispose(message, tries, None, key=key, replayed=replayed, answered_by=answered)
 
-    def answered_by(self, unit: Any) -> str | None:
-        """Where a replayed ``unit``'s stored outcome came from: ``"redis"`` or
-        ``"postgres"``."""
-        return None
-
     def _call(self, unit: Any, message: Message) -> Any:
         """The handler's result for ``message``."""
         return self._handler(unit, self.decoded(message))
-
-    def decoded(self, message: Message) -> Any:
-        """``message`` as the handler gets it: decoded by the runner's deserializers, if any
-        (:func:`outbox._kafka.serialization.decode`; raises
-        :class:`~outbox.errors.UndecodableMessage` for bytes they refuse)."""
-        if not self._decodes:
-            return message
-        return decode(message, *self._deserializers)
-
-    def unavailable(self, error: BaseException) -> bool:
-        """True when ``error`` says the store of outcomes is out of reach (an outage that is
-        not the message's fault); what :func:`classify` does not tell by the error's type."""
-        return False
 
     def dispose(
         self,
@@ -320,52 +276,6 @@ class BaseAttempts(ABC):
             log.warning("dead-lettered %s (key %r): %s", _where(message), key, one_line(error))
         return verdict.outcome
 
-    def _retry(
-        self,
-        message: Message,
-        tries: Tries,
-        verdict: Disposition,
-        error: BaseException,
-        key: str | None,
-    ) -> AttemptVerdict:
-        """Schedule the same message again after the verdict's backoff."""
-        if verdict.schedule is Schedule.IN_PROGRESS:
-            base, cap = self.config.in_progress_backoff, self.config.in_progress_backoff_max
-        else:
-            base, cap = self.config.retry_backoff, self.config.retry_backoff_max
-        if verdict.counts:
-            delay = backoff_delay(tries.attempts, base, cap)
-        else:  # not the message's fault: paced by its own count, never exhausts its attempts
-            tries.waits += 1
-            delay = backoff_delay(tries.waits, base, cap)
-        tries.retry_at = time.monotonic() + delay
-        where = _where(message)
-        if verdict.failure is Failure.KEY_IN_PROGRESS:
-            log.debug("%s: key %r in progress elsewhere; retry in %.3fs", where, key, delay)
-        elif verdict.failure is Failure.DATABASE_UNAVAILABLE:
-            log.warning(
-                "%s: PostgreSQL unavailable (%s); retrying in %.2fs, attempts not counted",
-                where, one_line(error), delay,
-            )  # fmt: skip
-        elif verdict.failure is Failure.GUARD_UNAVAILABLE:
-            log.warning(
-                "%s: the guard's Redis cannot answer (%s); retrying in %.2fs, attempts not "
-                "counted", where, one_line(error), delay,
-            )  # fmt: skip
-        elif verdict.failure is Failure.LEASE_LOST:
-            log.warning(
-                "%s: %s; retrying in %.3fs, the new owner's outcome stands",
-                where, one_line(error), delay,
-            )  # fmt: skip
-        elif verdict.failure is Failure.DEAD_LETTER_UNAVAILABLE:
-            log.error("%s: %s; retrying in %.2fs", where, one_line(error), delay)
-        else:
-            log.warning(
-                "%s failed (attempt %d of %d), retrying in %.2fs: %s",
-                where, tries.attempts, self.config.max_attempts, delay, one_line(error),
-            )  # fmt: skip
-        return AttemptVerdict.RETRY
-
     def _dead_letter_permanent(self, message: Message, tries: Tries, exc: BaseException) -> None:
         letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, exc, tries.attempts + 1)
         self._metrics.failed.labels(self.config.group, message.topic(), Failure.PERMANENT).inc()
@@ -385,9 +295,6 @@ class BaseAttempts(ABC):
         self._count_dead_letter(message, letter.reason)
         log.warning("dead-lettered %s (%s): %s", _where(message), letter.reason, letter.error)
         return AttemptVerdict.DEAD_LETTERED
-
-    def _count_dead_letter(self, message: Message, reason: Reason) -> None:
-        self._metrics.dead_lettered.labels(self.config.group, message.topic(), reason).inc()
 
 
 class Attempts(BaseAttempts):
@@ -527,34 +434,3 @@ def batch_results(results: Any, units: Sequence[UnitOfWork]) -> list[Any]:
             f"message, got {type(results).__name__}"
         )
     )
-
-
-class Carried(BaseException):
-    """Carries ``error`` out of a unit of work, which rolls back without recording the key as
-    failed: a handler result the key cannot store, or a dead letter the broker did not confirm.
-
-    A BaseException, so that no ``OutboxConfig.permanent_errors`` entry (even ``Exception``) can
-    make the unit of work record a failure for such a message.
-    """
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def store_result(unit: _Unit, result: Any) -> None:
-    """Store the handler's ``result`` with the key, or raise :class:`Carried` (rolled back, or
-    the key released)."""
-    try:
-        unit.result = result
-    except SerializationError as exc:
-        raise Carried(
-            SerializationError(
-                f"the handler's return value cannot be stored as the key's result ({exc}); "
-                "return JSON-compatible data (dict, list, str, number, bool or None)"
-            )
-        ) from exc
-
-
-def _where(message: Message) -> str:
-    return f"{message.topic()}[{message.partition()}]@{message.offset()}"

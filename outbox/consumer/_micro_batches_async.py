@@ -22,7 +22,8 @@ from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
 from outbox._pg.errors import database_unavailable
 from outbox.config import ConsumerConfig
-from outbox.consumer._attempt_async import AsyncAttempts, AsyncGuardedAttempts, Carried
+from outbox.consumer._attempt_async import AsyncAttempts, AsyncGuardedAttempts
+from outbox.consumer._attempt_base import Carried
 from outbox.consumer._lanes import lanes_of, run_lanes_async
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.consumer._micro_batches_base import MicroBatchesBase

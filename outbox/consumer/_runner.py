@@ -29,13 +29,8 @@ from outbox.config import (
     ENV_KAFKA_CONFIG as ENV_KAFKA_CONFIG,
     ConsumerConfig,
 )
-from outbox.consumer._attempt import (
-    Attempts,
-    FingerprintFunc,
-    GuardedAttempts,
-    KeyFunc,
-    batch_handler,
-)
+from outbox.consumer._attempt import Attempts, GuardedAttempts, batch_handler
+from outbox.consumer._attempt_base import FingerprintFunc, KeyFunc
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches import MicroBatches
 from outbox.errors import ConfigurationError, ConsumerError

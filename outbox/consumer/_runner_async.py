@@ -35,13 +35,8 @@ from outbox.config import (
     ENV_KAFKA_CONFIG as ENV_KAFKA_CONFIG,
     ConsumerConfig,
 )
-from outbox.consumer._attempt_async import (
-    AsyncAttempts,
-    AsyncGuardedAttempts,
-    FingerprintFunc,
-    KeyFunc,
-    batch_handler,
-)
+from outbox.consumer._attempt_async import AsyncAttempts, AsyncGuardedAttempts, batch_handler
+from outbox.consumer._attempt_base import FingerprintFunc, KeyFunc
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches_async import AsyncMicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
