@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox._core import codec
+from outbox._core.lanes import KIND_LANE, KIND_MEMBER, namespace
 from outbox.admin import discard_parked, list_parked, retry_parked
 from outbox.errors import ConfigurationError
 from outbox.relay import Relay, RelayConfig
@@ -289,3 +290,57 @@ def test_metrics_show_the_window_backlog(
         conn.exec_driver_sql("UPDATE outbox_relay_windows SET delivered = pg_current_snapshot()")
     assert stats() == {}
     assert outbox_count(engine) == 7
+
+
+@pytest.mark.parametrize(("running", "starting"), [("window", "claim"), ("claim", "window")])
+def test_a_relay_of_the_other_engine_is_refused_and_the_running_one_keeps_serving(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, running: str, starting: str
+) -> None:
+    """Relays of both engines on one outbox would both send its rows: the second one refuses
+    to start, naming the engine that runs, and the first one goes on delivering."""
+    first = RelayThread(
+        RelayConfig(database_url, kafka_bootstrap, engine=running, rebalance_interval=0.1)
+    ).start()
+    try:
+        wait_for(lambda: first.relay.owned, 20, "first relay took no lanes")
+        second = Relay(RelayConfig(database_url, kafka_bootstrap, engine=starting))
+        with pytest.raises(ConfigurationError) as refused:
+            second.run(once=True)
+        message = str(refused.value)
+        assert f"run --engine {running} (backend pid {first.relay.pid})" in message
+        assert f"this one --engine {starting}" in message
+        topic = _topic("window-mixed")
+        ids = insert_rows(engine, topic, [(f"k{i}", b"v") for i in range(5)])
+        assert len(wait_for_records(kafka_bootstrap, topic, ids)) == 5
+        assert first.error is None and first.exit_code is None
+    finally:
+        first.stop()
+
+
+def test_a_window_relay_stops_when_a_claim_relay_that_does_not_check_serves_lanes(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """A claim relay of a release before engines announced themselves takes its member and lane
+    locks and nothing else: the window relay finds it serving at its next rebalance and stops."""
+    relay = RelayThread(_config(database_url, kafka_bootstrap, lanes=4, rebalance_interval=0.1))
+    relay.start()
+    older = engine.connect()
+    try:
+        wait_for(lambda: len(relay.relay.owned) == 4, 20, "window relay took no lanes")
+        schema = relay.relay.config.schema
+        pid = older.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        older.execute(
+            sa.text("SELECT pg_advisory_lock(:ns, :pid), pg_advisory_lock(:lane_ns, 99)"),
+            {
+                "ns": namespace(schema, KIND_MEMBER),
+                "pid": pid,
+                "lane_ns": namespace(schema, KIND_LANE),
+            },
+        )
+        older.commit()
+        wait_for(lambda: relay.error is not None, 20, "window relay did not stop")
+        assert isinstance(relay.error, ConfigurationError)
+        assert f"run --engine claim (backend pid {pid})" in str(relay.error)
+    finally:
+        older.close()
+        relay.relay.stop()
