@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from outbox._core import codec
 from outbox._core.lanes import KIND_LANE, KIND_MEMBER, namespace
+from outbox._pg.window import WindowStatements
 from outbox.admin import discard_parked, list_parked, retry_parked
 from outbox.errors import ConfigurationError
 from outbox.relay import Relay, RelayConfig
@@ -344,3 +345,30 @@ def test_a_window_relay_stops_when_a_claim_relay_that_does_not_check_serves_lane
     finally:
         older.close()
         relay.relay.stop()
+
+
+def test_the_rows_a_held_key_owes_are_found_through_the_key_index(engine: sa.Engine) -> None:
+    """HELD_OWED runs before every batch of a lane with a held key: it must not scan the whole
+    outbox (backlog and delivered rows) for each one (migration 0008)."""
+    sql = WindowStatements.for_schema(None)
+    params = {"lanes": 32, "owned": list(range(32)), "delivered": "1:1:", "opened": None, "done": 0}
+    with engine.connect() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO outbox (event_id, topic, key, value, headers, key_hash) "
+            "SELECT gen_random_uuid(), 't', convert_to('k' || g %% 2000, 'UTF8'), 'v', '{}', "
+            "g %% 2000 FROM generate_series(1, 20000) g"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO outbox_relay_held SELECT id, key_hash, key FROM outbox WHERE id <= 3"
+        )
+        conn.commit()
+        conn.exec_driver_sql("ANALYZE outbox")
+        conn.exec_driver_sql("ANALYZE outbox_relay_held")
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        with driver.cursor() as cur:
+            cur.execute(f"EXPLAIN {sql.owed}", params)
+            plan = "\n".join(row[0] for row in cur.fetchall())
+        conn.rollback()
+    assert "ix_outbox_key_hash" in plan, plan
+    assert "Seq Scan on outbox o" not in plan, plan
