@@ -130,6 +130,7 @@ class WindowEngine:
         self.relay = relay
         self.config = relay.config
         self.sql = WindowStatements.for_schema(relay.config.schema)
+        relay.metrics.window_engine()
         # Reclaim whenever idle (``Relay.run(once=True)`` sets it: a drained outbox is empty).
         self.eager_reclaim = False
         self.reset()
