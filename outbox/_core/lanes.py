@@ -145,6 +145,7 @@ class RelayInfo:
     application_name: str
     client_addr: str | None
     lanes: tuple[int, ...]
+    engine: str = "claim"  # its --engine (engines_of_relays)
 
 
 def ownership_from_locks(rows: Iterable[LockRow], schema: str | None) -> dict[int, tuple[int, ...]]:

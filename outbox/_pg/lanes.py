@@ -20,6 +20,7 @@ from outbox._core.lanes import (
     KIND_MEMBER,
     LockRow,
     RelayInfo,
+    engines_of_relays,
     namespace,
     ownership_from_locks,
 )
@@ -61,14 +62,22 @@ def read_locks(connection: sa.Connection, schema: str | None) -> list[LockRow]:
 
 
 def relay_ownership(connection: sa.Connection, schema: str | None) -> list[RelayInfo]:
-    """Live relays of ``schema`` and the lanes each holds (for ``outbox status``)."""
-    owners = ownership_from_locks(read_locks(connection, schema), schema)
+    """Live relays of ``schema``, the lanes each holds and its engine (for ``outbox status``)."""
+    locks = read_locks(connection, schema)
+    owners = ownership_from_locks(locks, schema)
+    engines = engines_of_relays(locks, schema)
     if not owners:
         return []
     rows = connection.execute(RELAY_SESSIONS_READ, {"pids": list(owners)})
     names = {int(r.pid): (r.application_name or "", r.client_addr) for r in rows}
     return [
-        RelayInfo(pid, names.get(pid, ("", None))[0], names.get(pid, ("", None))[1], lanes)
+        RelayInfo(
+            pid,
+            names.get(pid, ("", None))[0],
+            names.get(pid, ("", None))[1],
+            lanes,
+            engines.get(pid, "claim"),
+        )
         for pid, lanes in owners.items()
     ]
 
