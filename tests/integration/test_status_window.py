@@ -4,9 +4,12 @@ each live relay's engine (against real PostgreSQL and a broker)."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -14,6 +17,7 @@ from outbox import admin, cli
 from outbox._core.lanes import KIND_MEMBER, namespace
 from outbox.relay import Relay, RelayConfig
 from tests.fixtures.common import wait_for
+from tests.fixtures.console import ConsoleServer
 from tests.fixtures.relay import RelayThread, insert_rows, wait_for_records
 
 
@@ -107,3 +111,33 @@ def test_status_names_each_live_relays_engine_and_warns_of_mixed_engines(
     finally:
         older.close()
         running.stop()
+
+
+def test_the_console_overview_shows_the_window_lanes(
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    console_server: Callable[..., ConsoleServer],
+) -> None:
+    server = console_server()
+    with httpx.Client(base_url=server.url) as client:
+        before = client.get("/")
+        assert before.status_code == 200
+        assert 'id="windows"' not in before.text  # no window relay ran yet
+        topic = f"console-window-{uuid.uuid4().hex[:8]}"
+        parked, _ = insert_rows(engine, topic, [("held", b"1"), ("held", b"2")])
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text("UPDATE outbox SET parked_at = now(), attempts = 10 WHERE event_id = :e"),
+                {"e": parked},
+            )
+        _window_once(database_url, kafka_bootstrap)
+        insert_rows(engine, topic, [(f"new{i}", b"v") for i in range(4)])
+        page = client.get("/")
+    assert page.status_code == 200
+    assert re.search(r'id="window-backlog">4<', page.text)
+    assert re.search(r'id="window-held">1<', page.text)
+    window_rows = page.text.split('id="windows"')[1].split("</table>")[0]
+    lanes = re.findall(r'<tr><td class="num">(\d+)</td><td class="num">(\d+)</td>', window_rows)
+    assert [lane for lane, _ in lanes] == ["0", "1", "2", "3"]
+    assert sum(int(n) for _, n in lanes) == 4
