@@ -555,8 +555,8 @@ class LaneWindow:
 
 
 def windows_status(conn: sa.Connection, schema: str | None) -> list[LaneWindow]:
-    """Every lane's cursor, held rows and backlog (empty while no window relay has run), in the
-    caller's transaction."""
+    """Every lane's cursor, held rows and backlog (empty while no window relay has run, or on a
+    schema migrated to before 0007), in the caller's transaction."""
     names = {
         "outbox": qualified(validate_schema_name(schema), OUTBOX),
         "held": qualified(validate_schema_name(schema), RELAY_HELD),
@@ -566,6 +566,10 @@ def windows_status(conn: sa.Connection, schema: str | None) -> list[LaneWindow]:
     if not conn.in_transaction():
         conn.begin()
     with driver.cursor() as cur:
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (names["windows"],))
+        found = cur.fetchone()
+        if not (found and found[0]):
+            return []
         cur.execute(WINDOWS_STATUS.format(**names), {})
         cursors = cur.fetchall()
         if not cursors:

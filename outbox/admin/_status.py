@@ -458,7 +458,7 @@ def _windows_json(status: Status) -> dict[str, Any] | None:
 
 
 def _past_cursors(status: Status) -> int | None:
-    if status.pending_counted_at is not None:
+    if status.pending_counted_at not in (None, status.taken_at):
         return None  # pending counted at another moment than the windows
     return max(0, status.pending - status.window_backlog)
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from outbox import admin, cli
+from outbox import admin, cli, migrate
 from outbox._core.lanes import KIND_MEMBER, namespace
 from outbox.relay import Relay, RelayConfig
 from tests.fixtures.common import wait_for
@@ -141,3 +141,13 @@ def test_the_console_overview_shows_the_window_lanes(
     lanes = re.findall(r'<tr><td class="num">(\d+)</td><td class="num">(\d+)</td>', window_rows)
     assert [lane for lane, _ in lanes] == ["0", "1", "2", "3"]
     assert sum(int(n) for _, n in lanes) == 4
+
+
+def test_status_of_a_schema_before_the_window_tables_reports_no_windows(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    migrate.downgrade(database_url, "0006")
+    doc = _status_json(capsys, database_url)
+    assert doc["windows"] is None
+    assert doc["migration"]["current"] == "0006"
+    assert any("run `outbox migrate`" in w for w in doc["warnings"])
