@@ -157,6 +157,8 @@ def tables(schema: str | None = None) -> Tables:
             postgresql_where=text("parked_at IS NOT NULL"),
         ),
         Index("ix_outbox_txid", "txid"),
+        # Window relay (migration 0008): the rows a held key owes, from its held row on.
+        Index("ix_outbox_key_hash", "key_hash", "id"),
     )
     # One row (migration 0003): the secret that signs the Redis cache's entries.
     cache_secret = Table(

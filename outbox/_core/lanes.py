@@ -6,7 +6,7 @@ database session holds the PostgreSQL advisory lock ``(LANE namespace, lane)``. 
 dies loses its session, PostgreSQL frees its locks, and the survivors pick the lanes up at their
 next rebalance.
 
-Four advisory-lock namespaces exist per outbox schema (two-key form ``pg_try_advisory_lock(int,
+Five advisory-lock namespaces exist per outbox schema (two-key form ``pg_try_advisory_lock(int,
 int)``, which ``pg_locks`` shows as ``classid = namespace, objid = second key, objsubid = 2``):
 
 * ``member`` -- every running relay holds ``(member, its backend pid)``; counting these locks
@@ -14,6 +14,10 @@ int)``, which ``pg_locks`` shows as ``classid = namespace, objid = second key, o
 * ``lanes`` -- held in shared mode as ``(lanes, configured lane count)``; a relay refuses to start
   when another one runs with a different count (both would serve the same key at once);
 * ``lane`` -- ``(lane, n)`` is ownership of lane ``n``;
+* ``engine`` -- held in shared mode as ``(engine, code of the relay's --engine)``, taken before
+  the ``member`` lock; a relay refuses to start when one of the other engine runs (a claim relay
+  would send again the rows a window relay delivered and did not give back yet). A member
+  without it is a relay of a release before engines announced themselves: a claim relay;
 * ``idle`` -- held in shared mode as ``(idle, 0)`` by every relay that waits for work. Writers
   probe it after their commit (:func:`outbox._pg.lanes.idle_probe_sql`): only when some relay
   holds it is a wake-up worth sending (:mod:`outbox._pg.wakeup`).
@@ -41,6 +45,11 @@ KIND_MEMBER = "member"
 KIND_LANES = "lanes"
 KIND_LANE = "lane"
 KIND_IDLE = "idle"
+KIND_ENGINE = "engine"
+
+# The second key of a relay's ``engine`` lock, per --engine (never renumber: relays of two
+# releases compare them).
+ENGINE_CODES = {"claim": 1, "window": 2}
 
 
 def lane_of(key_hash: int, lanes: int) -> int:
@@ -126,6 +135,7 @@ class RelayInfo:
     application_name: str
     client_addr: str | None
     lanes: tuple[int, ...]
+    engine: str = "claim"  # its --engine (engines_of_relays)
 
 
 def ownership_from_locks(rows: Iterable[LockRow], schema: str | None) -> dict[int, tuple[int, ...]]:
@@ -151,3 +161,35 @@ def configured_lane_counts(rows: Iterable[LockRow], schema: str | None) -> set[i
     """The ``--lanes`` values announced by live relays (normally exactly one)."""
     lanes_ns = namespace(schema, KIND_LANES)
     return {row.objid for row in rows if row.classid == lanes_ns}
+
+
+def engines_of_relays(rows: Iterable[LockRow], schema: str | None) -> dict[int, str]:
+    """The engine of each live relay (backend pid) from ``pg_locks`` rows: its ``engine`` lock,
+    or ``claim`` for a member without one (a release before engines announced themselves)."""
+    rows = list(rows)
+    engine_ns = namespace(schema, KIND_ENGINE)
+    member_ns = namespace(schema, KIND_MEMBER)
+    names = {code: name for name, code in ENGINE_CODES.items()}
+    engines = {
+        row.pid: names.get(row.objid, f"engine {row.objid}")
+        for row in rows
+        if row.classid == engine_ns
+    }
+    for row in rows:
+        if row.classid == member_ns:
+            engines.setdefault(row.pid, "claim")
+    return dict(sorted(engines.items()))
+
+
+def other_engines(
+    rows: Iterable[LockRow], schema: str | None, engine: str, pid: int | None, *, serving: bool
+) -> dict[int, str]:
+    """Live relays (other than ``pid``) that run another engine than ``engine``; with
+    ``serving``, only those that own a lane (a relay refused at its start never takes one)."""
+    rows = list(rows)
+    owners = ownership_from_locks(rows, schema)
+    return {
+        other: name
+        for other, name in engines_of_relays(rows, schema).items()
+        if other != pid and name != engine and (not serving or owners.get(other))
+    }

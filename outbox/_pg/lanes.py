@@ -12,12 +12,15 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 from outbox._core.lanes import (
+    ENGINE_CODES,
+    KIND_ENGINE,
     KIND_IDLE,
     KIND_LANE,
     KIND_LANES,
     KIND_MEMBER,
     LockRow,
     RelayInfo,
+    engines_of_relays,
     namespace,
     ownership_from_locks,
 )
@@ -49,6 +52,7 @@ RELAY_SESSIONS_READ = sa.text(
 RELAY_BACKEND_PID = sa.text("SELECT pg_backend_pid()")
 RELAY_MEMBER_LOCK = sa.text("SELECT pg_advisory_lock(:ns, :pid)")
 RELAY_LANE_COUNT_LOCK = sa.text("SELECT pg_advisory_lock_shared(:ns, :lanes)")
+RELAY_ENGINE_LOCK = sa.text("SELECT pg_advisory_lock_shared(:ns, :code)")
 LANE_TRY_LOCK = sa.text(
     "SELECT lane FROM unnest(CAST(:lanes AS integer[])) AS lane "
     "WHERE pg_try_advisory_lock(:ns, lane)"
@@ -62,27 +66,43 @@ LANE_UNLOCK = sa.text(
 
 def read_locks(connection: sa.Connection, schema: str | None) -> list[LockRow]:
     """The granted relay advisory locks of ``schema`` in the current database."""
-    namespaces = [namespace(schema, k) for k in (KIND_MEMBER, KIND_LANES, KIND_LANE)]
+    kinds = (KIND_MEMBER, KIND_LANES, KIND_LANE, KIND_ENGINE)
+    namespaces = [namespace(schema, k) for k in kinds]
     result = connection.execute(RELAY_LOCKS_READ, {"namespaces": namespaces})
     return [LockRow(int(r.pid), int(r.classid), int(r.objid)) for r in result]
 
 
 def relay_ownership(connection: sa.Connection, schema: str | None) -> list[RelayInfo]:
-    """Live relays of ``schema`` and the lanes each holds (for ``outbox status``)."""
-    owners = ownership_from_locks(read_locks(connection, schema), schema)
+    """Live relays of ``schema``, the lanes each holds and its engine (for ``outbox status``)."""
+    locks = read_locks(connection, schema)
+    owners = ownership_from_locks(locks, schema)
+    engines = engines_of_relays(locks, schema)
     if not owners:
         return []
     rows = connection.execute(RELAY_SESSIONS_READ, {"pids": list(owners)})
     names = {int(r.pid): (r.application_name or "", r.client_addr) for r in rows}
     return [
-        RelayInfo(pid, names.get(pid, ("", None))[0], names.get(pid, ("", None))[1], lanes)
+        RelayInfo(
+            pid,
+            names.get(pid, ("", None))[0],
+            names.get(pid, ("", None))[1],
+            lanes,
+            engines.get(pid, "claim"),
+        )
         for pid, lanes in owners.items()
     ]
 
 
-def register(connection: sa.Connection, schema: str | None, lanes: int) -> int:
-    """Announce this session as a live relay serving ``lanes`` lanes; returns its backend pid."""
+def register(
+    connection: sa.Connection, schema: str | None, lanes: int, engine: str = "claim"
+) -> int:
+    """Announce this session as a live relay serving ``lanes`` lanes with ``engine``; returns
+    its backend pid. The engine lock comes first: a member seen without one is an older
+    relay, never this one half-registered."""
     pid = int(connection.execute(RELAY_BACKEND_PID).scalar_one())
+    connection.execute(
+        RELAY_ENGINE_LOCK, {"ns": namespace(schema, KIND_ENGINE), "code": ENGINE_CODES[engine]}
+    )
     connection.execute(RELAY_MEMBER_LOCK, {"ns": namespace(schema, KIND_MEMBER), "pid": pid})
     connection.execute(RELAY_LANE_COUNT_LOCK, {"ns": namespace(schema, KIND_LANES), "lanes": lanes})
     return pid

@@ -502,3 +502,95 @@ def window_stats(
             was = out.get(topic, (0, 0, 0.0))
             out[topic] = (was[0] + int(pending), was[1] + int(parked), max(was[2], float(age or 0)))
     return out
+
+
+# For `outbox status`: every lane's cursor -- whether it has delivered anything, the window in
+# progress and how far into it, transaction ids committed since its delivered snapshot, when it
+# was written -- and its held rows (read in the status' snapshot, no lock).
+WINDOWS_STATUS = """
+SELECT w.lane, w.lanes, w.delivered IS NOT NULL, w.opened IS NOT NULL, w.done_id, w.high_id,
+       CASE WHEN w.delivered IS NOT NULL
+            THEN (pg_snapshot_xmax(pg_current_snapshot())::text::bigint
+                  - pg_snapshot_xmax(w.delivered::pg_snapshot)::text::bigint) END,
+       EXTRACT(EPOCH FROM now() - w.updated_at)::float8,
+       (SELECT count(*) FROM {held} h WHERE h.key_hash %% w.lanes = w.lane),
+       CASE WHEN w.delivered IS NOT NULL
+            THEN pg_snapshot_xmin(w.delivered::pg_snapshot)::text END
+FROM {windows} w
+ORDER BY w.lane
+"""
+
+# Per lane: rows not parked and not yet past the lane's cursor, and the oldest one's age; from
+# the lowest xmin of the delivered snapshots on through the txid index (NULL: some lane has
+# delivered nothing yet, every row counts). A row without txid (written before 0007) is
+# delivered once its lane has delivered a window.
+WINDOWS_BACKLOG = """
+SELECT w.lane, count(*), EXTRACT(EPOCH FROM now() - min(o.created_at))::float8
+FROM {outbox} o
+JOIN {windows} w ON w.lane = o.key_hash %% %(lanes)s
+WHERE o.parked_at IS NULL
+  AND (%(floor)s::xid8 IS NULL OR o.txid >= %(floor)s::xid8)
+  AND CASE WHEN w.delivered IS NULL THEN true
+           WHEN o.txid IS NULL THEN false
+           ELSE NOT pg_visible_in_snapshot(o.txid, w.delivered::pg_snapshot) END
+GROUP BY w.lane
+"""
+
+
+@dataclass(frozen=True)
+class LaneWindow:
+    """A lane's cursor as ``outbox status`` shows it."""
+
+    lane: int
+    lanes: int  # the lane count the cursors were made for
+    delivered: bool  # a window was delivered (else the first window holds every row)
+    in_progress: bool  # a window is open; ``done`` of its ids up to ``high`` are sent
+    done: int
+    high: int
+    xids_behind: int | None  # transaction ids assigned since the delivered snapshot
+    written_age: float  # seconds since the cursor was last written
+    held: int  # held rows (failed or parked keys) of the lane
+    backlog: int  # rows not parked and not yet past the cursor
+    oldest_age: float | None  # the oldest of those, in seconds
+
+
+def windows_status(conn: sa.Connection, schema: str | None) -> list[LaneWindow]:
+    """Every lane's cursor, held rows and backlog (empty while no window relay has run, or on a
+    schema migrated to before 0007), in the caller's transaction."""
+    names = {
+        "outbox": qualified(validate_schema_name(schema), OUTBOX),
+        "held": qualified(validate_schema_name(schema), RELAY_HELD),
+        "windows": qualified(validate_schema_name(schema), RELAY_WINDOWS),
+    }
+    driver = _driver(conn)
+    if not conn.in_transaction():
+        conn.begin()
+    with driver.cursor() as cur:
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (names["windows"],))
+        found = cur.fetchone()
+        if not (found and found[0]):
+            return []
+        cur.execute(WINDOWS_STATUS.format(**names), {})
+        cursors = cur.fetchall()
+        if not cursors:
+            return []
+        xmins = [int(r[9]) for r in cursors if r[9] is not None]
+        floor = str(min(xmins)) if len(xmins) == len(cursors) else None
+        cur.execute(WINDOWS_BACKLOG.format(**names), {"lanes": int(cursors[0][1]), "floor": floor})
+        backlog = {int(r[0]): (int(r[1]), None if r[2] is None else float(r[2])) for r in cur}
+    return [
+        LaneWindow(
+            lane=int(r[0]),
+            lanes=int(r[1]),
+            delivered=bool(r[2]),
+            in_progress=bool(r[3]),
+            done=int(r[4]),
+            high=int(r[5]),
+            xids_behind=None if r[6] is None else int(r[6]),
+            written_age=float(r[7]),
+            held=int(r[8]),
+            backlog=backlog.get(int(r[0]), (0, None))[0],
+            oldest_age=backlog.get(int(r[0]), (0, None))[1],
+        )
+        for r in cursors
+    ]

@@ -29,6 +29,7 @@ from outbox._core.health import (
     health_warnings,
 )
 from outbox._pg import health as health_pg, lanes as lanes_pg, operations as ops
+from outbox._pg.window import LaneWindow, windows_status
 from outbox.config import redact_url
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.schema import (
@@ -137,6 +138,24 @@ class Status:
     # When the pending rows were counted, if not in this snapshot (read_status's ``pending``):
     # the parked numbers are this snapshot's all the same.
     pending_counted_at: datetime | None = None
+    # The window engine's lanes (outbox_relay_windows), empty while no window relay has run.
+    windows: tuple[LaneWindow, ...] = field(default=())
+
+    @property
+    def window_backlog(self) -> int:
+        """Rows not yet past the window cursors (the table also holds delivered rows)."""
+        return sum(w.backlog for w in self.windows)
+
+    @property
+    def window_held(self) -> int:
+        return sum(w.held for w in self.windows)
+
+    @property
+    def window_relays(self) -> bool:
+        """The window engine serves this outbox: a live window relay, or cursors and no live
+        relay of the claim engine."""
+        engines = {r.engine for r in self.relays}
+        return "window" in engines or (bool(self.windows) and not engines)
 
     @property
     def schema_name(self) -> str:
@@ -220,6 +239,18 @@ def status_warnings(status: Status) -> list[str]:
                 f"lanes {format_ranges(orphaned)} have pending rows but no relay holds them "
                 "(normal for a second after a relay starts or stops)"
             )
+    engines = sorted({r.engine for r in status.relays})
+    if len(engines) > 1:
+        out.append(
+            f"relays of more than one engine are alive ({', '.join(engines)}): they send the "
+            "same rows; stop every relay of one engine (docs/relay.md, 'Switching engines')"
+        )
+    stale = sorted({w.lanes for w in status.windows} - {status.lanes})
+    if status.window_relays and stale:
+        out.append(
+            f"the window cursors were made for {stale[0]} lanes, this report splits by "
+            f"{status.lanes}: window relays refuse to start with another --lanes"
+        )
     if status.parked:
         rows = "1 parked row holds" if status.parked == 1 else f"{status.parked} parked rows hold"
         out.append(f"{rows} back later rows of their keys: see `outbox parked list`")
@@ -257,6 +288,10 @@ def read_status(
     locks = lanes_pg.read_locks(connection, schema)
     announced = tuple(sorted(lanes_core.configured_lane_counts(locks, schema)))
     lanes, source = choose_lanes(lanes_flag, lanes_env, announced)
+    windows = tuple(windows_status(connection, schema))
+    made_for = {w.lanes for w in windows}
+    if source == "default" and len(made_for) == 1:
+        lanes, source = made_for.pop(), "windows"  # no relay alive: as the cursors were made
     relays = tuple(
         replace(r, client_addr=_host(r.client_addr))
         for r in lanes_pg.relay_ownership(connection, schema)
@@ -293,6 +328,7 @@ def read_status(
         table=None if resolved is None else resolved[1],
         table_schema=None if resolved is None else resolved[0],
         pending_counted_at=counted_at,
+        windows=windows,
     )
     return _with_warnings(status)
 
@@ -371,9 +407,11 @@ def status_to_json(status: Status, database_url: str | None = None) -> dict[str,
                 "application_name": r.application_name,
                 "client_addr": r.client_addr,
                 "lanes": list(r.lanes),
+                "engine": r.engine,
             }
             for r in status.relays
         ],
+        "windows": _windows_json(status),
         "tables": [
             {
                 "table": t.table,
@@ -388,6 +426,41 @@ def status_to_json(status: Status, database_url: str | None = None) -> dict[str,
         "horizon": None if status.horizon is None else _horizon_json(status.horizon),
         "warnings": list(status.warnings),
     }
+
+
+def _windows_json(status: Status) -> dict[str, Any] | None:
+    """The window engine's lanes (``null`` while no window relay has run)."""
+    if not status.windows:
+        return None
+    return {
+        "lanes": status.windows[0].lanes,
+        "backlog": status.window_backlog,
+        "held": status.window_held,
+        # Rows past their lanes' cursors still in the table, delivered (not given back yet) or
+        # owed by a held key: counted in outbox.pending, which counts every row not parked.
+        "past_cursors": _past_cursors(status),
+        "by_lane": [
+            {
+                "lane": w.lane,
+                "backlog": w.backlog,
+                "oldest_pending_age_seconds": w.oldest_age,
+                "held": w.held,
+                "delivered": w.delivered,
+                "xids_behind": w.xids_behind,
+                "window_in_progress": w.in_progress,
+                "window_done_id": w.done if w.in_progress else None,
+                "window_high_id": w.high if w.in_progress else None,
+                "written_age_seconds": round(w.written_age, 3),
+            }
+            for w in status.windows
+        ],
+    }
+
+
+def _past_cursors(status: Status) -> int | None:
+    if status.pending_counted_at not in (None, status.taken_at):
+        return None  # pending counted at another moment than the windows
+    return max(0, status.pending - status.window_backlog)
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -480,17 +553,47 @@ def render_status(status: Status, database_url: str | None = None, max_lanes: in
     out.append("")
     out += _render_health(status)
     out.append("")
+    if status.windows:
+        out += _render_windows(status, max_lanes)
+        out.append("")
     out.append(f"RELAYS  alive {len(status.relays)}")
     if status.relays:
         out += _table(
-            ("PID", "APPLICATION", "CLIENT", "LANES"),
-            [(r.pid, r.application_name or "-", r.client_addr or "local", format_ranges(r.lanes))
+            ("PID", "APPLICATION", "CLIENT", "ENGINE", "LANES"),
+            [(r.pid, r.application_name or "-", r.client_addr or "local", r.engine,
+              format_ranges(r.lanes))
              for r in status.relays],
         )  # fmt: skip
     if status.warnings:
         out.append("")
         out += [f"warning: {w}" for w in status.warnings]
     return "\n".join(out)
+
+
+def _render_windows(status: Status, max_lanes: int) -> list[str]:
+    """WINDOWS: the window engine's backlog and held rows, per lane with rows, a window in
+    progress or a cursor that never delivered."""
+    past = _past_cursors(status)
+    out = [
+        f"WINDOWS  lanes {status.windows[0].lanes}  backlog {status.window_backlog:,}  "
+        f"held {status.window_held:,}"
+        + ("" if past is None else f"  past the cursors {past:,} (delivered, or held keys' rows)")
+    ]
+    busy = [w for w in status.windows if w.backlog or w.held or w.in_progress or not w.delivered]
+    if busy:
+        shown = sorted(busy, key=lambda w: (-w.backlog - w.held, w.lane))[:max_lanes]
+        out += _table(
+            ("LANE", "BACKLOG", "OLDEST", "HELD", "XIDS BEHIND", "WINDOW", "WRITTEN"),
+            [(w.lane, f"{w.backlog:,}", _age(w.oldest_age), f"{w.held:,}",
+              "-" if w.xids_behind is None else f"{w.xids_behind:,}",
+              f"open, sent to id {w.done}/{w.high}" if w.in_progress
+              else ("-" if w.delivered else "first"),
+              _age(w.written_age) + " ago")
+             for w in sorted(shown, key=lambda w: w.lane)],
+        )  # fmt: skip
+        if len(busy) > max_lanes:
+            out.append(f"  (busiest {max_lanes} of {len(busy)} lanes shown)")
+    return out
 
 
 def _render_health(status: Status) -> list[str]:

@@ -2,6 +2,8 @@
 
 Invariant: a relay claims rows of the lanes whose advisory lock its session holds, and every
 relay of an outbox registers with the same lane count, so two relays never send the same key.
+Every relay of an outbox runs the same engine: a claim relay would send again the rows a window
+relay delivered and did not give back yet.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ import logging
 import sqlalchemy as sa
 
 from outbox._core.durations import format_ranges
-from outbox._core.lanes import configured_lane_counts, ownership_from_locks, plan_rebalance
+from outbox._core.lanes import (
+    configured_lane_counts,
+    other_engines,
+    ownership_from_locks,
+    plan_rebalance,
+)
 from outbox._pg import lanes as pg_lanes
 from outbox.config import RelayConfig
 from outbox.errors import ConfigurationError
@@ -33,12 +40,16 @@ class LaneOwnership:
     def register(self, conn: sa.Connection) -> None:
         """Register a new session ``conn`` as a relay of this outbox (it owns no lane yet).
 
-        Raises :class:`ConfigurationError` when the running relays use another lane count.
+        Raises :class:`ConfigurationError` when the running relays use another lane count or
+        another engine.
         """
         schema = self.config.schema
-        pid = pg_lanes.register(conn, schema, self.config.lanes)
-        counts = configured_lane_counts(pg_lanes.read_locks(conn, schema), schema)
+        engine = self.config.engine
+        pid = pg_lanes.register(conn, schema, self.config.lanes, engine)
+        locks = pg_lanes.read_locks(conn, schema)
+        counts = configured_lane_counts(locks, schema)
         conn.commit()
+        self._refuse_other_engines(other_engines(locks, schema, engine, pid, serving=False))
         others = counts - {self.config.lanes}
         if others:
             raise ConfigurationError(
@@ -49,6 +60,17 @@ class LaneOwnership:
         self.pid = pid
         self.owned = set()
         self.next_rebalance = 0.0
+
+    def _refuse_other_engines(self, others: dict[int, str]) -> None:
+        if not others:
+            return
+        engines = sorted(set(others.values()))
+        raise ConfigurationError(
+            f"relays of this outbox run --engine {', '.join(engines)} (backend pid "
+            f"{', '.join(str(p) for p in others)}), this one --engine {self.config.engine}: "
+            "both would send the same rows; stop every relay of one engine before starting the "
+            "other's (docs/relay.md, 'Switching engines')"
+        )
 
     def lost(self) -> None:
         """The session is gone, and its lane locks with it."""
@@ -61,7 +83,14 @@ class LaneOwnership:
         no longer owns a lane it owned before (given back, or its lock found gone)."""
         before = set(self.owned)
         schema = self.config.schema
-        owners = ownership_from_locks(pg_lanes.read_locks(conn, schema), schema)
+        locks = pg_lanes.read_locks(conn, schema)
+        # A relay of another engine that serves lanes (one of a release that does not check
+        # engines at its start): this one stops rather than send the same rows.
+        engines = other_engines(locks, schema, self.config.engine, self.pid, serving=True)
+        if engines:
+            conn.rollback()
+            self._refuse_other_engines(engines)
+        owners = ownership_from_locks(locks, schema)
         mine = set(owners.get(self.pid or -1, ()))
         if mine != self.owned:
             log.warning(

@@ -125,11 +125,17 @@ class RelayMetrics:
         )
         self.window_reclaim_age = Gauge(
             "outbox_relay_window_reclaim_age_seconds",
-            "Seconds since the window engine last gave space back (window engine)",
+            "Seconds since the window engine last gave space back (0 with the claim engine)",
             registry=r,
         )
-        self._window_reclaimed_at = time.monotonic()
-        self.window_reclaim_age.set_function(lambda: time.monotonic() - self._window_reclaimed_at)
+        self._window_reclaimed_at: float | None = None  # None: not the window engine
+        self.window_reclaim_age.set_function(
+            lambda: (
+                0.0
+                if self._window_reclaimed_at is None
+                else time.monotonic() - self._window_reclaimed_at
+            )
+        )
         self.heartbeat = time.monotonic()
         self.database_up = False
         # Set by the relay: false after a delivery outage or a failed broker check; stopping once
@@ -167,6 +173,10 @@ class RelayMetrics:
             holder.application_name or holder.name or "",
             holder.state or "",
         ).set(1)
+
+    def window_engine(self) -> None:
+        """This relay runs the window engine: its reclaim age counts from now."""
+        self._window_reclaimed_at = time.monotonic()
 
     def window_reclaims(self, truncated: bool, deleted: int) -> None:
         """The window engine gave space back (by TRUNCATE, or by deleting ``deleted`` rows)."""

@@ -76,6 +76,7 @@ class WindowEngine:
         self.relay = relay
         self.config = relay.config
         self.sql = WindowStatements.for_schema(relay.config.schema)
+        relay.metrics.window_engine()
         # Reclaim whenever idle (``Relay.run(once=True)``: a drained outbox is left empty).
         self.eager_reclaim = False
         self._forget()

@@ -138,6 +138,7 @@ def test_status_reports_backlog_parked_keys_and_lane_owners(
             "application_name": "outbox-relay",
             "client_addr": "127.0.0.1",
             "lanes": [0, 1],
+            "engine": "claim",
         }
     ]
     assert any("outbox parked list" in w for w in doc["warnings"])

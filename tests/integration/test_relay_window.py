@@ -12,6 +12,8 @@ import pytest
 import sqlalchemy as sa
 
 from outbox._core import codec
+from outbox._core.lanes import KIND_LANE, KIND_MEMBER, namespace
+from outbox._pg.window import WindowStatements
 from outbox.admin import discard_parked, list_parked, retry_parked
 from outbox.errors import ConfigurationError
 from outbox.relay import Relay, RelayConfig
@@ -325,3 +327,84 @@ def test_a_page_read_ahead_is_dropped_when_lanes_are_given_away(
     later = [r.key for r in read_topic(kafka_bootstrap, topic) if r.key not in first]
     assert later, "the second batch sent nothing"
     assert {lane_of[key] for key in later} <= {0, 1}, "a given-away lane's row was sent"
+
+
+@pytest.mark.parametrize(("running", "starting"), [("window", "claim"), ("claim", "window")])
+def test_a_relay_of_the_other_engine_is_refused_and_the_running_one_keeps_serving(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, running: str, starting: str
+) -> None:
+    """Relays of both engines on one outbox would both send its rows: the second one refuses
+    to start, naming the engine that runs, and the first one goes on delivering."""
+    first = RelayThread(
+        RelayConfig(database_url, kafka_bootstrap, engine=running, rebalance_interval=0.1)
+    ).start()
+    try:
+        wait_for(lambda: first.relay.owned, 20, "first relay took no lanes")
+        second = Relay(RelayConfig(database_url, kafka_bootstrap, engine=starting))
+        with pytest.raises(ConfigurationError) as refused:
+            second.run(once=True)
+        message = str(refused.value)
+        assert f"run --engine {running} (backend pid {first.relay.pid})" in message
+        assert f"this one --engine {starting}" in message
+        topic = _topic("window-mixed")
+        ids = insert_rows(engine, topic, [(f"k{i}", b"v") for i in range(5)])
+        assert len(wait_for_records(kafka_bootstrap, topic, ids)) == 5
+        assert first.error is None and first.exit_code is None
+    finally:
+        first.stop()
+
+
+def test_a_window_relay_stops_when_a_claim_relay_that_does_not_check_serves_lanes(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """A claim relay of a release before engines announced themselves takes its member and lane
+    locks and nothing else: the window relay finds it serving at its next rebalance and stops."""
+    relay = RelayThread(_config(database_url, kafka_bootstrap, lanes=4, rebalance_interval=0.1))
+    relay.start()
+    older = engine.connect()
+    try:
+        wait_for(lambda: len(relay.relay.owned) == 4, 20, "window relay took no lanes")
+        schema = relay.relay.config.schema
+        pid = older.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        older.execute(
+            sa.text("SELECT pg_advisory_lock(:ns, :pid), pg_advisory_lock(:lane_ns, 99)"),
+            {
+                "ns": namespace(schema, KIND_MEMBER),
+                "pid": pid,
+                "lane_ns": namespace(schema, KIND_LANE),
+            },
+        )
+        older.commit()
+        wait_for(lambda: relay.error is not None, 20, "window relay did not stop")
+        assert isinstance(relay.error, ConfigurationError)
+        assert f"run --engine claim (backend pid {pid})" in str(relay.error)
+    finally:
+        older.close()
+        relay.relay.stop()
+
+
+def test_the_rows_a_held_key_owes_are_found_through_the_key_index(engine: sa.Engine) -> None:
+    """HELD_OWED runs before every batch of a lane with a held key: it must not scan the whole
+    outbox (backlog and delivered rows) for each one (migration 0008)."""
+    sql = WindowStatements.for_schema(None)
+    params = {"lanes": 32, "owned": list(range(32)), "delivered": "1:1:", "opened": None, "done": 0}
+    with engine.connect() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO outbox (event_id, topic, key, value, headers, key_hash) "
+            "SELECT gen_random_uuid(), 't', convert_to('k' || g %% 2000, 'UTF8'), 'v', '{}', "
+            "g %% 2000 FROM generate_series(1, 20000) g"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO outbox_relay_held SELECT id, key_hash, key FROM outbox WHERE id <= 3"
+        )
+        conn.commit()
+        conn.exec_driver_sql("ANALYZE outbox")
+        conn.exec_driver_sql("ANALYZE outbox_relay_held")
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        with driver.cursor() as cur:
+            cur.execute(f"EXPLAIN {sql.owed}", params)
+            plan = "\n".join(row[0] for row in cur.fetchall())
+        conn.rollback()
+    assert "ix_outbox_key_hash" in plan, plan
+    assert "Seq Scan on outbox o" not in plan, plan

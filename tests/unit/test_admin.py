@@ -209,8 +209,15 @@ def test_json_document_shape() -> None:
     assert doc["idempotency_keys"]["by_status"] == {"completed": 7, "failed": 2, "started": 0}
     assert doc["idempotency_keys"]["total"] == 9
     assert doc["relays"] == [
-        {"pid": 101, "application_name": "outbox-relay", "client_addr": "10.0.0.5", "lanes": [0, 1]}
+        {
+            "pid": 101,
+            "application_name": "outbox-relay",
+            "client_addr": "10.0.0.5",
+            "lanes": [0, 1],
+            "engine": "claim",
+        }
     ]
+    assert doc["windows"] is None  # no window relay ran
 
 
 def test_human_report_is_compact_and_redacted() -> None:

@@ -24,9 +24,9 @@ def test_namespaces_differ_per_schema_and_kind() -> None:
     keys = {
         lanes.namespace(schema, kind)
         for schema in (None, "billing")
-        for kind in (lanes.KIND_MEMBER, lanes.KIND_LANES, lanes.KIND_LANE)
+        for kind in (lanes.KIND_MEMBER, lanes.KIND_LANES, lanes.KIND_LANE, lanes.KIND_ENGINE)
     }
-    assert len(keys) == 6
+    assert len(keys) == 8
     assert all(0 <= k < 2**31 for k in keys)
     assert lanes.namespace(None, "lane") == lanes.namespace("public", "lane")
 
@@ -93,3 +93,21 @@ def test_lane_lists_read_as_ranges() -> None:
     assert format_ranges((10, 9, 3, 3)) == "3,9-10"
     assert format_ranges([5]) == "5"
     assert format_ranges([]) == "-"
+
+
+def test_engines_of_relays_count_a_member_without_an_engine_lock_as_a_claim_relay() -> None:
+    ns = {k: lanes.namespace(None, k) for k in ("member", "engine", "lane")}
+    rows = [
+        lanes.LockRow(1, ns["member"], 1),
+        lanes.LockRow(1, ns["engine"], lanes.ENGINE_CODES["window"]),
+        lanes.LockRow(1, ns["lane"], 0),
+        lanes.LockRow(2, ns["member"], 2),  # an earlier release: no engine lock
+        lanes.LockRow(2, ns["lane"], 1),
+        lanes.LockRow(3, ns["engine"], lanes.ENGINE_CODES["claim"]),  # starting: no lane
+        lanes.LockRow(4, lanes.namespace("other", "engine"), lanes.ENGINE_CODES["claim"]),
+    ]
+    assert lanes.engines_of_relays(rows, None) == {1: "window", 2: "claim", 3: "claim"}
+    assert lanes.other_engines(rows, None, "window", 1, serving=False) == {2: "claim", 3: "claim"}
+    assert lanes.other_engines(rows, None, "window", 1, serving=True) == {2: "claim"}
+    assert lanes.other_engines(rows, None, "claim", 2, serving=False) == {1: "window"}
+    assert lanes.other_engines(rows, None, "claim", 3, serving=True) == {1: "window"}

@@ -60,3 +60,20 @@ def test_readyz_answers_the_verdict_apart_from_healthz() -> None:
         assert "outbox_relay_ready 1.0" in _get(server.port, "/metrics")[1]
     finally:
         server.close()
+
+
+def test_the_window_reclaim_age_is_zero_unless_the_relay_runs_the_window_engine() -> None:
+    """A claim relay never reclaims: an age that grew from its start would page someone."""
+    metrics = RelayMetrics(max_silence=30.0)
+
+    def age() -> float:
+        value = metrics.registry.get_sample_value("outbox_relay_window_reclaim_age_seconds")
+        assert value is not None
+        return value
+
+    assert age() == 0.0
+    metrics.window_engine()
+    metrics._window_reclaimed_at = (metrics._window_reclaimed_at or 0.0) - 100
+    assert age() >= 100
+    metrics.window_reclaims(truncated=True, deleted=0)
+    assert age() < 100
