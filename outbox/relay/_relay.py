@@ -155,6 +155,7 @@ class Relay:
 
     ``producer_factory`` exists for the benchmark and tests that need another producer
     configuration; it defaults to :class:`outbox._kafka.producer.KafkaProducer`.
+    ``on_session(conn)`` runs on each new database session before it takes lanes.
     """
 
     def __init__(
@@ -162,8 +163,12 @@ class Relay:
         config: RelayConfig,
         *,
         producer_factory: Callable[[], KafkaProducer] | None = None,
+        on_session: Callable[[sa.Connection], None] | None = None,
     ) -> None:
         self.config = config.validate()
+        # Runs on every new database session before it registers for lanes (the fleet takes
+        # its serving lock there: outbox.relay._fleet).
+        self._on_session = on_session
         self.url = normalize_database_url(config.database_url)
         self.stop_event = threading.Event()
         self.kick = threading.Event()
@@ -254,6 +259,8 @@ class Relay:
         self._refuse_pooled_sessions()
         conn = self.engine.connect()
         try:
+            if self._on_session is not None:
+                self._on_session(conn)
             self.lanes.register(conn)
             self._sequence = self._outbox_table(conn)
         except Exception:
