@@ -13,6 +13,10 @@ its log lines carry its name. The fleet's loop, every ``membership_interval``:
 3. serves the databases rendezvous hashing gives this member (:mod:`outbox._core.fleet`) and
    stops serving the others.
 
+Wake-ups of all the relays come through one :class:`outbox._pg.fleet.FleetListener` (one
+thread waiting on every database's ``LISTEN`` socket), so an idle fleet costs a poll per
+database every ``--poll-interval`` and nothing in between.
+
 A relay takes the database's serving lock on its own session before it registers for lanes
 (``Relay(on_session=...)``), waiting while the previous server still holds it: at most one
 process serves a database at a time, and the lock dies with a killed process's sessions, so
@@ -38,6 +42,7 @@ from outbox._core.redact import one_line, redact_url
 from outbox._kafka.producer import KafkaProducer
 from outbox._pg import fleet as pg_fleet
 from outbox._pg.errors import is_database_error
+from outbox._pg.fleet import FleetListener
 from outbox._pg.relay import listen_connector, relay_engine
 from outbox.config import FleetConfig as FleetConfig, RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError
@@ -110,6 +115,10 @@ class Fleet:
         self._duplicate_member = False
         self._listed: dict[str, list[str]] = {"given": list(config.database_urls)}
         self._tags = _Tags()
+        self._listener = FleetListener()
+        # A member that just joined waits one turn before serving, so that members starting
+        # together see each other first instead of each serving everything for a moment.
+        self._settle_until = 0.0
 
     # ------------------------------------------------------------------------------ control
 
@@ -230,6 +239,7 @@ class Fleet:
                     return
                 self._duplicate_member = False
                 self._membership = connection
+                self._settle_until = time.monotonic() + self.config.membership_interval
             members = pg_fleet.live_members(self._membership, self.config.relay.schema)
         except Exception as exc:
             if not (is_database_error(exc) or isinstance(exc, OSError)):
@@ -266,6 +276,8 @@ class Fleet:
     def assign(self) -> None:
         """Serve the databases that rank this member first; give back the others."""
         now = time.monotonic()
+        if now < self._settle_until:
+            return
         alive = sorted(self.members)
         for served in self.databases.values():
             mine = owner_of(served.identity, alive) == self.key
@@ -278,19 +290,26 @@ class Fleet:
         template = self.config.relay
         # Table statistics are per database: every poll interval at most, not every 5 s for
         # each of a hundred databases.
+        # Lanes: one process serves a database at a time (the serving lock), so its relay
+        # takes every lane at its first rebalance and has nobody to share them with later.
         return dataclasses.replace(
             template,
             database_url=url,
             metrics_port=None,
             stats_interval=max(template.stats_interval, template.poll_interval),
+            rebalance_interval=max(template.rebalance_interval, template.poll_interval),
         )
 
     def _serve(self, served: _Served) -> None:
         served.owned = False
+        listener = self._listener
         relay = Relay(
             self._relay_config(served.url),
             producer_factory=self._producer_factory,
             on_session=lambda conn: self._take_database(served, relay, conn),
+            listen=lambda kick: listener.subscribe(
+                listen_connector(relay.engine), self.config.relay.schema, kick
+            ),
         )
         served.relay = relay
         served.thread = threading.Thread(
@@ -373,6 +392,7 @@ class Fleet:
                 served.thread.join(max(0.0, deadline - time.monotonic()))
         self._drop_membership()
         self._membership_engine.dispose()
+        self._listener.close()
         for name in _TAGGED_LOGGERS:
             logging.getLogger(name).removeFilter(self._tags)
         log.info("event=fleet_stopped databases=%d", len(self.databases))

@@ -86,7 +86,7 @@ from outbox._pg.relay import (
     outbox_stats,
     relay_engine,
 )
-from outbox._pg.wakeup import Listener
+from outbox._pg.wakeup import Listener, Wakeups
 from outbox.config import RelayConfig as RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError, PublishError
 from outbox.relay._lanes import LaneOwnership
@@ -155,7 +155,8 @@ class Relay:
 
     ``producer_factory`` exists for the benchmark and tests that need another producer
     configuration; it defaults to :class:`outbox._kafka.producer.KafkaProducer`.
-    ``on_session(conn)`` runs on each new database session before it takes lanes.
+    ``on_session(conn)`` runs on each new database session before it takes lanes;
+    ``listen(kick)`` subscribes to wake-ups instead of a listener thread of the relay's own.
     """
 
     def __init__(
@@ -164,11 +165,14 @@ class Relay:
         *,
         producer_factory: Callable[[], KafkaProducer] | None = None,
         on_session: Callable[[sa.Connection], None] | None = None,
+        listen: Callable[[threading.Event], Wakeups] | None = None,
     ) -> None:
         self.config = config.validate()
         # Runs on every new database session before it registers for lanes (the fleet takes
         # its serving lock there: outbox.relay._fleet).
         self._on_session = on_session
+        # Where wake-ups come from when not from a listener thread of this relay's own.
+        self._listen = listen
         self.url = normalize_database_url(config.database_url)
         self.stop_event = threading.Event()
         self.kick = threading.Event()
@@ -605,12 +609,13 @@ class Relay:
             # The database is not reachable yet: checked at the first connection of the loop.
         if self._window is not None:
             self._window.eager_reclaim = once  # a drained outbox is left empty
-        listener = None
-        if not once:
+        listener: Wakeups | None = None
+        if not once and self._listen is not None:
+            listener = self._listen(self.kick)
+        elif not once:
             listener = Listener(
                 listen_connector(self.engine), self.config.schema, self.kick, self.stop_event
-            )
-            listener.start()
+            ).start()
         log.info(
             "event=relay_started database=%s bootstrap=%s lanes=%d batch_size=%d once=%s engine=%s",
             redact_url(self.url),
@@ -757,7 +762,7 @@ class Relay:
         if producer is not None:
             producer.purge()
 
-    def _shutdown(self, listener: Listener | None) -> None:
+    def _shutdown(self, listener: Wakeups | None) -> None:
         self.stop_event.set()
         self._rollback()
         if self._producer is not None:
