@@ -22,8 +22,16 @@ from outbox.errors import (
     ReplayedWriteError,
     ValidationError,
 )
-from outbox.uow import AsyncOutbox, AsyncUnitOfWork, Outbox, UnitOfWork
-from outbox.uow._default import configure, default_outbox, idempotent, unit_of_work
+from outbox.uow import (
+    AsyncOutbox,
+    AsyncUnitOfWork,
+    Outbox,
+    UnitOfWork,
+    configure,
+    default_outbox,
+    idempotent,
+    unit_of_work,
+)
 
 __all__ = [
     "AsyncOutbox",

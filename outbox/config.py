@@ -235,7 +235,8 @@ class RelayConfig:
     engine: str = "claim"
 
     def __repr__(self) -> str:
-        # The URL's password and the secret Kafka settings never reach a repr (I10).
+        # The URL's password and the secret Kafka settings never reach a repr (docs/concepts.md
+        # I10).
         fields = {**self.__dict__, "database_url": redact_url(self.database_url)}
         if isinstance(self.kafka_config, Mapping):
             fields["kafka_config"] = redact_kafka_config(self.kafka_config)

@@ -71,7 +71,7 @@ RULES: list[Rule] = [
     Rule(r"\brun_lanes_async\b", "run_lanes"),
     Rule(r"\bAsyncConsumerRunner\b", "ConsumerRunner"),
     Rule(
-        r"\bAsync(Attempts|MicroBatches|JoinedUnits|Outcomes|Verdicts|GuardedAttempts"
+        r"\bAsync(Attempts|MicroBatches|JoinedUnits|Outcomes|BaseAttempts|GuardedAttempts"
         r"|DriverSavepoint)\b",
         r"\1",
     ),

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from outbox._core.claim import StoredOutcome
-from outbox._core.disposition import Outcome
-from outbox._core.offsets import TP, Partition
+from outbox._core.disposition import AttemptVerdict
+from outbox._core.offsets import PartitionId, PartitionState
 
 M = TypeVar("M")
 
@@ -47,29 +47,29 @@ class Entry(Generic[M]):
     fingerprint: str | None = None
     cached: StoredOutcome | None = None  # what Redis holds for the key, if anything
     fate: Fate = Fate.OPEN
-    outcome: Outcome | None = None  # a SETTLED message's outcome
+    outcome: AttemptVerdict | None = None  # a SETTLED message's outcome
 
 
 @dataclass(slots=True)
 class Slice(Generic[M]):
     """A partition's messages in a micro-batch, in offset order."""
 
-    tp: TP
-    state: Partition[M]
+    tp: PartitionId
+    state: PartitionState[M]
     entries: list[Entry[M]]
 
     def is_head(self, entry: Entry[M]) -> bool:
         """True when ``entry`` is its partition's head: every message before it finished."""
         return bool(self.state.backlog) and self.state.backlog[0] is entry.message
 
-    def finishable(self, committed: bool) -> Iterator[tuple[Entry[M], Outcome]]:
+    def finishable(self, committed: bool) -> Iterator[tuple[Entry[M], AttemptVerdict]]:
         """The messages finished after the batch (``committed``: its transaction committed),
         with their outcomes, in order and up to the first one that is not."""
         for entry in self.entries:
             if entry.fate is Fate.FINISHED:
                 continue
             if entry.fate is Fate.PENDING and committed:
-                yield entry, Outcome.PROCESSED
+                yield entry, AttemptVerdict.PROCESSED
             elif entry.fate is Fate.SETTLED and entry.outcome is not None:
                 yield entry, entry.outcome
             else:
@@ -85,8 +85,8 @@ class MicroBatch:
     started: float
     moved: bool = False
     committed: bool = False
-    finished: list[tuple[str, Outcome]] = field(default_factory=list)
-    dead_lettered: set[TP] = field(default_factory=set)
+    finished: list[tuple[str, AttemptVerdict]] = field(default_factory=list)
+    dead_lettered: set[PartitionId] = field(default_factory=set)
     # Heads tried alone (each timed by itself): how many finished, and the time they all took.
     alone: int = 0
     alone_seconds: float = 0.0

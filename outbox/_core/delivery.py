@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Final, Protocol, TypeVar
 
 
-class DeliveryReport(Protocol):
+class DeliveryFate(Protocol):
     """What the decisions need to know of a record's delivery report (the Kafka adapter's
-    ``DeliveryReport`` is one): ``error`` is ``None`` when Kafka confirmed the record."""
+    :class:`outbox._kafka.producer.DeliveryReport` is one): ``error`` is ``None`` when Kafka
+    confirmed the record."""
 
     @property
     def error(self) -> str | None: ...
@@ -44,7 +45,7 @@ class DeliveryReport(Protocol):
     def permanent(self) -> bool: ...
 
 
-R = TypeVar("R", bound=DeliveryReport)
+R = TypeVar("R", bound=DeliveryFate)
 
 # A row as the claim returns it (a plain tuple: the relay handles thousands per batch):
 # (id, attempts, topic, key, value, headers JSON text, event id as ASCII bytes, skipped).
@@ -148,10 +149,10 @@ def deliver_in_rounds(
     When ``stopping()`` turns true no further round starts: what was confirmed so far is
     settled, the rest stays.
     """
-    outcomes: list[R | None] = [None] * len(keys)
+    fates: list[R | None] = [None] * len(keys)
     failed = failed or {}
     for index, report in failed.items():
-        outcomes[index] = report
+        fates[index] = report
     stopped: set[bytes] = set()
     sent = 0
     gaps = 0
@@ -174,18 +175,18 @@ def deliver_in_rounds(
         sent += len(todo)
         trouble = False
         for i, got in zip(todo, reports, strict=True):
-            outcomes[i] = got
+            fates[i] = got
             if got is None or got.error is not None:
                 trouble = True
         if trouble:
-            gaps += _stop_failed_keys(todo, keys, outcomes, stopped)
-    return outcomes, sent, gaps
+            gaps += _stop_failed_keys(todo, keys, fates, stopped)
+    return fates, sent, gaps
 
 
 def _stop_failed_keys(
     todo: list[int],
     keys: Sequence[bytes | None],
-    outcomes: Sequence[DeliveryReport | None],
+    fates: Sequence[DeliveryFate | None],
     stopped: set[bytes],
 ) -> int:
     """After a round with failures: stop every key that had a row fail or not go out; count
@@ -196,7 +197,7 @@ def _stop_failed_keys(
         key = keys[i]
         if key is None:
             continue
-        report = outcomes[i]
+        report = fates[i]
         if report is None or report.error is not None:
             failing.add(key)
         elif key in failing:
@@ -214,7 +215,7 @@ class Settlement:
     fail_errors: list[str]
     fail_park: list[bool]
     outage: bool
-    failed: int = 0  # rows with an outcome that is not a confirmation
+    failed: int = 0  # rows whose report is not a confirmation
 
     @property
     def parked(self) -> int:
@@ -224,10 +225,10 @@ class Settlement:
 def settle(
     ids: Sequence[int],
     attempts: Sequence[int],
-    outcomes: Sequence[DeliveryReport | None],
+    fates: Sequence[DeliveryFate | None],
     max_attempts: int,
 ) -> Settlement:
-    """Decide each row's fate from its delivery outcome (``None``: not sent in this batch).
+    """Decide each row's fate from its delivery report (``None``: not sent in this batch).
 
     * confirmed -> deleted;
     * permanent error -> parked at once;
@@ -237,28 +238,28 @@ def settle(
       must never park the whole outbox) and the batch is an *outage* (the caller backs off).
     """
     delete: list[int] = []
-    failures: list[tuple[int, int, DeliveryReport]] = []
-    for row_id, tries, outcome in zip(ids, attempts, outcomes, strict=True):
-        if outcome is None:
+    failures: list[tuple[int, int, DeliveryFate]] = []
+    for row_id, tries, fate in zip(ids, attempts, fates, strict=True):
+        if fate is None:
             continue
-        if outcome.error is None:
+        if fate.error is None:
             delete.append(row_id)
         else:
-            failures.append((row_id, tries, outcome))
+            failures.append((row_id, tries, fate))
     fail_ids: list[int] = []
     fail_errors: list[str] = []
     fail_park: list[bool] = []
     any_retriable = False
-    for row_id, tries, outcome in failures:
-        if outcome.permanent:
+    for row_id, tries, fate in failures:
+        if fate.permanent:
             fail_ids.append(row_id)
-            fail_errors.append(outcome.error or "")
+            fail_errors.append(fate.error or "")
             fail_park.append(True)
-        elif outcome.code is not None:
+        elif fate.code is not None:
             any_retriable = True
             if delete:
                 fail_ids.append(row_id)
-                fail_errors.append(outcome.error or "")
+                fail_errors.append(fate.error or "")
                 fail_park.append(tries + 1 >= max_attempts)
     return Settlement(
         delete,

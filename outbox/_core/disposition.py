@@ -40,7 +40,7 @@ from outbox.errors import (
 )
 
 
-class Outcome(StrEnum):
+class AttemptVerdict(StrEnum):
     """What became of one attempt at a message."""
 
     PROCESSED = "processed"
@@ -114,7 +114,7 @@ class Disposition:
     """
 
     action: Action
-    outcome: Outcome
+    outcome: AttemptVerdict
     reason: Reason | None = None
     counts: bool = False
     schedule: Schedule | None = None
@@ -126,35 +126,44 @@ class Disposition:
         return self.reason is Reason.RETRIES_EXHAUSTED
 
 
-PROCESSED = Disposition(Action.ACKNOWLEDGE, Outcome.PROCESSED)
-REPLAYED = Disposition(Action.ACKNOWLEDGE, Outcome.REPLAYED)
-PREVIOUSLY_FAILED = Disposition(Action.ACKNOWLEDGE, Outcome.PREVIOUSLY_FAILED)
+PROCESSED = Disposition(Action.ACKNOWLEDGE, AttemptVerdict.PROCESSED)
+REPLAYED = Disposition(Action.ACKNOWLEDGE, AttemptVerdict.REPLAYED)
+PREVIOUSLY_FAILED = Disposition(Action.ACKNOWLEDGE, AttemptVerdict.PREVIOUSLY_FAILED)
 CONFIRMED_DEAD_LETTER = Disposition(
-    Action.ACKNOWLEDGE, Outcome.DEAD_LETTERED, Reason.PERMANENT_ERROR
+    Action.ACKNOWLEDGE, AttemptVerdict.DEAD_LETTERED, Reason.PERMANENT_ERROR
 )
 KEY_BUSY = Disposition(
-    Action.RETRY, Outcome.RETRY, schedule=Schedule.IN_PROGRESS, failure=Failure.KEY_IN_PROGRESS
+    Action.RETRY,
+    AttemptVerdict.RETRY,
+    schedule=Schedule.IN_PROGRESS,
+    failure=Failure.KEY_IN_PROGRESS,
 )
 CONFLICT = Disposition(
-    Action.RETRY, Outcome.RETRY, schedule=Schedule.IN_PROGRESS, failure=Failure.CONFLICT
+    Action.RETRY, AttemptVerdict.RETRY, schedule=Schedule.IN_PROGRESS, failure=Failure.CONFLICT
 )
 DATABASE_DOWN = Disposition(
-    Action.RETRY, Outcome.RETRY, schedule=Schedule.RETRY, failure=Failure.DATABASE_UNAVAILABLE
+    Action.RETRY,
+    AttemptVerdict.RETRY,
+    schedule=Schedule.RETRY,
+    failure=Failure.DATABASE_UNAVAILABLE,
 )
 GUARD_DOWN = Disposition(
-    Action.RETRY, Outcome.RETRY, schedule=Schedule.RETRY, failure=Failure.GUARD_UNAVAILABLE
+    Action.RETRY, AttemptVerdict.RETRY, schedule=Schedule.RETRY, failure=Failure.GUARD_UNAVAILABLE
 )
 TAKEN_OVER = Disposition(
-    Action.RETRY, Outcome.RETRY, schedule=Schedule.IN_PROGRESS, failure=Failure.LEASE_LOST
+    Action.RETRY, AttemptVerdict.RETRY, schedule=Schedule.IN_PROGRESS, failure=Failure.LEASE_LOST
 )
 DEAD_LETTER_DOWN = Disposition(
-    Action.RETRY, Outcome.RETRY, schedule=Schedule.RETRY, failure=Failure.DEAD_LETTER_UNAVAILABLE
+    Action.RETRY,
+    AttemptVerdict.RETRY,
+    schedule=Schedule.RETRY,
+    failure=Failure.DEAD_LETTER_UNAVAILABLE,
 )
 
 
 def dead_letter(reason: Reason) -> Disposition:
     """Dead-letter the message at once, for ``reason``."""
-    return Disposition(Action.DEAD_LETTER, Outcome.DEAD_LETTERED, reason)
+    return Disposition(Action.DEAD_LETTER, AttemptVerdict.DEAD_LETTERED, reason)
 
 
 def classify(
@@ -237,11 +246,15 @@ def _failed(attempts: int, max_attempts: int) -> Disposition:
     if attempts + 1 >= max_attempts:
         return Disposition(
             Action.DEAD_LETTER,
-            Outcome.DEAD_LETTERED,
+            AttemptVerdict.DEAD_LETTERED,
             Reason.RETRIES_EXHAUSTED,
             counts=True,
             failure=Failure.ERROR,
         )
     return Disposition(
-        Action.RETRY, Outcome.RETRY, counts=True, schedule=Schedule.RETRY, failure=Failure.ERROR
+        Action.RETRY,
+        AttemptVerdict.RETRY,
+        counts=True,
+        schedule=Schedule.RETRY,
+        failure=Failure.ERROR,
     )

@@ -76,7 +76,7 @@ def check_policy(name: str, value: object) -> str:
 
 
 @dataclass(frozen=True)
-class GuardSettings:
+class GuardConfig:
     """Settings of a :class:`~outbox.guard.RedisGuard` (checked by :meth:`validate`).
 
     ``lease`` is how long a claim holds its key without a sign of life; ``completed_ttl`` and
@@ -104,7 +104,7 @@ class GuardSettings:
         if isinstance(self.secret, str):
             object.__setattr__(self, "secret", self.secret.encode("utf-8", "surrogatepass"))
 
-    def validate(self) -> GuardSettings:
+    def validate(self) -> GuardConfig:
         """Return ``self`` when every setting is usable; raise ``ConfigurationError`` otherwise."""
         check_lease("lease", self.lease)
         _seconds("completed_ttl", self.completed_ttl, MIN_TTL, MAX_TTL)

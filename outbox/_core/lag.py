@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-Partition = tuple[str, int]
+from outbox._core.offsets import PartitionId
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,11 @@ class GroupLags:
 
 
 def topic_lags(
-    group: str, committed: Mapping[Partition, int | None], ends: Mapping[Partition, int | None]
+    group: str, committed: Mapping[PartitionId, int | None], ends: Mapping[PartitionId, int | None]
 ) -> list[TopicLag]:
     """Per topic of ``committed``: the sums of committed and end offsets and the lag (each
     partition's ``end - committed``, never below zero), by topic name."""
-    by_topic: dict[str, list[Partition]] = {}
+    by_topic: dict[str, list[PartitionId]] = {}
     for tp in committed:
         by_topic.setdefault(tp[0], []).append(tp)
     out = []

@@ -15,8 +15,8 @@ int)``, which ``pg_locks`` shows as ``classid = namespace, objid = second key, o
   when another one runs with a different count (both would serve the same key at once);
 * ``lane`` -- ``(lane, n)`` is ownership of lane ``n``;
 * ``idle`` -- held in shared mode as ``(idle, 0)`` by every relay that waits for work. Writers
-  probe it after their commit (:func:`idle_probe_sql`): only when some relay holds it is a
-  wake-up worth sending (:mod:`outbox._pg.wakeup`).
+  probe it after their commit (:func:`outbox._pg.lanes.idle_probe_sql`): only when some relay
+  holds it is a wake-up worth sending (:mod:`outbox._pg.wakeup`).
 
 Lane ownership is an efficiency device, not the order guarantee: the claim query itself refuses
 to send a row while an earlier row of its key is still in the table (see ``outbox.relay``), so
@@ -57,16 +57,6 @@ def namespace(schema: str | None, kind: str) -> int:
     """
     label = f"outbox-relay:{schema or 'public'}:{kind}"
     return zlib.crc32(label.encode("utf-8")) & 0x7FFFFFFF
-
-
-def idle_probe_sql(schema: str | None) -> str:
-    """SQL answering "is some relay of ``schema`` waiting for work?" without waiting itself.
-
-    It tries the ``idle`` lock in exclusive mode for the length of its own transaction: that
-    fails exactly while some relay holds it in shared mode (or, for microseconds, while another
-    probe holds it: then the answer is a harmless yes).
-    """
-    return f"SELECT NOT pg_try_advisory_xact_lock({namespace(schema, KIND_IDLE)}, 0)"
 
 
 def fair_share(lanes: int, relays: int) -> int:

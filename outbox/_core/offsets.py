@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from outbox._core.deadletter import DeadLetter
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 
 M = TypeVar("M")
 
-TP = tuple[str, int]
-"""A partition: ``(topic, partition)``."""
+PartitionId = tuple[str, int]
+"""Which partition: ``(topic, partition)`` (:class:`PartitionState` is what the runner holds for
+one)."""
 
 
 @dataclass
@@ -42,11 +43,11 @@ class Tries:
     waits: int = 0
     retry_at: float = 0.0
     dead_letter: DeadLetter | None = None
-    done: Outcome | None = None
+    done: AttemptVerdict | None = None
 
 
 @dataclass
-class Partition(Tries, Generic[M]):
+class PartitionState(Tries, Generic[M]):
     """What the runner holds for one assigned partition; its own :class:`Tries` are the head's.
 
     ``backlog`` keeps received messages in offset order; its head is the message being worked
@@ -92,23 +93,23 @@ class Assignment(Generic[M]):
     """The partitions assigned to the runner, by ``(topic, partition)``."""
 
     def __init__(self) -> None:
-        self._partitions: dict[TP, Partition[M]] = {}
+        self._partitions: dict[PartitionId, PartitionState[M]] = {}
 
-    def get(self, tp: TP) -> Partition[M] | None:
+    def get(self, tp: PartitionId) -> PartitionState[M] | None:
         return self._partitions.get(tp)
 
     def __contains__(self, tp: object) -> bool:
         return tp in self._partitions
 
-    def items(self) -> Iterator[tuple[TP, Partition[M]]]:
+    def items(self) -> Iterator[tuple[PartitionId, PartitionState[M]]]:
         """A snapshot of the partitions: a rebalance may change the assignment meanwhile."""
         return iter(list(self._partitions.items()))
 
-    def assign(self, tps: Iterable[TP]) -> None:
+    def assign(self, tps: Iterable[PartitionId]) -> None:
         for tp in tps:
-            self._partitions.setdefault(tp, Partition())
+            self._partitions.setdefault(tp, PartitionState())
 
-    def forget(self, tps: Iterable[TP]) -> None:
+    def forget(self, tps: Iterable[PartitionId]) -> None:
         """Drop ``tps`` with the messages they held (revoked or lost)."""
         for tp in tps:
             self._partitions.pop(tp, None)
@@ -116,7 +117,7 @@ class Assignment(Generic[M]):
     def clear(self) -> None:
         self._partitions.clear()
 
-    def to_commit(self, only: Iterable[TP] | None = None) -> list[tuple[str, int, int]]:
+    def to_commit(self, only: Iterable[PartitionId] | None = None) -> list[tuple[str, int, int]]:
         """``(topic, partition, offset)`` for each partition (of ``only``) whose finished
         messages are not all committed yet."""
         tps = list(only) if only is not None else list(self._partitions)
@@ -132,7 +133,7 @@ class Assignment(Generic[M]):
         return offsets
 
     def lags(
-        self, highs: Mapping[TP, int], offset_of: Callable[[M], int]
+        self, highs: Mapping[PartitionId, int], offset_of: Callable[[M], int]
     ) -> list[tuple[str, int, int]]:
         """``(topic, partition, lag)`` for each assigned partition with a known high watermark
         (``highs``) and a known position: the next offset to commit, else the last one the
@@ -152,13 +153,13 @@ class Assignment(Generic[M]):
             lags.append((tp[0], tp[1], max(0, high - position)))
         return lags
 
-    def confirm(self, tp: TP, offset: int) -> None:
+    def confirm(self, tp: PartitionId, offset: int) -> None:
         """The broker confirmed a commit of ``offset`` for ``tp``."""
         state = self._partitions.get(tp)
         if state is not None and offset >= 0:
             state.committed = max(state.committed or 0, offset)
 
-    def take(self, limit: int, now: float) -> list[tuple[TP, Partition[M], list[M]]]:
+    def take(self, limit: int, now: float) -> list[tuple[PartitionId, PartitionState[M], list[M]]]:
         """Up to ``limit`` messages from the heads of the partitions not waiting for a retry,
         each partition's in offset order, shared out by :func:`fair_shares`."""
         ready = [(tp, s) for tp, s in self._partitions.items() if s.backlog and s.retry_at <= now]

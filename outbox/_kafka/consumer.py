@@ -15,12 +15,12 @@ from typing import Any, NamedTuple, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from outbox._core.offsets import PartitionId
 from outbox._kafka.config import refused
 from outbox._kafka.thread import ClientThread
 from outbox.errors import ConsumerError, InvalidKeyError
 
 __all__ = [
-    "TP",
     "AsyncKafkaConsumer",
     "Committed",
     "KafkaConsumer",
@@ -35,9 +35,6 @@ log = logging.getLogger("outbox.consumer")
 # Polls that serve queued rebalance events before close() (see KafkaConsumer.close); each
 # returns at once, with a record or with nothing left to serve.
 _CLOSE_POLLS = 1000
-
-TP = tuple[str, int]
-"""A partition: ``(topic, partition)``."""
 
 
 class Committed(NamedTuple):
@@ -151,7 +148,7 @@ def header_key(message: Message, header: str) -> str | None:
     return None
 
 
-def _pairs(partitions: Iterable[TopicPartition]) -> list[TP]:
+def _pairs(partitions: Iterable[TopicPartition]) -> list[PartitionId]:
     return [(tp.topic, tp.partition) for tp in partitions]
 
 
@@ -187,15 +184,15 @@ class KafkaConsumer:
             self._consumer = Consumer({**config, "error_cb": error_cb, "on_commit": on_commit_cb})
         except KafkaException as exc:
             raise refused(exc, config) from exc
-        self._paused: set[TP] = set()
+        self._paused: set[PartitionId] = set()
 
     def subscribe(
         self,
         topics: Sequence[str],
         *,
-        on_assign: Callable[[list[TP]], None],
-        on_revoke: Callable[[list[TP]], None],
-        on_lost: Callable[[list[TP]], None],
+        on_assign: Callable[[list[PartitionId]], None],
+        on_revoke: Callable[[list[PartitionId]], None],
+        on_lost: Callable[[list[PartitionId]], None],
     ) -> None:
         """Join the group for ``topics``; the callbacks run inside :meth:`consume`.
 
@@ -238,7 +235,7 @@ class KafkaConsumer:
                 log.warning("Kafka consumer error on %s: %s", message.topic(), err)
         return messages
 
-    def high_watermarks(self, partitions: Iterable[TP]) -> dict[TP, int]:
+    def high_watermarks(self, partitions: Iterable[PartitionId]) -> dict[PartitionId, int]:
         """The high watermark of each of ``partitions`` as of the client's last fetch from it
         (no request to the broker); partitions not fetched from yet are left out."""
         highs = {}
@@ -274,7 +271,7 @@ class KafkaConsumer:
         run inside :meth:`consume` and must commit before they return."""
         return self.commit(offsets, sync=True)
 
-    def pause(self, tp: TP) -> None:
+    def pause(self, tp: PartitionId) -> None:
         """Stop fetching ``tp`` (if not paused already).
 
         Pausing drops prefetched records; :meth:`resume` continues after the last record handed
@@ -284,13 +281,13 @@ class KafkaConsumer:
             self._call(self._consumer.pause, [tp])
             self._paused.add(tp)
 
-    def resume(self, tp: TP) -> None:
+    def resume(self, tp: PartitionId) -> None:
         """Fetch ``tp`` again (if it was paused)."""
         if tp in self._paused:
             self._call(self._consumer.resume, [tp])
             self._paused.discard(tp)
 
-    def release(self, partitions: Iterable[TP]) -> None:
+    def release(self, partitions: Iterable[PartitionId]) -> None:
         """Forget the pauses of ``partitions``, which left the assignment.
 
         A pause outlives the assignment in some client versions; it must never carry over to a
@@ -305,7 +302,9 @@ class KafkaConsumer:
                 log.debug("resume of revoked partitions failed: %s", exc)
 
     @staticmethod
-    def _call(method: Callable[[list[TopicPartition]], None], partitions: list[TP]) -> None:
+    def _call(
+        method: Callable[[list[TopicPartition]], None], partitions: list[PartitionId]
+    ) -> None:
         try:
             method([TopicPartition(*tp) for tp in partitions])
         except KafkaException as exc:
@@ -362,9 +361,9 @@ class AsyncKafkaConsumer:
         self,
         topics: Sequence[str],
         *,
-        on_assign: Callable[[list[TP]], None],
-        on_revoke: Callable[[list[TP]], None],
-        on_lost: Callable[[list[TP]], None],
+        on_assign: Callable[[list[PartitionId]], None],
+        on_revoke: Callable[[list[PartitionId]], None],
+        on_lost: Callable[[list[PartitionId]], None],
     ) -> None:
         """See :meth:`KafkaConsumer.subscribe`."""
         self._client.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke, on_lost=on_lost)
@@ -383,19 +382,19 @@ class AsyncKafkaConsumer:
         """See :meth:`KafkaConsumer.commit_now` (rebalance callbacks only: it blocks)."""
         return self._client.commit_now(offsets)
 
-    def high_watermarks(self, partitions: Iterable[TP]) -> dict[TP, int]:
+    def high_watermarks(self, partitions: Iterable[PartitionId]) -> dict[PartitionId, int]:
         """See :meth:`KafkaConsumer.high_watermarks` (local: returns at once)."""
         return self._client.high_watermarks(partitions)
 
-    def pause(self, tp: TP) -> None:
+    def pause(self, tp: PartitionId) -> None:
         """See :meth:`KafkaConsumer.pause`."""
         self._client.pause(tp)
 
-    def resume(self, tp: TP) -> None:
+    def resume(self, tp: PartitionId) -> None:
         """See :meth:`KafkaConsumer.resume`."""
         self._client.resume(tp)
 
-    def release(self, partitions: Iterable[TP]) -> None:
+    def release(self, partitions: Iterable[PartitionId]) -> None:
         """See :meth:`KafkaConsumer.release`."""
         self._client.release(partitions)
 

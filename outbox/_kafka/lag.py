@@ -15,7 +15,8 @@ from typing import Any
 from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
 
-from outbox._core.lag import GroupLags, Partition, TopicLag, topic_lags
+from outbox._core.lag import GroupLags, TopicLag, topic_lags
+from outbox._core.offsets import PartitionId
 from outbox._core.redact import redact_text
 from outbox._kafka.config import CONSUMER_ONLY, CONSUMER_ONLY_PREFIXES
 
@@ -65,7 +66,7 @@ def read_group_lags(
             )
             for group in groups
         }
-        committed: dict[str, dict[Partition, int | None]] = {}
+        committed: dict[str, dict[PartitionId, int | None]] = {}
         for group, future in asked.items():
             answer = _wait(future, deadline)
             committed[group] = {
@@ -73,7 +74,7 @@ def read_group_lags(
                 for tp in answer.topic_partitions or ()
             }
         wanted = {tp for offsets in committed.values() for tp in offsets}
-        ends: dict[Partition, int | None] = {}
+        ends: dict[PartitionId, int | None] = {}
         if wanted:
             step = "reading the topics' end offsets"
             latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]

@@ -135,7 +135,7 @@ PURGED: frozenset[int] = frozenset(
 )
 
 
-def _outcome(err: KafkaError) -> DeliveryReport:
+def _report_of(err: KafkaError) -> DeliveryReport:
     code = int(err.code())
     return DeliveryReport(
         error=f"{err.name()}: {err.str()}",
@@ -150,7 +150,7 @@ class Sending:
     """Records handed to :meth:`KafkaProducer.start`, waiting for :meth:`KafkaProducer.finish`."""
 
     records: Sequence[RecordTuple]
-    outcomes: list[DeliveryReport | None]
+    reports: list[DeliveryReport | None]
     deadline: float
 
 
@@ -225,7 +225,7 @@ class KafkaProducer:
         and no later record of its key is produced.
         """
         self._failures.clear()
-        outcomes: list[DeliveryReport | None] = [CONFIRMED] * len(records)
+        reports: list[DeliveryReport | None] = [CONFIRMED] * len(records)
         refused: set[bytes] = set()
         produce = self._producer.produce
         for index, (topic, key, value, headers) in enumerate(records):
@@ -234,7 +234,7 @@ class KafkaProducer:
                 # produce() calls (the relay's database work overlaps this loop).
                 time.sleep(0)
             if refused and key in refused:
-                outcomes[index] = None
+                reports[index] = None
                 continue
             while True:
                 try:
@@ -243,11 +243,11 @@ class KafkaProducer:
                 except BufferError:
                     self._producer.poll(0.05)  # local queue full: let reports drain, retry
                 except KafkaException as exc:
-                    outcomes[index] = _outcome(exc.args[0])
+                    reports[index] = _report_of(exc.args[0])
                     if key is not None:
                         refused.add(key)  # no gap: its later records must not go out
                     break
-        return Sending(records, outcomes, time.monotonic() + self.message_timeout)
+        return Sending(records, reports, time.monotonic() + self.message_timeout)
 
     def finish(
         self, sending: Sending, stop: threading.Event, grace: float = 5.0
@@ -262,18 +262,18 @@ class KafkaProducer:
         are purged and reported as not sent (the caller keeps their rows, so at worst they are
         sent again).
         """
-        outcomes = sending.outcomes
+        reports = sending.reports
         complete, purged_as = self._wait(sending.deadline, stop, grace)
         if self._failures:
-            self._assign(sending.records, outcomes, purged_as)
+            self._assign(sending.records, reports, purged_as)
         if not complete:
             # Some record's fate stayed unknown even after the purge: none of them may count
             # as confirmed (at worst they are sent again).
             unknown = purged_as or self._late()
-            outcomes = [unknown if o is CONFIRMED else o for o in outcomes]
-        if any(o is CONFIRMED for o in outcomes):
+            reports = [unknown if o is CONFIRMED else o for o in reports]
+        if any(o is CONFIRMED for o in reports):
             self.reachable()
-        return outcomes
+        return reports
 
     def _late(self) -> DeliveryReport:
         return DeliveryReport(
@@ -287,7 +287,7 @@ class KafkaProducer:
     ) -> tuple[bool, DeliveryReport | None]:
         """Serve reports until nothing is outstanding. At the deadline, on a fatal error or
         after the stop's grace, purge what is left (see module). Returns whether every record's
-        fate is known, and the outcome that purged records get (``None``: their own error)."""
+        fate is known, and the report that purged records get (``None``: their own error)."""
         flush = self._producer.flush
         stop_deadline: float | None = None
         while True:
@@ -322,7 +322,7 @@ class KafkaProducer:
     def _assign(
         self,
         records: Sequence[RecordTuple],
-        outcomes: list[DeliveryReport | None],
+        reports: list[DeliveryReport | None],
         purged_as: DeliveryReport | None,
     ) -> None:
         """Give each failure report to its record. A report names its record by topic, key and
@@ -331,7 +331,7 @@ class KafkaProducer:
         (module docstring), so the reports belong to the last of them."""
         slots: dict[tuple[str, bytes | None, bytes | None], list[int]] = {}
         for index, (topic, key, value, _headers) in enumerate(records):
-            if outcomes[index] is CONFIRMED:
+            if reports[index] is CONFIRMED:
                 slots.setdefault((topic, key, value), []).append(index)
         for err, msg in self._failures:
             candidates = slots.get((msg.topic(), msg.key(), msg.value()))
@@ -340,9 +340,9 @@ class KafkaProducer:
                 continue
             index = candidates.pop()
             if purged_as is not None and int(err.code()) in PURGED:
-                outcomes[index] = purged_as
+                reports[index] = purged_as
             else:
-                outcomes[index] = _outcome(err)
+                reports[index] = _report_of(err)
         self._failures.clear()
 
     def check(self, timeout: float = 5.0, stop: threading.Event | None = None) -> int:

@@ -32,7 +32,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from outbox._core import codec, events, validate
 from outbox._core.cloudevents import CloudEvent
-from outbox._core.delivery import HEADERS, TOPIC, ClaimedRow, DeliveryReport
+from outbox._core.delivery import HEADERS, TOPIC, ClaimedRow, DeliveryFate
 from outbox._core.redact import one_line, redact_text
 
 _W3C = TraceContextTextMapPropagator()
@@ -227,21 +227,21 @@ def start_send(rows: Sequence[ClaimedRow], todo: Sequence[int]) -> Sending:
 
 def end_send(
     sending: Sending,
-    outcomes: Sequence[DeliveryReport | None] | None,
+    fates: Sequence[DeliveryFate | None] | None,
     error: BaseException | None = None,
 ) -> None:
     """End the send spans: ERROR status on a span with records Kafka did not confirm (or
     when sending raised ``error``). Never raises."""
     for span, positions in sending:
         try:
-            _report_send(span, positions, outcomes, error)
+            _report_send(span, positions, fates, error)
         except Exception:  # the span loses its status, the relay goes on
             pass
         finally:
             span.end()
 
 
-_Report = TypeVar("_Report", bound=DeliveryReport)
+_Report = TypeVar("_Report", bound=DeliveryFate)
 
 
 def traced_send(
@@ -255,12 +255,12 @@ def traced_send(
     def traced(todo: list[int]) -> list[_Report | None]:
         sending = start_send(rows, todo)
         try:
-            outcomes = send(todo)
+            fates = send(todo)
         except BaseException as exc:
             end_send(sending, None, exc)
             raise
-        end_send(sending, outcomes)
-        return outcomes
+        end_send(sending, fates)
+        return fates
 
     return traced
 
@@ -268,14 +268,14 @@ def traced_send(
 def _report_send(
     span: Span,
     positions: list[int],
-    outcomes: Sequence[DeliveryReport | None] | None,
+    fates: Sequence[DeliveryFate | None] | None,
     error: BaseException | None,
 ) -> None:
     if error is not None:
         _failed(span, error)
-    elif outcomes is not None:
-        failed = [o for p in positions if (o := outcomes[p]) is not None and o.error is not None]
-        unsent = sum(1 for p in positions if outcomes[p] is None)
+    elif fates is not None:
+        failed = [o for p in positions if (o := fates[p]) is not None and o.error is not None]
+        unsent = sum(1 for p in positions if fates[p] is None)
         if failed:
             first = failed[0]
             span.set_status(

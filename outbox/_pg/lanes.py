@@ -22,6 +22,17 @@ from outbox._core.lanes import (
     ownership_from_locks,
 )
 
+
+def idle_probe_sql(schema: str | None) -> str:
+    """SQL answering "is some relay of ``schema`` waiting for work?" without waiting itself.
+
+    It tries the ``idle`` lock in exclusive mode for the length of its own transaction: that
+    fails exactly while some relay holds it in shared mode (or, for microseconds, while another
+    probe holds it: then the answer is a harmless yes).
+    """
+    return f"SELECT NOT pg_try_advisory_xact_lock({namespace(schema, KIND_IDLE)}, 0)"
+
+
 RELAY_LOCKS_READ = sa.text(
     """
     SELECT l.pid, l.classid::bigint AS classid, l.objid::bigint AS objid

@@ -271,13 +271,17 @@ WHERE o.id = f.id
 # transaction holds a stronger lock, which are listed as well); VACUUM, ANALYZE and CREATE INDEX
 # (SHARE UPDATE EXCLUSIVE, SHARE) draw no id and do not count, so that an autovacuum of a large
 # outbox does not hold the mark for its whole run. Backends are listed by pid (all a role sees of
-# another role's sessions), other relays' sessions left out where their name is visible.
+# another role's sessions), other relays' sessions left out where their name is visible. The
+# relfilenode is read from pg_class, in the statement's snapshot like the settings beside it
+# (ALTER SEQUENCE ... CACHE gives the sequence a new one too): pg_relation_filenode() looks at the
+# catalog as it is now, so an ALTER committed during the statement would show a new file with the
+# old settings, and read as a RESTART.
 OUTBOX_LOW_WATER = """
 SELECT current_setting('transaction_isolation'), s.seqcache, s.seqincrement, s.seqcycle,
        p.readable,
        CASE WHEN p.readable
             THEN coalesce(pg_sequence_last_value(%(sequence)s::oid::regclass), 0) END,
-       pg_relation_filenode(s.seqrelid::regclass)::bigint, s.xmin::text::bigint,
+       c.relfilenode::bigint, s.xmin::text::bigint,
        CASE WHEN %(watch)s THEN ARRAY(
            SELECT a.pid FROM pg_stat_activity a
            WHERE a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -285,7 +289,8 @@ SELECT current_setting('transaction_isolation'), s.seqcache, s.seqincrement, s.s
              AND a.application_name IS DISTINCT FROM %(relay)s) END
 FROM (SELECT coalesce(has_sequence_privilege(%(sequence)s::oid, 'SELECT, USAGE'), false)
       AS readable) p
-LEFT JOIN pg_sequence s ON s.seqrelid = %(sequence)s::oid;
+LEFT JOIN pg_sequence s ON s.seqrelid = %(sequence)s::oid
+LEFT JOIN pg_class c ON c.oid = s.seqrelid;
 SELECT coalesce(array_agg(DISTINCT l.virtualtransaction), '{{}}')
 FROM pg_locks l
 WHERE l.locktype = 'relation'

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from outbox._core.lanes import idle_probe_sql
+from outbox._pg.lanes import idle_probe_sql
 from outbox.schema import IDEMPOTENCY_KEYS, OUTBOX, validate_schema_name
 
 _preparer = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
@@ -94,13 +94,13 @@ def _digest(*parts: object) -> str:
     return hashlib.blake2b(repr(parts).encode(), digest_size=6).hexdigest()
 
 
-# The proof that a final statement runs in the transaction that claimed its keys (invariant I13).
-# The claim sets the transaction-local setting UNIT_SETTING to a token of its own (a random
-# value per unit of work or batch, bound as the parameter `unit`); the final statement checks
-# for that token and fails otherwise, aborting its transaction. Whatever sits between the toolkit
-# and PostgreSQL (a transaction pooler that hands out another server connection, a reconnect, a
-# retry, a statement run outside the transaction in autocommit), a final statement that does not
-# run in the claiming transaction cannot see the token: it raises, and nothing of it commits.
+# The proof that a final statement runs in the transaction that claimed its keys (docs/concepts.md
+# I13). The claim sets the transaction-local setting UNIT_SETTING to a token of its own (a random
+# value per unit of work or batch, bound as the parameter `unit`); the final statement checks for
+# that token and fails otherwise, aborting its transaction. Whatever sits between the toolkit and
+# PostgreSQL (a transaction pooler that hands out another server connection, a reconnect, a retry, a
+# statement run outside the transaction in autocommit), a final statement that does not run in the
+# claiming transaction cannot see the token: it raises, and nothing of it commits.
 UNIT_SETTING = "outbox.unit"
 # Text of the error the check raises ("invalid input syntax for type integer: ..."), which
 # outbox._pg.errors recognizes.

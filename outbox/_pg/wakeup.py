@@ -42,8 +42,8 @@ import sqlalchemy as sa
 from psycopg import sql
 
 from outbox._core.environment import ENV_WAKEUP_INTERVAL
-from outbox._core.lanes import idle_probe_sql
 from outbox._core.retry import Backoff
+from outbox._pg.lanes import idle_probe_sql
 from outbox.schema import validate_schema_name
 
 log = logging.getLogger("outbox.wakeup")

@@ -41,11 +41,11 @@ _IN_WINDOW = """
   END"""
 
 # Opens a window: the current snapshot, and the lowest id, highest id and number of rows of the
-# window it closes (from the delivered snapshot to it), with what the window rests on (I15):
-# the session's isolation, and the highest txid in the table (beyond the snapshot's xmax only
-# when the rows came from another cluster, a restore from a dump). In one statement, so that
-# the snapshot returned is the one the rows were counted in. Two index range scans of `txid`:
-# the ids assigned after the delivered snapshot, and those running in it.
+# window it closes (from the delivered snapshot to it), with what the window rests on
+# (docs/concepts.md I15): the session's isolation, and the highest txid in the table (beyond the
+# snapshot's xmax only when the rows came from another cluster, a restore from a dump). In one
+# statement, so that the snapshot returned is the one the rows were counted in. Two index range
+# scans of `txid`: the ids assigned after the delivered snapshot, and those running in it.
 WINDOW_OPEN = f"""
 SELECT pg_current_snapshot()::text, current_setting('transaction_isolation'),
        (SELECT max(txid) FROM {{outbox}})::text,

@@ -9,15 +9,15 @@ relay waits for.
 from __future__ import annotations
 
 from outbox._core.durations import (
-    DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS as DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS,
+    DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS,
     check_retention,
     format_duration,
     format_ranges,
     parse_duration,
 )
 from outbox._core.lanes import (
-    DEFAULT_LANES as DEFAULT_LANES,
-    MAX_LANES as MAX_LANES,
+    DEFAULT_LANES,
+    MAX_LANES,
     LockRow,
     RelayInfo,
     ownership_from_locks,
@@ -36,51 +36,68 @@ from outbox.admin._dlq import (
     redrive,
 )
 from outbox.admin._gc import (
-    DEFAULT_GC_BATCH_SIZE as DEFAULT_GC_BATCH_SIZE,
-    MAX_GC_BATCH_SIZE as MAX_GC_BATCH_SIZE,
+    DEFAULT_GC_BATCH_SIZE,
+    MAX_GC_BATCH_SIZE,
     GcResult,
-    check_duty_cycle as check_duty_cycle,
-    check_gc_batch_size as check_gc_batch_size,
-    count_expired_keys as count_expired_keys,
-    delete_expired_keys as delete_expired_keys,
-    gc_cutoff as gc_cutoff,
-    gc_to_json as gc_to_json,
+    check_duty_cycle,
+    check_gc_batch_size,
+    count_expired_keys,
+    delete_expired_keys,
+    gc_cutoff,
+    gc_to_json,
     run_gc,
 )
 from outbox.admin._parked import ParkedRow, discard_parked, list_parked, retry_parked
 from outbox.admin._status import (
-    LaneBacklog as LaneBacklog,
-    PendingCount as PendingCount,
-    ScopeKeys as ScopeKeys,
+    LaneBacklog,
+    PendingCount,
+    ScopeKeys,
     Status,
-    TopicBacklog as TopicBacklog,
-    choose_lanes as choose_lanes,
-    count_pending as count_pending,
+    TopicBacklog,
+    choose_lanes,
+    count_pending,
     read_status,
     render_status,
     status_to_json,
-    status_warnings as status_warnings,
+    status_warnings,
 )
 from outbox.errors import RetentionError
 
-# Beside __all__, for the commands and the console: the gc and lane limits, the status's parts
-# and checks (``name as name`` marks these re-exports).
+# The face: the operations, and for the commands and the console the gc and lane limits and the
+# status's parts and checks.
 __all__ = [
+    "DEFAULT_GC_BATCH_SIZE",
+    "DEFAULT_LANES",
+    "DEFAULT_MIN_REDELIVERY_WINDOW_SECONDS",
+    "MAX_GC_BATCH_SIZE",
+    "MAX_LANES",
     "REDRIVE_HEADER",
     "DeadLetters",
     "GcResult",
     "Group",
+    "LaneBacklog",
     "Letter",
     "LockRow",
     "ParkedRow",
+    "PendingCount",
     "RelayInfo",
     "RetentionError",
+    "ScopeKeys",
     "Status",
+    "TopicBacklog",
+    "check_duty_cycle",
+    "check_gc_batch_size",
     "check_retention",
+    "choose_lanes",
+    "count_expired_keys",
+    "count_pending",
+    "delete_expired_keys",
     "discard",
     "discard_parked",
     "format_duration",
     "format_ranges",
+    "gc_cutoff",
+    "gc_to_json",
     "list_parked",
     "mark_handled",
     "ownership_from_locks",
@@ -95,4 +112,5 @@ __all__ = [
     "retry_parked",
     "run_gc",
     "status_to_json",
+    "status_warnings",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outbox._core.dlq import (
+from outbox._core.deadletter_reading import (
     HANDLED_DISCARDED,
     HANDLED_REDRIVEN,
     MAX_HANDLED_BY_LENGTH,
@@ -50,9 +50,9 @@ __all__ = [
 
 def _kafka() -> ModuleType:
     """The Kafka side of dead letters, loaded on first use."""
-    from outbox._kafka import dlq  # why: `outbox status`, `gc` and `parked` never load Kafka
+    from outbox._kafka import deadletter_reading  # why: status, gc, parked never load Kafka
 
-    return dlq
+    return deadletter_reading
 
 
 def read_groups(

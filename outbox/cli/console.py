@@ -28,7 +28,7 @@ from outbox.errors import ConfigurationError
 try:
     import uvicorn
 
-    from outbox.console.app import ConsoleSettings, create_app
+    from outbox.console.app import ConsoleConfig, create_app
 except ImportError as exc:
     _MISSING: str | None = exc.name or "starlette"
 else:
@@ -111,7 +111,7 @@ def command(args: argparse.Namespace) -> int:
             f"outbox console needs the console extra ({_MISSING} is missing): "
             "pip install 'outbox-kit[console]'"
         )
-    settings = ConsoleSettings(
+    settings = ConsoleConfig(
         database_url=require(args, "database_url"),
         schema=args.schema,
         bootstrap_servers=args.bootstrap_servers,

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
+from outbox._core.handlers import is_coroutine_handler
 from outbox._core.redact import redact_url
 from outbox._core.settings import check_handler_reference
 from outbox._core.stopping import stop_on_signals
@@ -30,7 +31,6 @@ from outbox.cli._common import (
 )
 from outbox.config import ConsumerConfig, OutboxConfig
 from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, serve_metrics
-from outbox.consumer._runner_async import is_coroutine_handler
 from outbox.errors import ConfigurationError
 from outbox.guard import AsyncRedisGuard, RedisGuard
 from outbox.uow import AsyncOutbox, Outbox

@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outbox._core.dlq import (
+from outbox._core.deadletter_reading import (
     MAX_HANDLED_BY_LENGTH,
     Group,
     Letter,
@@ -26,7 +26,7 @@ from outbox._core.dlq import (
     parse_ref,
 )
 from outbox._core.validate import check_topic
-from outbox._kafka.dlq import read_letter_page
+from outbox._kafka.deadletter_reading import read_letter_page
 from outbox.admin import discard, read_dead_letters, redrive
 from outbox.cli._common import (
     EXIT_FAILURE,

@@ -47,7 +47,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from outbox import admin
-from outbox._core.dlq import choose_letters, describe_stop, format_cursor
+from outbox._core.deadletter_reading import choose_letters, describe_stop, format_cursor
 from outbox._core.lag import GroupLags
 from outbox._core.outage import Outage
 from outbox._core.redact import redact_text, redact_url
@@ -98,7 +98,7 @@ async def read_form(request: Request) -> Form | None:
 
 
 @dataclass(frozen=True)
-class ConsoleSettings:
+class ConsoleConfig:
     """What the console reads and who may change things."""
 
     database_url: str
@@ -114,7 +114,7 @@ class ConsoleSettings:
     # longer is shown as of when it was made, and the next ones run in the background.
     count_budget: float = data.DEFAULT_COUNT_BUDGET
 
-    def validate(self) -> ConsoleSettings:
+    def validate(self) -> ConsoleConfig:
         check_database_url(self.database_url)
         check_seconds("count_budget", self.count_budget, MAX_COUNT_BUDGET, zero=True)
         if type(self.dead_letters_limit) is not int or not (
@@ -136,6 +136,10 @@ class ConsoleSettings:
                 "make one with `python -c 'import secrets; print(secrets.token_urlsafe())'`"
             )
         return self
+
+
+ConsoleSettings = ConsoleConfig
+"""The earlier name of :class:`ConsoleConfig`, still importable."""
 
 
 def csrf_signature(key: bytes, nonce: str) -> str:
@@ -194,7 +198,7 @@ def carries_token(authorization: str | None, token: str | None) -> bool:
 class Console:
     """The app's state: settings, one small engine, the templates."""
 
-    def __init__(self, settings: ConsoleSettings) -> None:
+    def __init__(self, settings: ConsoleConfig) -> None:
         self.settings = settings.validate()
         self.schema = validate_schema_name(settings.schema)
         self.engine = sa.create_engine(
@@ -728,7 +732,7 @@ async def _in_thread(func: Callable[..., Response], *args: Any) -> Response:
     return await run_in_threadpool(func, *args)
 
 
-def create_app(settings: ConsoleSettings) -> Starlette:
+def create_app(settings: ConsoleConfig) -> Starlette:
     """The console as an ASGI app (serve it with uvicorn, or mount it in your own app)."""
     console = Console(settings)
 

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from markupsafe import Markup, escape
 
 from outbox._core.codec import IDEMPOTENCY_HEADER
-from outbox._core.dlq import Group, check_group_id, parse_cursor
+from outbox._core.deadletter_reading import Group, check_group_id, parse_cursor
 from outbox._core.redact import HIDDEN, is_secret_setting
 from outbox._core.validate import MAX_SCOPE_LENGTH, check_scope, check_topic, shown
 from outbox._pg import console as sql

@@ -13,8 +13,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 from outbox._core import validate as _validate
 from outbox._core.batching import Abandoned
 from outbox._core.deadletter import DeadLetter, Reason
-from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
+from outbox._core.disposition import (
+    Action,
+    AttemptVerdict,
+    Disposition,
+    Failure,
+    Key,
+    Schedule,
+    classify,
+)
 from outbox._core.failures import is_permanent
+from outbox._core.handlers import BATCH_HANDLER
 from outbox._core.offsets import Tries
 from outbox._core.redact import one_line
 from outbox._core.retry import backoff_delay
@@ -28,14 +37,14 @@ from outbox.errors import (
     MissingIdempotencyKey,
     SerializationError,
 )
-from outbox.uow._batch import Batch, MessageBatch
+from outbox.uow import Batch, MessageBatch
 
 if TYPE_CHECKING:
     from outbox._redis.cache import OutcomeCache
     from outbox.config import ConsumerConfig
     from outbox.consumer._metrics import ConsumerMetrics
-    from outbox.guard._guard import RedisGuard
-    from outbox.uow._outbox import Outbox, UnitOfWork
+    from outbox.guard import RedisGuard
+    from outbox.uow import Outbox, UnitOfWork
 
 log = logging.getLogger("outbox.consumer")
 
@@ -45,7 +54,7 @@ FingerprintFunc = Callable[[Message], "str | None"]
 """``fingerprint_func(message) -> str | None``: a request hash stored with the key."""
 
 
-class DeadLetters(Protocol):
+class DeadLetterSink(Protocol):
     """Where an attempt sends dead letters: the runner's dead-letter producer."""
 
     def send_message(self, message: Message, letter: DeadLetter) -> None: ...
@@ -64,7 +73,7 @@ class _Unit(Protocol):
     def result(self, value: Any) -> None: ...
 
 
-class Verdicts(ABC):
+class BaseAttempts(ABC):
     """Attempts at messages for one runner, wherever their keys' outcomes are kept: key rules,
     the handler around one attempt, the verdict carried out, metrics and dead letters.
 
@@ -84,7 +93,7 @@ class Verdicts(ABC):
         metrics: ConsumerMetrics,
         *,
         permanent_errors: tuple[type[BaseException], ...],
-        dlq: DeadLetters,
+        dlq: DeadLetterSink,
         key_func: KeyFunc | None,
         fingerprint_func: FingerprintFunc | None,
         beat: Callable[[], None],
@@ -104,7 +113,7 @@ class Verdicts(ABC):
         self._link = config.trace_context == "link"
         self._dlq = dlq
 
-    def _decided(self, message: Message, tries: Tries) -> Outcome | None:
+    def _decided(self, message: Message, tries: Tries) -> AttemptVerdict | None:
         """The outcome of a message decided before (a dead letter confirmed, or one to send
         now), or None."""
         if tries.done is not None:
@@ -124,7 +133,7 @@ class Verdicts(ABC):
 
     def read(
         self, message: Message, tries: Tries, *, validate: bool = False
-    ) -> Outcome | tuple[str, str | None]:
+    ) -> AttemptVerdict | tuple[str, str | None]:
         """What is known of ``message`` before its unit runs: its outcome when that is decided
         already (a dead letter, no usable key), else its key and fingerprint. ``validate``
         refuses here a key or fingerprint the unit would refuse (a message joining a
@@ -143,17 +152,19 @@ class Verdicts(ABC):
             return self.dispose(message, tries, None, reading=Key.MISSING)
         return key, fingerprint
 
-    def apply(self, message: Message, tries: Tries) -> Outcome:
+    def apply(self, message: Message, tries: Tries) -> AttemptVerdict:
         """One attempt at ``message`` by itself: read its key (:meth:`read`), run the handler
         in the key's unit (:meth:`alone`), carry out the verdict."""
         read = self.read(message, tries)
-        if isinstance(read, Outcome):
+        if isinstance(read, AttemptVerdict):
             return read
         key, fingerprint = read
         return self.alone(message, tries, key, fingerprint)
 
     @abstractmethod
-    def alone(self, message: Message, tries: Tries, key: str, fingerprint: str | None) -> Outcome:
+    def alone(
+        self, message: Message, tries: Tries, key: str, fingerprint: str | None
+    ) -> AttemptVerdict:
         """Run ``message`` in a unit of its own for ``key`` and carry out the verdict."""
 
     def attempt(
@@ -163,7 +174,7 @@ class Verdicts(ABC):
         key: str,
         enter: Callable[[], AbstractContextManager[_Unit]],
         optimistic: bool = False,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         """Run the handler for ``message`` in the unit ``enter()`` opens for ``key`` (a unit of
         work, or a guard's claim), store its result there, and carry out the verdict. The unit
         stores the outcome when it ends: a result, a permanent failure, or nothing (released).
@@ -187,7 +198,7 @@ class Verdicts(ABC):
         enter: Callable[[], AbstractContextManager[_Unit]],
         span: Any,
         optimistic: bool,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         sent = replayed = False
         answered: str | None = None
         try:
@@ -255,7 +266,7 @@ class Verdicts(ABC):
         replayed: bool = False,
         answered_by: str | None = None,
         dead_lettered: bool = False,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         """:func:`classify` what the attempt came to, and carry the verdict out.
         ``answered_by`` names where a replay's stored outcome came from (``redis`` or
         ``postgres``), counted when the verdict is a replay."""
@@ -273,7 +284,7 @@ class Verdicts(ABC):
             tries.attempts += 1
         if verdict.failure is not None:
             self._metrics.failed.labels(self.config.group, message.topic(), verdict.failure).inc()
-        if verdict.outcome is Outcome.REPLAYED and answered_by is not None:
+        if verdict.outcome is AttemptVerdict.REPLAYED and answered_by is not None:
             self._metrics.answered(self.config.group, message.topic() or "", answered_by)
         if verdict.action is Action.RETRY:
             assert error is not None
@@ -297,14 +308,14 @@ class Verdicts(ABC):
                 verdict.reason, error, max(1, tries.attempts)
             )
             return self._send_dead_letter(message, tries, tries.dead_letter)
-        if verdict.outcome is Outcome.PREVIOUSLY_FAILED:
+        if verdict.outcome is AttemptVerdict.PREVIOUSLY_FAILED:
             log.info(
                 "%s: key %r failed permanently earlier and was dead-lettered then; "
                 "acknowledged without a second dead letter", _where(message), key,
             )  # fmt: skip
-        elif verdict.outcome is Outcome.DEAD_LETTERED:  # confirmed inside the unit of work
+        elif verdict.outcome is AttemptVerdict.DEAD_LETTERED:  # confirmed inside the unit of work
             assert error is not None and verdict.reason is not None
-            tries.done = Outcome.DEAD_LETTERED
+            tries.done = AttemptVerdict.DEAD_LETTERED
             self._count_dead_letter(message, verdict.reason)
             log.warning("dead-lettered %s (key %r): %s", _where(message), key, one_line(error))
         return verdict.outcome
@@ -316,7 +327,7 @@ class Verdicts(ABC):
         verdict: Disposition,
         error: BaseException,
         key: str | None,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         """Schedule the same message again after the verdict's backoff."""
         if verdict.schedule is Schedule.IN_PROGRESS:
             base, cap = self.config.in_progress_backoff, self.config.in_progress_backoff_max
@@ -353,7 +364,7 @@ class Verdicts(ABC):
                 "%s failed (attempt %d of %d), retrying in %.2fs: %s",
                 where, tries.attempts, self.config.max_attempts, delay, one_line(error),
             )  # fmt: skip
-        return Outcome.RETRY
+        return AttemptVerdict.RETRY
 
     def _dead_letter_permanent(self, message: Message, tries: Tries, exc: BaseException) -> None:
         letter = DeadLetter.from_exception(Reason.PERMANENT_ERROR, exc, tries.attempts + 1)
@@ -363,24 +374,26 @@ class Verdicts(ABC):
         except DeadLetterError as unconfirmed:
             raise Carried(unconfirmed) from unconfirmed
 
-    def _send_dead_letter(self, message: Message, tries: Tries, letter: DeadLetter) -> Outcome:
+    def _send_dead_letter(
+        self, message: Message, tries: Tries, letter: DeadLetter
+    ) -> AttemptVerdict:
         try:
             self._dlq.send_message(message, letter)
         except DeadLetterError as exc:
             return self.dispose(message, tries, exc)
-        tries.done = Outcome.DEAD_LETTERED
+        tries.done = AttemptVerdict.DEAD_LETTERED
         self._count_dead_letter(message, letter.reason)
         log.warning("dead-lettered %s (%s): %s", _where(message), letter.reason, letter.error)
-        return Outcome.DEAD_LETTERED
+        return AttemptVerdict.DEAD_LETTERED
 
     def _count_dead_letter(self, message: Message, reason: Reason) -> None:
         self._metrics.dead_lettered.labels(self.config.group, message.topic(), reason).inc()
 
 
-class Attempts(Verdicts):
+class Attempts(BaseAttempts):
     """Attempts at messages in units of work of an :class:`~outbox.uow.Outbox`: one
     of their own (:meth:`alone`), or one of a micro-batch's savepoints (:meth:`run`). ``rules``
-    are :class:`Verdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
+    are :class:`BaseAttempts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
     ``beat``...)."""
 
     def __init__(
@@ -409,7 +422,9 @@ class Attempts(Verdicts):
         for uow, result in zip(units, results, strict=True):
             store_result(uow, result)
 
-    def alone(self, message: Message, tries: Tries, key: str, fingerprint: str | None) -> Outcome:
+    def alone(
+        self, message: Message, tries: Tries, key: str, fingerprint: str | None
+    ) -> AttemptVerdict:
         return self.run(message, tries, key, fingerprint, self.outbox)
 
     def run(
@@ -420,7 +435,7 @@ class Attempts(Verdicts):
         fingerprint: str | None,
         units: Outbox | Batch,
         optimistic: bool = False,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         """Run ``message``'s unit of work (its own, or one of a batch) and carry out the
         verdict; ``optimistic``: see :meth:`attempt`."""
         return self.attempt(
@@ -445,16 +460,16 @@ class Attempts(Verdicts):
         return unit.replayed_from
 
 
-class GuardedAttempts(Verdicts):
+class GuardedAttempts(BaseAttempts):
     """Attempts at messages, each under a claim of the runner's
     :class:`~outbox.guard.RedisGuard`, for handlers whose effects are not in PostgreSQL.
 
     The handler runs as ``handler(claim, message)`` inside ``guard.claim(key, scope=<the
     runner's scope>, fingerprint=...)``; its return value is the claim's result, stored when the
     claim ends, and only then is the message finished. Everything else -- key rules, verdicts,
-    retries, dead letters -- is :class:`Verdicts`'. There is no transaction to share, so
+    retries, dead letters -- is :class:`BaseAttempts`'. There is no transaction to share, so
     a guarded runner handles one message at a time (``batch_size=1``). ``rules`` are
-    :class:`Verdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
+    :class:`BaseAttempts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
     """
 
     def __init__(
@@ -472,16 +487,15 @@ class GuardedAttempts(Verdicts):
     def answered_by(self, unit: Any) -> str | None:
         return "redis"  # the guard keeps its outcomes in Redis only
 
-    def alone(self, message: Message, tries: Tries, key: str, fingerprint: str | None) -> Outcome:
+    def alone(
+        self, message: Message, tries: Tries, key: str, fingerprint: str | None
+    ) -> AttemptVerdict:
         return self.attempt(
             message,
             tries,
             key,
             lambda: self.guard.claim(key, scope=self._scope, fingerprint=fingerprint),
         )
-
-
-BATCH_HANDLER = "__outbox_batch_handler__"
 
 
 def batch_handler(handler: Callable[..., Any]) -> Callable[..., Any]:

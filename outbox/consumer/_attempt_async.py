@@ -18,8 +18,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 from outbox._core import validate as _validate
 from outbox._core.batching import Abandoned
 from outbox._core.deadletter import DeadLetter, Reason
-from outbox._core.disposition import Action, Disposition, Failure, Key, Outcome, Schedule, classify
+from outbox._core.disposition import (
+    Action,
+    AttemptVerdict,
+    Disposition,
+    Failure,
+    Key,
+    Schedule,
+    classify,
+)
 from outbox._core.failures import is_permanent
+from outbox._core.handlers import BATCH_HANDLER
 from outbox._core.offsets import Tries
 from outbox._core.redact import one_line
 from outbox._core.retry import backoff_delay
@@ -33,14 +42,14 @@ from outbox.errors import (
     MissingIdempotencyKey,
     SerializationError,
 )
-from outbox.uow._batch_async import AsyncBatch, AsyncMessageBatch
+from outbox.uow import AsyncBatch, AsyncMessageBatch
 
 if TYPE_CHECKING:
     from outbox._redis.cache_async import AsyncOutcomeCache
     from outbox.config import ConsumerConfig
     from outbox.consumer._metrics import ConsumerMetrics
-    from outbox.guard._guard_async import AsyncRedisGuard
-    from outbox.uow._outbox_async import AsyncOutbox, AsyncUnitOfWork
+    from outbox.guard import AsyncRedisGuard
+    from outbox.uow import AsyncOutbox, AsyncUnitOfWork
 
 log = logging.getLogger("outbox.consumer")
 
@@ -50,7 +59,7 @@ FingerprintFunc = Callable[[Message], "str | None"]
 """``fingerprint_func(message) -> str | None``: a request hash stored with the key."""
 
 
-class DeadLetters(Protocol):
+class DeadLetterSink(Protocol):
     """Where an attempt sends dead letters: the runner's dead-letter producer."""
 
     async def send_message(self, message: Message, letter: DeadLetter) -> None: ...
@@ -69,7 +78,7 @@ class _Unit(Protocol):
     def result(self, value: Any) -> None: ...
 
 
-class AsyncVerdicts(ABC):
+class AsyncBaseAttempts(ABC):
     """Attempts at messages for one runner, wherever their keys' outcomes are kept: key rules,
     the handler around one attempt, the verdict carried out, metrics and dead letters.
 
@@ -89,7 +98,7 @@ class AsyncVerdicts(ABC):
         metrics: ConsumerMetrics,
         *,
         permanent_errors: tuple[type[BaseException], ...],
-        dlq: DeadLetters,
+        dlq: DeadLetterSink,
         key_func: KeyFunc | None,
         fingerprint_func: FingerprintFunc | None,
         beat: Callable[[], None],
@@ -109,7 +118,7 @@ class AsyncVerdicts(ABC):
         self._link = config.trace_context == "link"
         self._dlq = dlq
 
-    async def _decided(self, message: Message, tries: Tries) -> Outcome | None:
+    async def _decided(self, message: Message, tries: Tries) -> AttemptVerdict | None:
         """The outcome of a message decided before (a dead letter confirmed, or one to send
         now), or None."""
         if tries.done is not None:
@@ -129,7 +138,7 @@ class AsyncVerdicts(ABC):
 
     async def read(
         self, message: Message, tries: Tries, *, validate: bool = False
-    ) -> Outcome | tuple[str, str | None]:
+    ) -> AttemptVerdict | tuple[str, str | None]:
         """What is known of ``message`` before its unit runs: its outcome when that is decided
         already (a dead letter, no usable key), else its key and fingerprint. ``validate``
         refuses here a key or fingerprint the unit would refuse (a message joining a
@@ -148,11 +157,11 @@ class AsyncVerdicts(ABC):
             return await self.dispose(message, tries, None, reading=Key.MISSING)
         return key, fingerprint
 
-    async def apply(self, message: Message, tries: Tries) -> Outcome:
+    async def apply(self, message: Message, tries: Tries) -> AttemptVerdict:
         """One attempt at ``message`` by itself: read its key (:meth:`read`), run the handler
         in the key's unit (:meth:`alone`), carry out the verdict."""
         read = await self.read(message, tries)
-        if isinstance(read, Outcome):
+        if isinstance(read, AttemptVerdict):
             return read
         key, fingerprint = read
         return await self.alone(message, tries, key, fingerprint)
@@ -160,7 +169,7 @@ class AsyncVerdicts(ABC):
     @abstractmethod
     async def alone(
         self, message: Message, tries: Tries, key: str, fingerprint: str | None
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         """Run ``message`` in a unit of its own for ``key`` and carry out the verdict."""
 
     async def attempt(
@@ -170,7 +179,7 @@ class AsyncVerdicts(ABC):
         key: str,
         enter: Callable[[], AbstractAsyncContextManager[_Unit]],
         optimistic: bool = False,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         """Run the handler for ``message`` in the unit ``enter()`` opens for ``key`` (a unit of
         work, or a guard's claim), store its result there, and carry out the verdict. The unit
         stores the outcome when it ends: a result, a permanent failure, or nothing (released).
@@ -194,7 +203,7 @@ class AsyncVerdicts(ABC):
         enter: Callable[[], AbstractAsyncContextManager[_Unit]],
         span: Any,
         optimistic: bool,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         sent = replayed = False
         answered: str | None = None
         try:
@@ -264,7 +273,7 @@ class AsyncVerdicts(ABC):
         replayed: bool = False,
         answered_by: str | None = None,
         dead_lettered: bool = False,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         """:func:`classify` what the attempt came to, and carry the verdict out.
         ``answered_by`` names where a replay's stored outcome came from (``redis`` or
         ``postgres``), counted when the verdict is a replay."""
@@ -282,7 +291,7 @@ class AsyncVerdicts(ABC):
             tries.attempts += 1
         if verdict.failure is not None:
             self._metrics.failed.labels(self.config.group, message.topic(), verdict.failure).inc()
-        if verdict.outcome is Outcome.REPLAYED and answered_by is not None:
+        if verdict.outcome is AttemptVerdict.REPLAYED and answered_by is not None:
             self._metrics.answered(self.config.group, message.topic() or "", answered_by)
         if verdict.action is Action.RETRY:
             assert error is not None
@@ -306,14 +315,14 @@ class AsyncVerdicts(ABC):
                 verdict.reason, error, max(1, tries.attempts)
             )
             return await self._send_dead_letter(message, tries, tries.dead_letter)
-        if verdict.outcome is Outcome.PREVIOUSLY_FAILED:
+        if verdict.outcome is AttemptVerdict.PREVIOUSLY_FAILED:
             log.info(
                 "%s: key %r failed permanently earlier and was dead-lettered then; "
                 "acknowledged without a second dead letter", _where(message), key,
             )  # fmt: skip
-        elif verdict.outcome is Outcome.DEAD_LETTERED:  # confirmed inside the unit of work
+        elif verdict.outcome is AttemptVerdict.DEAD_LETTERED:  # confirmed inside the unit of work
             assert error is not None and verdict.reason is not None
-            tries.done = Outcome.DEAD_LETTERED
+            tries.done = AttemptVerdict.DEAD_LETTERED
             self._count_dead_letter(message, verdict.reason)
             log.warning("dead-lettered %s (key %r): %s", _where(message), key, one_line(error))
         return verdict.outcome
@@ -325,7 +334,7 @@ class AsyncVerdicts(ABC):
         verdict: Disposition,
         error: BaseException,
         key: str | None,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         """Schedule the same message again after the verdict's backoff."""
         if verdict.schedule is Schedule.IN_PROGRESS:
             base, cap = self.config.in_progress_backoff, self.config.in_progress_backoff_max
@@ -362,7 +371,7 @@ class AsyncVerdicts(ABC):
                 "%s failed (attempt %d of %d), retrying in %.2fs: %s",
                 where, tries.attempts, self.config.max_attempts, delay, one_line(error),
             )  # fmt: skip
-        return Outcome.RETRY
+        return AttemptVerdict.RETRY
 
     async def _dead_letter_permanent(
         self, message: Message, tries: Tries, exc: BaseException
@@ -376,24 +385,24 @@ class AsyncVerdicts(ABC):
 
     async def _send_dead_letter(
         self, message: Message, tries: Tries, letter: DeadLetter
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         try:
             await self._dlq.send_message(message, letter)
         except DeadLetterError as exc:
             return await self.dispose(message, tries, exc)
-        tries.done = Outcome.DEAD_LETTERED
+        tries.done = AttemptVerdict.DEAD_LETTERED
         self._count_dead_letter(message, letter.reason)
         log.warning("dead-lettered %s (%s): %s", _where(message), letter.reason, letter.error)
-        return Outcome.DEAD_LETTERED
+        return AttemptVerdict.DEAD_LETTERED
 
     def _count_dead_letter(self, message: Message, reason: Reason) -> None:
         self._metrics.dead_lettered.labels(self.config.group, message.topic(), reason).inc()
 
 
-class AsyncAttempts(AsyncVerdicts):
+class AsyncAttempts(AsyncBaseAttempts):
     """Attempts at messages in units of work of an :class:`~outbox.uow.AsyncOutbox`: one
     of their own (:meth:`alone`), or one of a micro-batch's savepoints (:meth:`run`). ``rules``
-    are :class:`AsyncVerdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
+    are :class:`AsyncBaseAttempts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``,
     ``beat``...)."""
 
     def __init__(
@@ -426,7 +435,7 @@ class AsyncAttempts(AsyncVerdicts):
 
     async def alone(
         self, message: Message, tries: Tries, key: str, fingerprint: str | None
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         return await self.run(message, tries, key, fingerprint, self.outbox)
 
     async def run(
@@ -437,7 +446,7 @@ class AsyncAttempts(AsyncVerdicts):
         fingerprint: str | None,
         units: AsyncOutbox | AsyncBatch,
         optimistic: bool = False,
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         """Run ``message``'s unit of work (its own, or one of a batch) and carry out the
         verdict; ``optimistic``: see :meth:`attempt`."""
         return await self.attempt(
@@ -462,16 +471,16 @@ class AsyncAttempts(AsyncVerdicts):
         return unit.replayed_from
 
 
-class AsyncGuardedAttempts(AsyncVerdicts):
+class AsyncGuardedAttempts(AsyncBaseAttempts):
     """Attempts at messages, each under a claim of the runner's
     :class:`~outbox.guard.AsyncRedisGuard`, for handlers whose effects are not in PostgreSQL.
 
     The handler runs as ``handler(claim, message)`` inside ``guard.claim(key, scope=<the
     runner's scope>, fingerprint=...)``; its return value is the claim's result, stored when the
     claim ends, and only then is the message finished. Everything else -- key rules, verdicts,
-    retries, dead letters -- is :class:`AsyncVerdicts`'. There is no transaction to share, so
+    retries, dead letters -- is :class:`AsyncBaseAttempts`'. There is no transaction to share, so
     a guarded runner handles one message at a time (``batch_size=1``). ``rules`` are
-    :class:`AsyncVerdicts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
+    :class:`AsyncBaseAttempts`' keywords (``dlq``, ``key_func``, ``fingerprint_func``, ``beat``...).
     """
 
     def __init__(
@@ -491,16 +500,13 @@ class AsyncGuardedAttempts(AsyncVerdicts):
 
     async def alone(
         self, message: Message, tries: Tries, key: str, fingerprint: str | None
-    ) -> Outcome:
+    ) -> AttemptVerdict:
         return await self.attempt(
             message,
             tries,
             key,
             lambda: self.guard.claim(key, scope=self._scope, fingerprint=fingerprint),
         )
-
-
-BATCH_HANDLER = "__outbox_batch_handler__"
 
 
 def batch_handler(handler: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,7 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 from outbox._metrics_server import DEFAULT_HOST, MetricsServer
 
 REPLAY_STORES = ("redis", "postgres")
@@ -152,17 +152,19 @@ class ConsumerMetrics:
         """A message came from Kafka."""
         self._of(group, topic).consumed.inc()
 
-    def attempted(self, group: str, topic: str, outcome: Outcome | None, seconds: float) -> None:
+    def attempted(
+        self, group: str, topic: str, outcome: AttemptVerdict | None, seconds: float
+    ) -> None:
         """One attempt at a message took ``seconds`` and came to ``outcome`` (None: it raised).
 
         A message finished in a micro-batch is counted with its share of the batch's time."""
         series = self._of(group, topic)
         series.duration.observe(seconds)
-        if outcome is Outcome.PROCESSED:
+        if outcome is AttemptVerdict.PROCESSED:
             series.processed.inc()
-        elif outcome is Outcome.REPLAYED:
+        elif outcome is AttemptVerdict.REPLAYED:
             series.replayed_completed.inc()
-        elif outcome is Outcome.PREVIOUSLY_FAILED:
+        elif outcome is AttemptVerdict.PREVIOUSLY_FAILED:
             series.replayed_failed.inc()
 
     def answered(self, group: str, topic: str, store: str) -> None:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from outbox._core import claim
 from outbox._core.batching import Abandoned, Entry, Fate, MicroBatch, Slice
-from outbox._core.disposition import Failure, Outcome
-from outbox._core.offsets import TP, Assignment, Partition, Tries
+from outbox._core.disposition import AttemptVerdict, Failure
+from outbox._core.offsets import Assignment, PartitionId, PartitionState, Tries
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
 from outbox._pg.errors import database_unavailable
@@ -21,7 +21,7 @@ from outbox.consumer._attempt import Attempts, Carried, GuardedAttempts
 from outbox.consumer._lanes import lanes_of, run_lanes
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.errors import KeyReuseError, PreviouslyFailed
-from outbox.uow._batch import Batch
+from outbox.uow import Batch
 
 log = logging.getLogger("outbox.consumer")
 
@@ -51,7 +51,9 @@ class MicroBatches:
         self._stopping = stopping
         self._beat = beat
 
-    def run(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> MicroBatch:
+    def run(
+        self, plan: list[tuple[PartitionId, PartitionState[Message], list[Message]]]
+    ) -> MicroBatch:
         """One micro-batch. ``mb.moved`` is False when nothing moved; ``mb.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
         mb = MicroBatch(time.perf_counter())
@@ -105,7 +107,7 @@ class MicroBatches:
             if entry.offset == state.alone_at:
                 break  # its failure cost its chunk once: it runs alone once it is the head
             read = self._attempts.read(message, tries, validate=True)
-            if isinstance(read, Outcome):
+            if isinstance(read, AttemptVerdict):
                 if not self._place(mb, sl, entry, read):
                     break
             else:
@@ -125,16 +127,16 @@ class MicroBatches:
             mb.alone_seconds += seconds
             self._metrics.attempted(self.config.group, sl.tp[0], outcome, seconds)
         mb.moved = True
-        if outcome is Outcome.RETRY:
+        if outcome is AttemptVerdict.RETRY:
             return False
         mb.alone += 1
         self._pop(sl, entry)
-        if outcome is Outcome.DEAD_LETTERED:
+        if outcome is AttemptVerdict.DEAD_LETTERED:
             mb.dead_lettered.add(sl.tp)
         return True
 
     def _run_lanes(
-        self, mb: MicroBatch, plan: list[tuple[TP, Partition[Message], list[Message]]]
+        self, mb: MicroBatch, plan: list[tuple[PartitionId, PartitionState[Message], list[Message]]]
     ) -> None:
         """Key-ordered concurrency: every message in a unit of work of its own (as with
         ``batch_size=1``), up to ``concurrency`` at once; a partition's messages of one Kafka
@@ -167,7 +169,7 @@ class MicroBatches:
                         self.config.group, sl.tp[0], entry.outcome, time.perf_counter() - started
                     )
                 mb.moved = True
-                if entry.outcome is Outcome.RETRY:
+                if entry.outcome is AttemptVerdict.RETRY:
                     return  # the key's later messages wait for it
 
         run_lanes([functools.partial(lane, q) for q in lanes], self.config.concurrency)
@@ -175,11 +177,11 @@ class MicroBatches:
             if self._partitions.get(sl.tp) is not sl.state:
                 continue  # revoked meanwhile: the new owner replays whatever committed
             for entry in sl.entries:
-                if entry.outcome is None or entry.outcome is Outcome.RETRY:
+                if entry.outcome is None or entry.outcome is AttemptVerdict.RETRY:
                     break  # the messages after it that finished are replays when they come again
                 mb.alone += 1
                 self._pop(sl, entry)
-                if entry.outcome is Outcome.DEAD_LETTERED:
+                if entry.outcome is AttemptVerdict.DEAD_LETTERED:
                     mb.dead_lettered.add(sl.tp)
 
     def _answer_from_cache(self, mb: MicroBatch, sl: Slice[Message]) -> None:
@@ -418,14 +420,14 @@ class MicroBatches:
         )  # fmt: skip
 
     def _place(
-        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
+        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: AttemptVerdict
     ) -> bool:
         """Note what became of a message of the micro-batch; False when its partition stops
         there."""
         mb.moved = True
-        if outcome is Outcome.RETRY:
+        if outcome is AttemptVerdict.RETRY:
             return False
-        if outcome is Outcome.PROCESSED:
+        if outcome is AttemptVerdict.PROCESSED:
             entry.fate = Fate.PENDING  # finished once the batch commits
             return True
         if sl.is_head(entry):
@@ -447,12 +449,12 @@ class MicroBatches:
             entry.fate = Fate.FINISHED
 
     def _finish(
-        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
+        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: AttemptVerdict
     ) -> None:
         """The head ``entry`` finished with ``outcome``."""
         self._pop(sl, entry)
         mb.finished.append((sl.tp[0], outcome))
-        if outcome is Outcome.DEAD_LETTERED:
+        if outcome is AttemptVerdict.DEAD_LETTERED:
             mb.dead_lettered.add(sl.tp)
 
     @staticmethod

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from outbox._core import claim
 from outbox._core.batching import Abandoned, Entry, Fate, MicroBatch, Slice
-from outbox._core.disposition import Failure, Outcome
-from outbox._core.offsets import TP, Assignment, Partition, Tries
+from outbox._core.disposition import AttemptVerdict, Failure
+from outbox._core.offsets import Assignment, PartitionId, PartitionState, Tries
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
 from outbox._pg.errors import database_unavailable
@@ -26,7 +26,7 @@ from outbox.consumer._attempt_async import AsyncAttempts, AsyncGuardedAttempts, 
 from outbox.consumer._lanes import lanes_of, run_lanes_async
 from outbox.consumer._metrics import ConsumerMetrics
 from outbox.errors import KeyReuseError, PreviouslyFailed
-from outbox.uow._batch_async import AsyncBatch
+from outbox.uow import AsyncBatch
 
 log = logging.getLogger("outbox.consumer")
 
@@ -56,7 +56,9 @@ class AsyncMicroBatches:
         self._stopping = stopping
         self._beat = beat
 
-    async def run(self, plan: list[tuple[TP, Partition[Message], list[Message]]]) -> MicroBatch:
+    async def run(
+        self, plan: list[tuple[PartitionId, PartitionState[Message], list[Message]]]
+    ) -> MicroBatch:
         """One micro-batch. ``mb.moved`` is False when nothing moved; ``mb.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
         mb = MicroBatch(time.perf_counter())
@@ -112,7 +114,7 @@ class AsyncMicroBatches:
             if entry.offset == state.alone_at:
                 break  # its failure cost its chunk once: it runs alone once it is the head
             read = await self._attempts.read(message, tries, validate=True)
-            if isinstance(read, Outcome):
+            if isinstance(read, AttemptVerdict):
                 if not self._place(mb, sl, entry, read):
                     break
             else:
@@ -132,16 +134,16 @@ class AsyncMicroBatches:
             mb.alone_seconds += seconds
             self._metrics.attempted(self.config.group, sl.tp[0], outcome, seconds)
         mb.moved = True
-        if outcome is Outcome.RETRY:
+        if outcome is AttemptVerdict.RETRY:
             return False
         mb.alone += 1
         self._pop(sl, entry)
-        if outcome is Outcome.DEAD_LETTERED:
+        if outcome is AttemptVerdict.DEAD_LETTERED:
             mb.dead_lettered.add(sl.tp)
         return True
 
     async def _run_lanes(
-        self, mb: MicroBatch, plan: list[tuple[TP, Partition[Message], list[Message]]]
+        self, mb: MicroBatch, plan: list[tuple[PartitionId, PartitionState[Message], list[Message]]]
     ) -> None:
         """Key-ordered concurrency: every message in a unit of work of its own (as with
         ``batch_size=1``), up to ``concurrency`` at once; a partition's messages of one Kafka
@@ -174,7 +176,7 @@ class AsyncMicroBatches:
                         self.config.group, sl.tp[0], entry.outcome, time.perf_counter() - started
                     )
                 mb.moved = True
-                if entry.outcome is Outcome.RETRY:
+                if entry.outcome is AttemptVerdict.RETRY:
                     return  # the key's later messages wait for it
 
         await run_lanes_async([functools.partial(lane, q) for q in lanes], self.config.concurrency)
@@ -182,11 +184,11 @@ class AsyncMicroBatches:
             if self._partitions.get(sl.tp) is not sl.state:
                 continue  # revoked meanwhile: the new owner replays whatever committed
             for entry in sl.entries:
-                if entry.outcome is None or entry.outcome is Outcome.RETRY:
+                if entry.outcome is None or entry.outcome is AttemptVerdict.RETRY:
                     break  # the messages after it that finished are replays when they come again
                 mb.alone += 1
                 self._pop(sl, entry)
-                if entry.outcome is Outcome.DEAD_LETTERED:
+                if entry.outcome is AttemptVerdict.DEAD_LETTERED:
                     mb.dead_lettered.add(sl.tp)
 
     async def _answer_from_cache(self, mb: MicroBatch, sl: Slice[Message]) -> None:
@@ -427,14 +429,14 @@ class AsyncMicroBatches:
         )  # fmt: skip
 
     def _place(
-        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
+        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: AttemptVerdict
     ) -> bool:
         """Note what became of a message of the micro-batch; False when its partition stops
         there."""
         mb.moved = True
-        if outcome is Outcome.RETRY:
+        if outcome is AttemptVerdict.RETRY:
             return False
-        if outcome is Outcome.PROCESSED:
+        if outcome is AttemptVerdict.PROCESSED:
             entry.fate = Fate.PENDING  # finished once the batch commits
             return True
         if sl.is_head(entry):
@@ -456,12 +458,12 @@ class AsyncMicroBatches:
             entry.fate = Fate.FINISHED
 
     def _finish(
-        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: Outcome
+        self, mb: MicroBatch, sl: Slice[Message], entry: Entry[Message], outcome: AttemptVerdict
     ) -> None:
         """The head ``entry`` finished with ``outcome``."""
         self._pop(sl, entry)
         mb.finished.append((sl.tp[0], outcome))
-        if outcome is Outcome.DEAD_LETTERED:
+        if outcome is AttemptVerdict.DEAD_LETTERED:
             mb.dead_lettered.add(sl.tp)
 
     @staticmethod

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import threading
 import time
@@ -12,9 +11,10 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from outbox._core.deadletter import DeadLetterInfo, Reason
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 from outbox._core.fingerprint import message_fingerprint, topic_fingerprint
-from outbox._core.offsets import TP, Assignment
+from outbox._core.handlers import BATCH_HANDLER, is_coroutine_handler
+from outbox._core.offsets import Assignment, PartitionId
 from outbox._core.retry import backoff_delay
 from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
@@ -30,7 +30,6 @@ from outbox.config import (
     ConsumerConfig,
 )
 from outbox.consumer._attempt import (
-    BATCH_HANDLER,
     Attempts,
     FingerprintFunc,
     GuardedAttempts,
@@ -40,19 +39,19 @@ from outbox.consumer._attempt import (
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches import MicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
-from outbox.guard._guard import Claim, RedisGuard
-from outbox.uow._batch import MessageBatch
-from outbox.uow._outbox import Outbox
+from outbox.guard import Claim, RedisGuard
+from outbox.uow import MessageBatch, Outbox
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from outbox.uow._outbox import UnitOfWork
+    from outbox.uow import UnitOfWork
 
 __all__ = [
     "ENV_GROUP",
     "ENV_KAFKA_CONFIG",
     "ENV_METRICS_PORT",
+    "AttemptVerdict",
     "ConsumerConfig",
     "ConsumerError",
     "ConsumerRunner",
@@ -62,7 +61,6 @@ __all__ = [
     "Handler",
     "KeyFunc",
     "MessageBatch",
-    "Outcome",
     "Reason",
     "backoff_delay",
     "batch_handler",
@@ -373,11 +371,11 @@ class ConsumerRunner:
         else:
             log.warning("Kafka client error: %s", error)
 
-    def _on_assign(self, partitions: list[TP]) -> None:
+    def _on_assign(self, partitions: list[PartitionId]) -> None:
         self._partitions.assign(partitions)
         log.info("assigned %s", _describe(partitions))
 
-    def _on_revoke(self, partitions: list[TP]) -> None:
+    def _on_revoke(self, partitions: list[PartitionId]) -> None:
         # The new owner starts at the committed offset: commit what is finished. Messages in a
         # backlog are dropped here and redelivered there; a unit of work that committed but
         # whose offset did not is replayed there, not applied twice. Rebalance callbacks run
@@ -392,12 +390,12 @@ class ConsumerRunner:
         self._forget(partitions)
         log.info("revoked %s", _describe(partitions))
 
-    def _on_lost(self, partitions: list[TP]) -> None:
+    def _on_lost(self, partitions: list[PartitionId]) -> None:
         # Another member may own these already; committing now could move its offsets back.
         self._forget(partitions)
         log.warning("lost %s without a commit (session timed out?)", _describe(partitions))
 
-    def _forget(self, partitions: list[TP]) -> None:
+    def _forget(self, partitions: list[PartitionId]) -> None:
         self._partitions.forget(partitions)
         self._metrics.unassigned(self.config.group, partitions)
         if self._consumer is not None:
@@ -415,7 +413,7 @@ class ConsumerRunner:
                 continue
             self._partitions.confirm((topic, partition), offset)
 
-    def _commit(self, sync: bool, only: list[TP] | None = None) -> None:
+    def _commit(self, sync: bool, only: list[PartitionId] | None = None) -> None:
         consumer = self._consumer
         if consumer is None:
             return
@@ -542,14 +540,6 @@ def _check_guarded(config: ConsumerConfig, handler: object) -> None:
             "a runner with a Redis guard takes handler(claim, message), not a @batch_handler: "
             "batches need an outbox"
         )
-
-
-def is_coroutine_handler(handler: object) -> bool:
-    """True when calling ``handler`` returns a coroutine: a coroutine function (also behind
-    ``functools.partial`` or as a bound method) or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
-        getattr(handler, "__call__", None)  # noqa: B004 -- the method, not callable()
-    )
 
 
 def _describe(partitions: Iterable[tuple[Any, ...]]) -> str:

@@ -10,7 +10,6 @@ partition's finished offsets are committed before it moves on; a lost one's neve
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import threading
 import time
@@ -18,9 +17,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from outbox._core.deadletter import DeadLetterInfo, Reason
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 from outbox._core.fingerprint import message_fingerprint, topic_fingerprint
-from outbox._core.offsets import TP, Assignment
+from outbox._core.handlers import BATCH_HANDLER, is_coroutine_handler
+from outbox._core.offsets import Assignment, PartitionId
 from outbox._core.retry import backoff_delay
 from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
@@ -36,7 +36,6 @@ from outbox.config import (
     ConsumerConfig,
 )
 from outbox.consumer._attempt_async import (
-    BATCH_HANDLER,
     AsyncAttempts,
     AsyncGuardedAttempts,
     FingerprintFunc,
@@ -46,14 +45,13 @@ from outbox.consumer._attempt_async import (
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches_async import AsyncMicroBatches
 from outbox.errors import ConfigurationError, ConsumerError
-from outbox.guard._guard_async import AsyncClaim, AsyncRedisGuard
-from outbox.uow._batch_async import AsyncMessageBatch
-from outbox.uow._outbox_async import AsyncOutbox
+from outbox.guard import AsyncClaim, AsyncRedisGuard
+from outbox.uow import AsyncMessageBatch, AsyncOutbox
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from outbox.uow._outbox_async import AsyncUnitOfWork
+    from outbox.uow import AsyncUnitOfWork
 
 __all__ = [
     "ENV_GROUP",
@@ -63,12 +61,12 @@ __all__ = [
     "AsyncGuardedHandler",
     "AsyncHandler",
     "AsyncMessageBatch",
+    "AttemptVerdict",
     "ConsumerConfig",
     "ConsumerError",
     "DeadLetterInfo",
     "FingerprintFunc",
     "KeyFunc",
-    "Outcome",
     "Reason",
     "backoff_delay",
     "batch_handler",
@@ -381,11 +379,11 @@ class AsyncConsumerRunner:
         else:
             log.warning("Kafka client error: %s", error)
 
-    def _on_assign(self, partitions: list[TP]) -> None:
+    def _on_assign(self, partitions: list[PartitionId]) -> None:
         self._partitions.assign(partitions)
         log.info("assigned %s", _describe(partitions))
 
-    def _on_revoke(self, partitions: list[TP]) -> None:
+    def _on_revoke(self, partitions: list[PartitionId]) -> None:
         # The new owner starts at the committed offset: commit what is finished. Messages in a
         # backlog are dropped here and redelivered there; a unit of work that committed but
         # whose offset did not is replayed there, not applied twice. Rebalance callbacks run
@@ -400,12 +398,12 @@ class AsyncConsumerRunner:
         self._forget(partitions)
         log.info("revoked %s", _describe(partitions))
 
-    def _on_lost(self, partitions: list[TP]) -> None:
+    def _on_lost(self, partitions: list[PartitionId]) -> None:
         # Another member may own these already; committing now could move its offsets back.
         self._forget(partitions)
         log.warning("lost %s without a commit (session timed out?)", _describe(partitions))
 
-    def _forget(self, partitions: list[TP]) -> None:
+    def _forget(self, partitions: list[PartitionId]) -> None:
         self._partitions.forget(partitions)
         self._metrics.unassigned(self.config.group, partitions)
         if self._consumer is not None:
@@ -423,7 +421,7 @@ class AsyncConsumerRunner:
                 continue
             self._partitions.confirm((topic, partition), offset)
 
-    async def _commit(self, sync: bool, only: list[TP] | None = None) -> None:
+    async def _commit(self, sync: bool, only: list[PartitionId] | None = None) -> None:
         consumer = self._consumer
         if consumer is None:
             return
@@ -550,14 +548,6 @@ def _check_guarded(config: ConsumerConfig, handler: object) -> None:
             "a runner with a Redis guard takes handler(claim, message), not a @batch_handler: "
             "batches need an outbox"
         )
-
-
-def is_coroutine_handler(handler: object) -> bool:
-    """True when calling ``handler`` returns a coroutine: a coroutine function (also behind
-    ``functools.partial`` or as a bound method) or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
-        getattr(handler, "__call__", None)  # noqa: B004 -- the method, not callable()
-    )
 
 
 def _describe(partitions: Iterable[tuple[Any, ...]]) -> str:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 from outbox._core.offsets import Tries
-from outbox.consumer import ConsumerConfig, ConsumerRunner
-from outbox.consumer._attempt import Attempts
+from outbox.consumer import Attempts, ConsumerConfig, ConsumerRunner
 from outbox.django._settings import alias_of, outbox_for
 from outbox.django._unit import unit_of_work
 from outbox.errors import ConfigurationError
@@ -27,7 +26,9 @@ class _DjangoAttempts(Attempts):
         super().__init__(*args, **rules)
         self._using = using
 
-    def alone(self, message: Any, tries: Tries, key: str, fingerprint: str | None) -> Outcome:
+    def alone(
+        self, message: Any, tries: Tries, key: str, fingerprint: str | None
+    ) -> AttemptVerdict:
         return self.attempt(
             message,
             tries,

@@ -19,33 +19,37 @@ from django.http import HttpRequest, HttpResponse
 
 from outbox._core.http import (
     Headers,
-    HttpSettings,
-    Refused,
     Request,
-    Response,
     decode_response,
     encode_response,
     fingerprint,
     is_stored,
-    problem_for,
     quoted_path,
     replay_headers,
+)
+from outbox._core.http_admission import (
+    HttpConfig,
+)
+from outbox._core.http_answers import (
+    Refused,
+    Response,
+    problem_for,
     request_too_large,
     response_too_large,
     streaming_refused,
 )
+from outbox._core.http_context import Abort, bound
 from outbox.django._settings import outbox_settings
 from outbox.django._unit import unit_of_work
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
-from outbox.http import _Abort, _bound
 
 
-def _settings() -> HttpSettings:
+def _settings() -> HttpConfig:
     options = outbox_settings().get("HTTP", {})
     if not isinstance(options, dict):
         raise ConfigurationError('settings.OUTBOX["HTTP"] must be a dict of middleware options')
     try:
-        return HttpSettings(**options)
+        return HttpConfig(**options)
     except TypeError as exc:
         raise ConfigurationError(f'settings.OUTBOX["HTTP"]: {exc}') from None
 
@@ -64,7 +68,7 @@ class IdempotencyKeyMiddleware:
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
         self.get_response = get_response
-        self.settings = _settings().validate()
+        self.settings = _settings().admission()
 
     def __call__(self, request: HttpRequest) -> Any:
         settings = self.settings
@@ -100,13 +104,13 @@ class IdempotencyKeyMiddleware:
                 if uow.replayed:
                     stored = decode_response(uow.result)
                     return _django(Response(stored.status, replay_headers(stored), stored.body))
-                with _bound(uow):
+                with bound(uow):
                     try:
                         answer = self.get_response(request)
                     except BaseException as exc:
-                        raise _Abort(error=exc) from None
+                        raise Abort(error=exc) from None
                 self._store(uow, answer)
-        except _Abort as abort:
+        except Abort as abort:
             if abort.error is not None:
                 failure = abort.error
             else:
@@ -121,18 +125,18 @@ class IdempotencyKeyMiddleware:
         return answer
 
     def _store(self, uow: Any, answer: Any) -> None:
-        """Store ``answer`` with the key, or raise :class:`_Abort` to roll the unit back."""
+        """Store ``answer`` with the key, or raise :class:`Abort` to roll the unit back."""
         limit = self.settings.max_response_bytes
         if getattr(answer, "streaming", False):
-            raise _Abort(response=streaming_refused().response())
+            raise Abort(response=streaming_refused().response())
         if hasattr(answer, "render") and not getattr(answer, "is_rendered", True):
             answer.render()  # a TemplateResponse (Django REST framework's Response too)
         status = int(answer.status_code)
         if not is_stored(status):
-            raise _Abort(response=_PASS)
+            raise Abort(response=_PASS)
         content = bytes(answer.content)
         if len(content) > limit:
-            raise _Abort(response=response_too_large(limit).response())
+            raise Abort(response=response_too_large(limit).response())
         uow.result = encode_response(
             status, list(answer.items()), content, self.settings.stored_headers
         )

@@ -80,7 +80,7 @@ class AsyncRedisGuard:
         permanent_errors: tuple[type[BaseException], ...] = (),
         secret: bytes | str | None = None,
     ) -> None:
-        self.settings = core.GuardSettings(
+        self.settings = core.GuardConfig(
             lease=lease,
             on_redis_error=on_redis_error,
             completed_ttl=completed_ttl,

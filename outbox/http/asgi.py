@@ -21,25 +21,30 @@ from outbox._core.http import (
     DEFAULT_RETRY_AFTER,
     DEFAULT_STORED_HEADERS,
     Headers,
-    HttpSettings,
-    PrincipalOf,
-    Refused,
     Request,
-    Response,
-    ScopeOf,
     decode_response,
     encode_response,
     fingerprint,
     is_stored,
     is_streaming,
-    missing_key,
-    problem_for,
     quoted_path,
     replay_headers,
+)
+from outbox._core.http_admission import (
+    HttpConfig,
+    PrincipalOf,
+    ScopeOf,
+)
+from outbox._core.http_answers import (
+    Refused,
+    Response,
+    missing_key,
+    problem_for,
     request_too_large,
     response_too_large,
     streaming_refused,
 )
+from outbox._core.http_context import Abort, bound
 from outbox._otel import spans
 from outbox.errors import (
     ConfigurationError,
@@ -48,7 +53,6 @@ from outbox.errors import (
     NoUnitOfWork,
     PreviouslyFailed,
 )
-from outbox.http import _Abort, _bound
 from outbox.uow import AsyncOutbox, AsyncUnitOfWork
 
 Message = MutableMapping[str, Any]
@@ -160,10 +164,10 @@ class IdempotencyMiddleware:
             )
         self.app = app
         self.outbox = outbox
-        self.settings = HttpSettings(
+        self.settings = HttpConfig(
             scope, require_key, methods, max_request_bytes, max_response_bytes,
             stored_headers, retry_after, principal, caller_headers, caller_cookies, per_caller,
-        ).validate()  # fmt: skip
+        ).admission()  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = self.settings
@@ -226,7 +230,7 @@ class IdempotencyMiddleware:
                     response = Response(stored.status, replay_headers(stored), stored.body)
                 else:
                     response, start = await self._run(uow, scope, body, receive)
-        except _Abort as abort:
+        except Abort as abort:
             failure, response, start = abort.error, abort.response, None
         except (KeyInProgress, KeyReuseError, PreviouslyFailed) as exc:
             problem = problem_for(exc, settings.retry_after)
@@ -244,7 +248,7 @@ class IdempotencyMiddleware:
         self, uow: AsyncUnitOfWork, scope: Scope, body: bytes, receive: Receive
     ) -> tuple[Response, Message]:
         """Run the application inside ``uow`` with the response buffered; store it, or raise
-        :class:`_Abort` to roll the unit of work back."""
+        :class:`Abort` to roll the unit of work back."""
         extensions = scope.get("extensions")
         if extensions and not _BODY_EXTENSIONS.isdisjoint(extensions):
             scope = {
@@ -261,19 +265,19 @@ class IdempotencyMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        with _bound(uow):
+        with bound(uow):
             try:
                 await self.app(scope, receive_body, buffer.send)
             except BaseException as exc:
                 if buffer.refusal is None:
-                    raise _Abort(error=exc) from None
+                    raise Abort(error=exc) from None
         if buffer.refusal is not None:
-            raise _Abort(response=buffer.refusal.problem.response())
+            raise Abort(response=buffer.refusal.problem.response())
         if buffer.start is None:
-            raise _Abort(error=RuntimeError("the application returned without a response"))
+            raise Abort(error=RuntimeError("the application returned without a response"))
         response = buffer.response()
         if not is_stored(response.status):
-            raise _Abort(response=response)
+            raise Abort(response=response)
         uow.result = encode_response(
             response.status, response.headers, response.body, self.settings.stored_headers
         )

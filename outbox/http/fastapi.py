@@ -36,13 +36,17 @@ from outbox._core.http import (
     IDEMPOTENCY_KEY_HEADER,
     REPLAYED_HEADER,
     Headers,
-    HttpSettings,
+    Request,
+    fingerprint,
+)
+from outbox._core.http_admission import (
+    HttpConfig,
     PrincipalOf,
+    ScopeOf,
+)
+from outbox._core.http_answers import (
     Problem,
     Refused,
-    Request,
-    ScopeOf,
-    fingerprint,
     missing_key,
     problem_for,
 )
@@ -119,10 +123,10 @@ def unit_of_work(
         raise ConfigurationError(
             f"unit_of_work() needs an AsyncOutbox, got {type(outbox).__name__}"
         )
-    admission = HttpSettings(
+    admission = HttpConfig(
         scope, require_key, _ALL_METHODS, principal=principal, caller_headers=caller_headers,
         caller_cookies=caller_cookies, per_caller=per_caller,
-    ).validate()  # fmt: skip
+    ).admission()  # fmt: skip
     # Required in the signature when the server requires it, so that OpenAPI says so; FastAPI
     # then refuses a request without it (RequestValidationError), which add_exception_handlers
     # answers with the middlewares' 400.

@@ -24,28 +24,32 @@ from outbox._core.http import (
     DEFAULT_RETRY_AFTER,
     DEFAULT_STORED_HEADERS,
     Headers,
-    HttpSettings,
-    PrincipalOf,
-    Refused,
     Request,
-    Response,
-    ScopeOf,
     decode_response,
     encode_response,
     fingerprint,
     is_stored,
     is_streaming,
-    problem_for,
     quoted_path,
     replay_headers,
+    status_line,
+)
+from outbox._core.http_admission import (
+    HttpConfig,
+    PrincipalOf,
+    ScopeOf,
+)
+from outbox._core.http_answers import (
+    Refused,
+    Response,
+    problem_for,
     request_too_large,
     response_too_large,
-    status_line,
     streaming_refused,
 )
+from outbox._core.http_context import Abort, bound
 from outbox._otel import spans
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
-from outbox.http import _Abort, _bound
 from outbox.uow import Outbox, UnitOfWork
 
 _ExcInfo = tuple[type[BaseException], BaseException, TracebackType] | tuple[None, None, None] | None
@@ -117,10 +121,10 @@ class IdempotencyMiddleware:
             )
         self.app = wsgi_app
         self.outbox = outbox
-        self.settings = HttpSettings(
+        self.settings = HttpConfig(
             scope, require_key, methods, max_request_bytes, max_response_bytes,
             stored_headers, retry_after, principal, caller_headers, caller_cookies, per_caller,
-        ).validate()  # fmt: skip
+        ).admission()  # fmt: skip
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         settings = self.settings
@@ -170,7 +174,7 @@ class IdempotencyMiddleware:
                     response = Response(stored.status, replay_headers(stored), stored.body)
                 else:
                     response, line = self._run(uow, environ)
-        except _Abort as abort:
+        except Abort as abort:
             failure, response, line = abort.error, abort.response, None
         except (KeyInProgress, KeyReuseError, PreviouslyFailed) as exc:
             problem = problem_for(exc, settings.retry_after)
@@ -185,11 +189,11 @@ class IdempotencyMiddleware:
 
     def _run(self, uow: UnitOfWork, environ: WSGIEnvironment) -> tuple[Response, str]:
         """Run the application inside ``uow`` with the response buffered; store it, or raise
-        :class:`_Abort` to roll the unit of work back."""
+        :class:`Abort` to roll the unit of work back."""
         limit = self.settings.max_response_bytes
         captured = _Captured(limit)
         refusal: Refused | None = None
-        with _bound(uow):
+        with bound(uow):
             try:
                 chunks = self.app(environ, captured.start_response)
                 try:
@@ -207,16 +211,16 @@ class IdempotencyMiddleware:
                     if close is not None:
                         close()
             except BaseException as exc:
-                raise _Abort(error=exc) from None
+                raise Abort(error=exc) from None
         if refusal is None and captured.size > limit:
             refusal = Refused(response_too_large(limit))  # all of it came through write()
         if refusal is not None:
-            raise _Abort(response=refusal.problem.response())
+            raise Abort(response=refusal.problem.response())
         if captured.status_line is None:
-            raise _Abort(error=RuntimeError("the application returned without a response"))
+            raise Abort(error=RuntimeError("the application returned without a response"))
         response = captured.response()
         if not is_stored(response.status):
-            raise _Abort(response=response)
+            raise Abort(response=response)
         uow.result = encode_response(
             response.status, response.headers, response.body, self.settings.stored_headers
         )

@@ -14,95 +14,38 @@ first. (Ordering by transaction id would not do: B may have drawn its xid before
 A's lock.) Transactions that run long do not hold a window back: they are in the snapshot's
 list of running transactions, and their rows join the window in which they commit.
 
-No loss (I6): the cursor moves only in the transaction that records the page's outcomes, after
-Kafka's reports. A row that failed, or that could not go out (its key stopped, the relay
-stopping), is *held*: its id is kept in ``outbox_relay_held`` and its key's later rows wait
-behind it, whatever window they are in; the rows a held key owes are sent first in the next
-batches, until they are all confirmed (or one is parked: the key then waits for ``outbox parked
-retry`` or ``discard``, as with the claim engine). Rows a lane delivered stay in the table until
-every lane delivered past them; they are given back by TRUNCATE when nothing else is left, else
-by a bulk DELETE once many have piled up (:func:`outbox._pg.window.reclaim`).
+No loss (docs/concepts.md I6): the cursor moves only in the transaction that records the page's
+reports, after Kafka's reports. A row that failed, or that could not go out (its key stopped, the
+relay stopping), is *held*: its id is kept in ``outbox_relay_held`` and its key's later rows wait
+behind it, whatever window they are in; the rows a held key owes are sent first in the next batches,
+until they are all confirmed (or one is parked: the key then waits for ``outbox parked retry`` or
+``discard``, as with the claim engine). Rows a lane delivered stay in the table until every lane
+delivered past them; they are given back by TRUNCATE when nothing else is left, else by a bulk
+DELETE once many have piled up (:func:`outbox._pg.window.reclaim`).
 
-What the window rests on is checked on every window (I15): the session's isolation, and that
-transaction ids did not go backwards (a restore into another cluster): the relay then stops with
-a message instead of waiting for transactions that will never come.
+What the window rests on is checked on every window (docs/concepts.md I15): the session's isolation,
+and that transaction ids did not go backwards (a restore into another cluster): the relay then stops
+with a message instead of waiting for transactions that will never come.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from concurrent.futures import Future
 
 import sqlalchemy as sa
 
 from outbox._core import codec
-from outbox._core.delivery import (
-    ATTEMPTS,
-    EVENT_ID,
-    ID,
-    KEY,
-    TOPIC,
-    ClaimedRow,
-    Settlement,
-    deliver_in_rounds,
-    settle,
-)
-from outbox._kafka.producer import DeliveryReport, KafkaProducer, RecordTuple
-from outbox._kafka.records import build_records, build_records_checked
-from outbox._otel import spans
+from outbox._core.delivery import ATTEMPTS, EVENT_ID, ID, KEY, ClaimedRow, settle
+from outbox._kafka.producer import DeliveryReport
 from outbox._pg import window as pg_window
-from outbox._pg.relay import OutboxStatements, outbox_record_failures
+from outbox._pg.relay import outbox_record_failures
 from outbox._pg.window import Cursor, HeldRow, WindowStatements
-from outbox.config import RelayConfig
 from outbox.errors import ConfigurationError
-from outbox.relay._lanes import LaneOwnership
-from outbox.relay._metrics import RelayMetrics
-
-
-class BatchResult(Protocol):
-    """What a batch did (outbox.relay._relay.BatchResult)."""
-
-    claimed: int
-    sent: int
-    confirmed: int
-    parked: int
-    failed: int
-    outage: bool
-    stale_producer: bool
-    error: str | None
-
-
-R = TypeVar("R", bound=BatchResult)
-
-
-class Relay(Protocol):
-    """What the window engine uses of the relay it feeds (outbox.relay._relay.Relay): its
-    settings, lanes, metrics and stop signal, its producer, and its report of a batch."""
-
-    config: RelayConfig
-    lanes: LaneOwnership
-    metrics: RelayMetrics
-    stop_event: threading.Event
-    sql: OutboxStatements
-
-    def _producer_or_new(self) -> KafkaProducer: ...
-
-    def _database_thread(self) -> ThreadPoolExecutor: ...
-
-    def _report(
-        self,
-        rows: Sequence[ClaimedRow],
-        outcomes: Sequence[DeliveryReport | None],
-        verdict: Settlement,
-        result: Any,  # its own BatchResult
-        duration: float,
-    ) -> None: ...
-
+from outbox.relay._engine import BatchResult, Host, Reset, records_of
 
 log = logging.getLogger("outbox.relay")
 
@@ -126,24 +69,39 @@ def snapshot_xmax(snapshot: str) -> int:
 class WindowEngine:
     """Where a window relay's batches come from and what happens after their delivery."""
 
-    def __init__(self, relay: Relay) -> None:
+    # The next page of the window in progress, read ahead, with the cursor it follows.
+    _ahead: tuple[Cursor, list[ClaimedRow]] | None
+
+    def __init__(self, relay: Host) -> None:
         self.relay = relay
         self.config = relay.config
         self.sql = WindowStatements.for_schema(relay.config.schema)
-        # Reclaim whenever idle (``Relay.run(once=True)`` sets it: a drained outbox is empty).
+        # Reclaim whenever idle (``Relay.run(once=True)``: a drained outbox is left empty).
         self.eager_reclaim = False
-        self.reset()
+        self._forget()
         self._next_reclaim = 0.0
 
-    def reset(self) -> None:
-        """Forget what is known of the cursors (a new session reads them again)."""
+    def start(self, once: bool) -> None:
+        self.eager_reclaim = once
+
+    def reset(self, reason: Reset) -> None:
+        """After a rollback or with a new session: forget what is known of the cursors (they
+        are read again). A rebalance keeps them (the owned lanes' cursors are read again when
+        the lanes changed, ``_load``) but drops the page read ahead: it was read for the lanes
+        owned before, and may hold rows of a lane another relay delivers now from the same
+        cursor (sent again here, they would arrive after that lane's later rows)."""
+        if reason is Reset.REBALANCE:
+            self._ahead = None
+        else:
+            self._forget()
+
+    def _forget(self) -> None:
         self._cursors: dict[int, Cursor] = {}
         self._loaded: frozenset[int] = frozenset()
         self._held: dict[int, HeldRow] = {}
         self._persisted: dict[int, float] = {}
         self._turn = 0
-        # The next page of the window in progress, read ahead, with the cursor it follows.
-        self._ahead: tuple[Cursor, list[ClaimedRow]] | None = None
+        self._ahead = None
 
     # ------------------------------------------------------------------------------- state
 
@@ -175,7 +133,8 @@ class WindowEngine:
         return ordered[self._turn]
 
     def _check(self, cursor: Cursor, opened: pg_window.Opened) -> None:
-        """What a window rests on (I15); a ``ConfigurationError`` stops the relay."""
+        """What a window rests on (docs/concepts.md I15); a ``ConfigurationError`` stops the
+        relay."""
         if opened.isolation != "read committed":
             raise ConfigurationError(
                 f"the relay's session runs at {opened.isolation}, the window engine needs read "
@@ -199,7 +158,7 @@ class WindowEngine:
 
     # ------------------------------------------------------------------------------- batch
 
-    def process_batch(self, conn: sa.Connection, result: R) -> R:
+    def process_batch(self, conn: sa.Connection, result: BatchResult) -> BatchResult:
         relay = self.relay
         owned = sorted(relay.lanes.owned)
         if not owned:
@@ -241,7 +200,7 @@ class WindowEngine:
             return result
         result.claimed = len(page) + len(owed)
         # More of the window to come, and nothing held: its next page is read while Kafka
-        # confirms this one (reads take no lock, so nothing waits for the batch's outcome).
+        # confirms this one (reads take no lock, so nothing waits for the batch's reports).
         ahead_of = after if after.opened is not None and not held and not exclude else None
         return self._deliver(
             conn, group, after, rows, [*owed, *page], exclude, held, result, started, ahead_of
@@ -298,14 +257,17 @@ class WindowEngine:
         """Per topic, for /metrics: rows of the owned lanes not yet past their cursors, parked
         rows, and the oldest pending row's age."""
         owned = sorted(self.relay.lanes.owned)
-        if not owned:
-            return {}
-        self._load(conn, owned)
-        delivered = [self._cursors[lane].delivered for lane in owned]
-        floor = None
-        if all(d is not None for d in delivered):
-            floor = min(int(d.split(":")[0]) for d in delivered if d is not None)
-        return pg_window.window_stats(conn, self.sql, self.config.lanes, owned, floor)
+        by_topic: dict[str, tuple[int, int, float]] = {}
+        if owned:
+            self._load(conn, owned)
+            delivered = [self._cursors[lane].delivered for lane in owned]
+            floor = None
+            if all(d is not None for d in delivered):
+                floor = min(int(d.split(":")[0]) for d in delivered if d is not None)
+            by_topic = pg_window.window_stats(conn, self.sql, self.config.lanes, owned, floor)
+        # The rows not past the cursors: the table also holds delivered rows.
+        self.relay.metrics.window_backlog.set(sum(v[0] for v in by_topic.values()))
+        return by_topic
 
     def reclaim(self, conn: sa.Connection, delete_after: int = RECLAIM_DELETE_AFTER) -> None:
         """Give back the delivered rows' space (see :func:`outbox._pg.window.reclaim`)."""
@@ -326,54 +288,36 @@ class WindowEngine:
         fetched: list[ClaimedRow],
         wait: dict[bytes | int, int],
         held: dict[int, HeldRow],
-        result: R,
+        result: BatchResult,
         started: float,
         ahead_of: Cursor | None = None,
-    ) -> R:
+    ) -> BatchResult:
         relay = self.relay
-        records: Sequence[RecordTuple | None]
-        unsendable: dict[int, DeliveryReport] = {}
-        try:
-            records = build_records(rows)
-        except Exception:
-            records, broken = build_records_checked(rows)
-            unsendable = {i: DeliveryReport(error=e, permanent=True) for i, e in broken.items()}
-        keys = [r[KEY] for r in rows]
-        topics = [r[TOPIC] for r in rows]
+        records, unsendable = records_of(rows)
         ids = [r[ID] for r in rows]
-        producer = relay._producer_or_new()
+
+        def read_ahead_page() -> Future[list[ClaimedRow]]:
+            assert ahead_of is not None
+            return relay.database_thread().submit(
+                pg_window.window_page,
+                conn,
+                self.sql,
+                self.config.lanes,
+                group,
+                ahead_of,
+                self.config.batch_size,
+            )
 
         reading: Future[list[ClaimedRow]] | None = None
-
-        def send(todo: list[int]) -> list[DeliveryReport | None]:
-            nonlocal reading
-            chosen = records if len(todo) == len(records) else [records[i] for i in todo]
-            if ahead_of is not None and reading is None and not unsendable:
-                reading = relay._database_thread().submit(
-                    pg_window.window_page,
-                    conn,
-                    self.sql,
-                    self.config.lanes,
-                    group,
-                    ahead_of,
-                    self.config.batch_size,
-                )
-            sending = producer.start(chosen)  # type: ignore[arg-type]  # no unsendable
-            return producer.finish(sending, relay.stop_event, self.config.shutdown_grace)
-
-        traced = send if spans is None else spans.traced_send(rows, send)
-        outcomes: Sequence[DeliveryReport | None] = []
+        reports: Sequence[DeliveryReport | None] = []
         if rows:
-            outcomes, result.sent, gaps = deliver_in_rounds(
-                keys, topics, traced, failed=unsendable, stopping=relay.stop_event.is_set
+            reports, result.sent, reading = relay.producing.send(
+                rows,
+                records,
+                unsendable,
+                alongside=read_ahead_page if ahead_of is not None and not unsendable else None,
             )
-            if gaps:
-                log.error(
-                    "event=order_gap rows=%d: Kafka confirmed rows after a failed row of their "
-                    "key (the producer settings that prevent this were changed?)",
-                    gaps,
-                )
-        verdict = settle(ids, [r[ATTEMPTS] for r in rows], outcomes, self.config.max_attempts)
+        verdict = settle(ids, [r[ATTEMPTS] for r in rows], reports, self.config.max_attempts)
         read_ahead = None
         # The connection is this thread's again once the page read ahead is in (or failed: the
         # statements below then fail the batch as any database error does).
@@ -385,11 +329,11 @@ class WindowEngine:
             conn.rollback()
             result.outage = True
             result.failed = verdict.failed
-            failures = [o for o in outcomes if o is not None and not o.ok]
+            failures = [o for o in reports if o is not None and not o.ok]
             result.error = failures[0].error if failures else None
             return result
-        for row, outcome in zip(rows, outcomes, strict=True):
-            if outcome is None or outcome.error is not None:
+        for row, report in zip(rows, reports, strict=True):
+            if report is None or report.error is not None:
                 key = row[KEY]
                 name: bytes | int = key if key is not None else row[ID]
                 wait[name] = min(wait.get(name, row[ID]), row[ID])
@@ -410,14 +354,8 @@ class WindowEngine:
         for lane in group:
             self._cursors[lane] = after
             self._persisted[lane] = now + IDLE_PERSIST
-        result.confirmed = len(verdict.delete)
-        result.parked = verdict.parked
-        result.failed = verdict.failed
-        if verdict.failed:
-            failures = [o for o in outcomes if o is not None and not o.ok]
-            result.stale_producer = any(o.stale_producer for o in failures)
-            result.error = failures[0].error if failures else None
-        relay._report(rows, outcomes, verdict, result, time.monotonic() - started)
+        result.settled(verdict, reports)
+        relay.report(rows, reports, verdict, result, time.monotonic() - started)
         if self.eager_reclaim and not result.sent:
             self.reclaim(conn, delete_after=1)
         elif after.opened is None and now >= self._next_reclaim:

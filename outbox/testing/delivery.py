@@ -17,15 +17,13 @@ from prometheus_client import CollectorRegistry
 
 from outbox._core import codec, results
 from outbox._core.deadletter import DeadLetter
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 from outbox._core.environment import ENV_KAFKA_BOOTSTRAP
+from outbox._core.handlers import BATCH_HANDLER, is_coroutine_handler
 from outbox._core.offsets import Tries
 from outbox._kafka.consumer import header_key, make_message
 from outbox.config import ConsumerConfig
-from outbox.consumer._attempt import Attempts
-from outbox.consumer._attempt_async import BATCH_HANDLER, AsyncAttempts
-from outbox.consumer._metrics import ConsumerMetrics
-from outbox.consumer._runner_async import is_coroutine_handler
+from outbox.consumer import AsyncAttempts, Attempts, ConsumerMetrics
 from outbox.relay import BatchResult, Relay, RelayConfig
 from outbox.schema import tables
 from outbox.testing.databases import ENV_TESTING_BOOTSTRAP
@@ -54,11 +52,11 @@ class Delivery:
 
     @property
     def processed(self) -> bool:
-        return self.outcome == Outcome.PROCESSED
+        return self.outcome == AttemptVerdict.PROCESSED
 
     @property
     def dead_lettered(self) -> bool:
-        return self.outcome == Outcome.DEAD_LETTERED
+        return self.outcome == AttemptVerdict.DEAD_LETTERED
 
 
 class _DeadLetters:
@@ -186,7 +184,7 @@ class Deliverer:
                 outcome = attempt.apply(message, tries)
                 letters = dlq.sent
             self.dead_letters.extend(letters)
-            if outcome is not Outcome.RETRY or not until_done:
+            if outcome is not AttemptVerdict.RETRY or not until_done:
                 break
             if tries.waits >= _MAX_WAITS:
                 raise AssertionError(
@@ -198,7 +196,7 @@ class Deliverer:
 
     async def _apply_async(
         self, handler: Callable[..., Any], message: Any, tries: Tries
-    ) -> tuple[Outcome, list[tuple[Any, DeadLetter]]]:
+    ) -> tuple[AttemptVerdict, list[tuple[Any, DeadLetter]]]:
         url = self.outbox.engine.url.render_as_string(hide_password=False)
         async with AsyncOutbox(url, config=self.outbox.config) as aob:
             dlq = _AsyncDeadLetters()
@@ -210,7 +208,7 @@ class Deliverer:
 
     def _delivery(
         self,
-        outcome: Outcome,
+        outcome: AttemptVerdict,
         message: Any,
         tries: Tries,
         letters: list[tuple[Any, DeadLetter]],
@@ -218,15 +216,15 @@ class Deliverer:
     ) -> Delivery:
         key = header_key(message, self.config.key_header)
         result = None
-        if key is not None and outcome in (Outcome.PROCESSED, Outcome.REPLAYED):
+        if key is not None and outcome in (AttemptVerdict.PROCESSED, AttemptVerdict.REPLAYED):
             result = self._stored_result(key)
         letter = letters[-1][1] if letters else tries.dead_letter
         return Delivery(
             outcome=str(outcome),
             key=key,
             result=result,
-            replayed=outcome is Outcome.REPLAYED,
-            dead_letter=letter if outcome is Outcome.DEAD_LETTERED else None,
+            replayed=outcome is AttemptVerdict.REPLAYED,
+            dead_letter=letter if outcome is AttemptVerdict.DEAD_LETTERED else None,
             error=raised[-1] if raised else None,
             message=message,
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from outbox.uow._batch import Batch, MessageBatch
 from outbox.uow._batch_async import AsyncBatch, AsyncMessageBatch
+from outbox.uow._default import configure, default_outbox, idempotent, unit_of_work
 from outbox.uow._outbox import Outbox, UnitOfWork
 from outbox.uow._outbox_async import AsyncOutbox, AsyncUnitOfWork
 
@@ -20,4 +21,8 @@ __all__ = [
     "MessageBatch",
     "Outbox",
     "UnitOfWork",
+    "configure",
+    "default_outbox",
+    "idempotent",
+    "unit_of_work",
 ]

@@ -11,7 +11,7 @@ import uuid
 
 import sqlalchemy as sa
 
-from outbox._core.dlq import REDRIVE_HEADER
+from outbox._core.deadletter_reading import REDRIVE_HEADER
 from outbox.schema import tables
 from tests.fixtures.console import write_dead_letters
 from tests.fixtures.kafka import read_to_end

@@ -10,7 +10,9 @@ from collections.abc import Iterator
 
 import httpx
 
-from outbox._core.http import DEFAULT_MAX_RESPONSE_BYTES
+from outbox._core.http import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+)
 from tests.e2e.test_http_door import effects, post, problem
 from tests.fixtures.web import HttpApp
 

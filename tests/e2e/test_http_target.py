@@ -17,7 +17,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from outbox._core.http import PROBLEM_TYPE_BASE, REPLAYED_HEADER
+from outbox._core.http import (
+    REPLAYED_HEADER,
+)
+from outbox._core.http_answers import (
+    PROBLEM_TYPE_BASE,
+)
 from tests.fixtures.common import ServiceUnavailable, unavailable
 from tests.fixtures.web import HOW_HTTP, WebServer
 

@@ -41,9 +41,26 @@ def _committed(ids: list[uuid.UUID], keys: list[str]) -> dict[bytes, list[str]]:
     return out
 
 
+def _catches_sigterm(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the process has its SIGTERM handler installed yet (``SigCgt`` in its status)."""
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+    except OSError:
+        return True  # gone: nothing to wait for
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+
 def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each relay and expect a clean exit. A relay restarted a moment ago may still be
+    importing; the signal is sent once it is caught (else it would die of it, not stop)."""
     for proc in procs:
         if proc.poll() is None:
+            wait_for(
+                lambda p=proc: p.poll() is not None or _catches_sigterm(p),  # type: ignore[misc]
+                30,
+                "the relay never installed its SIGTERM handler",
+            )
             proc.send_signal(signal.SIGTERM)
     for proc in procs:
         try:

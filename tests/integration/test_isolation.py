@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import outbox
-from outbox._core.disposition import Outcome
+from outbox._core.disposition import AttemptVerdict
 from outbox._core.offsets import Tries
 from outbox._pg.errors import transaction_conflict
 from outbox.consumer import AsyncConsumerRunner, ConsumerRunner
@@ -197,7 +197,7 @@ def test_async_consumer_attempts_on_an_isolated_engine(
         await uow.connection.execute(BUMP)
         return "ok"
 
-    async def run() -> list[tuple[Outcome, int]]:
+    async def run() -> list[tuple[AttemptVerdict, int]]:
         isolated = create_async_engine(database_url, isolation_level=level)
         seen = []
         try:
@@ -215,7 +215,7 @@ def test_async_consumer_attempts_on_an_isolated_engine(
         return seen
 
     # max_attempts=1: a counted failure would dead-letter the message at once.
-    assert asyncio.run(run()) == [(Outcome.RETRY, 0), (Outcome.PROCESSED, 0)]
+    assert asyncio.run(run()) == [(AttemptVerdict.RETRY, 0), (AttemptVerdict.PROCESSED, 0)]
 
 
 @pytest.mark.parametrize("flavour", ["sync", "asyncio"])

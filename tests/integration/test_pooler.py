@@ -1,5 +1,5 @@
 """Behind a connection pooler one unit of work stays one transaction: it works, or it refuses
-clearly, never splits (invariant I13).
+clearly, never splits (docs/concepts.md I13).
 
 Through real PgBouncer instances (tests/fixtures/pgbouncer.py: transaction and session mode,
 three server connections for more clients), and directly, with a transaction lost under the

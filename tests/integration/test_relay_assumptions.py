@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from outbox.relay import RelayConfig, _relay as relay_loop
+from outbox.relay import RelayConfig, _claims as relay_loop
 from tests.fixtures.common import wait_for
 from tests.fixtures.relay import RelayThread, insert_rows, outbox_count, wait_for_records
 

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import admin
-from outbox.relay import RelayConfig, _relay as relay_loop
+from outbox.relay import RelayConfig, _claims as relay_loop
 from tests.fixtures.common import wait_for
 from tests.fixtures.relay import RelayThread, insert_rows, wait_for_records
 
@@ -143,8 +143,8 @@ def test_claims_start_above_the_dead_tuples_a_pinned_horizon_keeps_and_status_na
     assert "query" not in doc["horizon"]
     outbox_table = next(t for t in doc["tables"] if t["table"] == "outbox")
     assert outbox_table["dead_tuples"] >= PINNED_ROWS
-    # I14: the last burst's claims started above the dead tuples (at most one batch below the
-    # last id sent before it), not at the index's low end, which would walk all of them.
+    # docs/concepts.md I14: the last burst's claims started above the dead tuples (at most one batch
+    # below the last id sent before it), not at the index's low end, which would walk all of them.
     assert len(watched) >= BURST // BATCH, watched
     assert min(watched) >= below - BATCH, (
         f"a claim started at id {min(watched):,}, below {below - BATCH:,}: it walked up to "

@@ -215,7 +215,7 @@ def test_only_writers_of_the_same_message_key_wait_for_each_other(
 ) -> None:
     """The order lock: a writer of key k waits for an uncommitted writer of k (so ids follow
     commit order), a writer of another key does not wait, and a second attempt at a busy
-    idempotency key still fails at once (I3)."""
+    idempotency key still fails at once (docs/concepts.md I3)."""
     topic = f"order-wait-{uuid.uuid4().hex[:8]}"
     ob = Outbox(database_url)
     second_done = threading.Event()

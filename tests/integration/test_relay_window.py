@@ -15,6 +15,8 @@ from outbox._core import codec
 from outbox.admin import discard_parked, list_parked, retry_parked
 from outbox.errors import ConfigurationError
 from outbox.relay import Relay, RelayConfig
+from outbox.relay._engine import Reset
+from outbox.relay._window import WindowEngine
 from tests.fixtures.common import wait_for
 from tests.fixtures.relay import (
     RelayThread,
@@ -276,10 +278,10 @@ def test_metrics_show_the_window_backlog(
     def stats() -> dict[str, tuple[int, int, float]]:
         relay = Relay(_config(database_url, kafka_bootstrap))
         relay.lanes.owned = set(range(relay.config.lanes))
-        assert relay._window is not None
+        assert isinstance(relay.batches, WindowEngine)
         try:
             with relay.engine.connect() as conn:
-                return relay._window.stats(conn)
+                return relay.batches.stats(conn)
         finally:
             relay.engine.dispose()
 
@@ -289,3 +291,37 @@ def test_metrics_show_the_window_backlog(
         conn.exec_driver_sql("UPDATE outbox_relay_windows SET delivered = pg_current_snapshot()")
     assert stats() == {}
     assert outbox_count(engine) == 7
+
+
+def test_a_page_read_ahead_is_dropped_when_lanes_are_given_away(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """The next page of a window is read while Kafka confirms the page before, for the lanes
+    owned then. After a rebalance gave lanes away, that page is not sent: the lanes' new owner
+    delivers them from the same cursor."""
+    topic = _topic("window-rebalance")
+    lanes = 4
+    keys = [f"k{i}" for i in range(60)]
+    _once(database_url, kafka_bootstrap, lanes=lanes)  # cursors made, nothing pending
+    insert_rows(engine, topic, [(k, b"v") for k in keys])
+    lane_of = {k.encode(): codec.key_hash(k.encode(), b"") % lanes for k in keys}
+    relay = Relay(_config(database_url, kafka_bootstrap, batch_size=10, lanes=lanes))
+    assert isinstance(relay.batches, WindowEngine)
+    try:
+        conn = relay.session.connect()
+        relay.lanes.rebalance(conn)  # alone: it takes every lane
+        assert relay.lanes.owned == set(range(lanes))
+        assert relay.process_batch(conn).claimed == 10
+        assert relay.batches._ahead is not None  # the window's next page, read ahead
+        first = {r.key for r in read_topic(kafka_bootstrap, topic)}  # confirmed by now
+        assert len(first) == 10
+        relay.lanes.owned = {0, 1}  # what a rebalance leaves this relay
+        relay.batches.reset(Reset.REBALANCE)
+        assert relay.process_batch(conn).claimed > 0
+    finally:
+        relay.producing.close()
+        relay.session.drop()
+        relay.engine.dispose()
+    later = [r.key for r in read_topic(kafka_bootstrap, topic) if r.key not in first]
+    assert later, "the second batch sent nothing"
+    assert {lane_of[key] for key in later} <= {0, 1}, "a given-away lane's row was sent"

@@ -42,3 +42,22 @@ def test_every_invariant_names_tests_that_exist() -> None:
             path = ROOT / file
             assert path.is_file(), f"{number}: {file} does not exist"
             assert name in _tests_of(path), f"{number}: {file} has no {name}"
+
+
+CITATION = re.compile(r"\bI(?:1[0-5]|[1-9])\b")
+POINTED = re.compile(r"docs/concepts\.md[\s#\"(]*I\d+(?:(?:,|,? and|,? or)\s*I\d+)*\b")
+ELSEWHERE = "DESIGN" + ".md"  # the file no comment may cite
+
+
+def test_every_cited_invariant_points_to_docs_concepts() -> None:
+    wrong = []
+    for path in sorted([*(ROOT / "outbox").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]):
+        text = path.read_text()
+        pointed = {c.end() + m.start() for m in POINTED.finditer(text)
+                   for c in CITATION.finditer(m.group())}  # fmt: skip
+        for m in CITATION.finditer(text):
+            if m.end() not in pointed:
+                wrong.append(f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}")
+        if ELSEWHERE in text:
+            wrong.append(f"{path.relative_to(ROOT)} cites {ELSEWHERE}")
+    assert wrong == []

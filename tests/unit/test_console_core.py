@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from outbox.console import data
-from outbox.console.app import ConsoleSettings, carries_token
+from outbox.console.app import ConsoleConfig, carries_token
 from outbox.errors import ConfigurationError, InvalidKeyError, InvalidTopicError, ValidationError
 
 TOKEN = "0123456789abcdef-token"
@@ -43,7 +43,7 @@ def test_any_authorization_header_is_a_yes_or_no_never_an_error(header: str) -> 
 
 def test_a_short_admin_token_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="at least 16"):
-        ConsoleSettings("postgresql+psycopg://u@h/db", admin_token="short").validate()
+        ConsoleConfig("postgresql+psycopg://u@h/db", admin_token="short").validate()
 
 
 @given(st.text(max_size=30))
@@ -133,3 +133,9 @@ def test_the_pending_rows_are_counted_in_the_request_while_that_is_quick() -> No
     # a count that takes 2 s runs at most a tenth of the time
     assert plan(16, 16, 2.0, 19.9, 0.05, False) == (False, False)
     assert plan(16, 16, 2.0, 20.0, 0.05, False) == (False, True)
+
+
+def test_the_earlier_name_of_the_consoles_config_still_imports() -> None:
+    from outbox.console.app import ConsoleConfig, ConsoleSettings
+
+    assert ConsoleSettings is ConsoleConfig

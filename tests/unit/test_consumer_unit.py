@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from hypothesis import given, strategies as st
 
-from outbox._core.retry import Backoff
-from outbox._kafka.consumer import message_headers
+from outbox._core.retry import Backoff, backoff_delay
+from outbox._kafka.consumer import header_key, message_headers
 from outbox.cli.consume import load_handler
-from outbox.consumer import ConsumerConfig, backoff_delay, header_key
+from outbox.consumer import ConsumerConfig
 from outbox.errors import ConfigurationError, InvalidKeyError, InvalidTopicError
 
 
@@ -145,7 +145,7 @@ def test_database_outages_are_told_apart_from_failed_statements() -> None:
     import psycopg
     import sqlalchemy as sa
 
-    from outbox.consumer import database_unavailable
+    from outbox._pg.errors import database_unavailable
 
     refused: BaseException | None = None
     try:  # a real failed connection attempt: nothing listens on port 9
@@ -186,8 +186,9 @@ def test_each_runner_takes_handlers_and_outboxes_of_its_flavour() -> None:
     import inspect
 
     from outbox import AsyncOutbox, Outbox
+    from outbox._core.handlers import is_coroutine_handler
     from outbox.consumer import AsyncConsumerRunner, ConsumerRunner, consume
-    from outbox.consumer._runner_async import consume as consume_async, is_coroutine_handler
+    from outbox.consumer._runner_async import consume as consume_async
 
     def plain(uow: Any, message: Any) -> None:
         return None
@@ -290,3 +291,33 @@ def test_a_message_built_without_a_broker_reads_like_a_received_one(
         assert (message.key(), message.value(), message.error()) == (b"k", b"v", None)
         assert header_key(message, "X-Idempotency-Key") == "id"
         assert message_headers(message) == [("X-Idempotency-Key", b"id")]
+
+
+def test_the_faces_earlier_names_still_import_but_are_not_its_api() -> None:
+    import outbox.consumer
+    from outbox.config import ENV_CONSUMER_GROUP
+    from outbox.consumer import (  # type: ignore[attr-defined]
+        ENV_GROUP,
+        backoff_delay as earlier_backoff,  # type: ignore[attr-defined]
+        database_unavailable,
+    )
+
+    assert earlier_backoff is backoff_delay and ENV_GROUP == ENV_CONSUMER_GROUP
+    assert callable(database_unavailable)
+    earlier = {
+        "ENV_GROUP",
+        "ENV_KAFKA_CONFIG",
+        "ENV_METRICS_PORT",
+        "backoff_delay",
+        "database_unavailable",
+        "header_key",
+    }
+    assert not earlier & set(outbox.consumer.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'never_was'"):
+        outbox.consumer.never_was  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_attempts_verdict_keeps_its_earlier_name() -> None:
+    from outbox.consumer import AttemptVerdict, Outcome  # type: ignore[attr-defined]
+
+    assert Outcome is AttemptVerdict and AttemptVerdict.PROCESSED == "processed"

@@ -235,10 +235,10 @@ def test_rounds_partition_the_batch_keeping_each_keys_order(
 
 @given(batches())
 def test_a_failed_row_is_never_overtaken_by_a_later_row_of_its_key(batch: Batch) -> None:
-    """I7 within a batch: a row goes out in a round after an earlier row of its key only once
-    that row was confirmed; in the same round only for the same topic and after it; a failed,
-    parked or unsendable row is never followed by a confirmed later row of its key; every row
-    is sent at most once; rows without a key are never held back."""
+    """docs/concepts.md I7 within a batch: a row goes out in a round after an earlier row of its key
+    only once that row was confirmed; in the same round only for the same topic and after it; a
+    failed, parked or unsendable row is never followed by a confirmed later row of its key; every
+    row is sent at most once; rows without a key are never held back."""
     keys, topics, failed, _reports = batch
     outcomes, order, gaps = _deliver(batch)
     assert gaps == 0

@@ -16,10 +16,10 @@ from outbox._core.disposition import (
     KEY_BUSY,
     TAKEN_OVER,
     Action,
+    AttemptVerdict,
     Disposition,
     Failure,
     Key,
-    Outcome,
     Schedule,
     classify,
 )
@@ -77,8 +77,8 @@ limits = st.integers(min_value=1, max_value=10)
 
 
 def test_a_committed_unit_of_work_is_processed_and_a_duplicate_replayed() -> None:
-    assert verdict(None).outcome is Outcome.PROCESSED
-    assert verdict(None, replayed=True).outcome is Outcome.REPLAYED
+    assert verdict(None).outcome is AttemptVerdict.PROCESSED
+    assert verdict(None, replayed=True).outcome is AttemptVerdict.REPLAYED
     for outcome in (verdict(None), verdict(None, replayed=True)):
         assert outcome.action is Action.ACKNOWLEDGE
         assert (outcome.failure, outcome.counts, outcome.reason) == (None, False, None)
@@ -86,7 +86,10 @@ def test_a_committed_unit_of_work_is_processed_and_a_duplicate_replayed() -> Non
 
 def test_a_key_that_failed_before_is_acknowledged_without_a_second_dead_letter() -> None:
     outcome = verdict(PreviouslyFailed("billing", "k", "ValueError: no"), attempts=4)
-    assert (outcome.action, outcome.outcome) == (Action.ACKNOWLEDGE, Outcome.PREVIOUSLY_FAILED)
+    assert (outcome.action, outcome.outcome) == (
+        Action.ACKNOWLEDGE,
+        AttemptVerdict.PREVIOUSLY_FAILED,
+    )
 
 
 @given(error=maybe_errors, key=keys, tried=attempts, db_down=st.booleans())
@@ -100,7 +103,7 @@ def test_a_dead_letter_confirmed_inside_the_unit_of_work_acknowledges_the_messag
     outcome = verdict(
         error, key=key, attempts=tried, dead_lettered=True, database_unavailable=db_down
     )
-    assert (outcome.action, outcome.outcome) == (Action.ACKNOWLEDGE, Outcome.DEAD_LETTERED)
+    assert (outcome.action, outcome.outcome) == (Action.ACKNOWLEDGE, AttemptVerdict.DEAD_LETTERED)
     assert outcome.reason is Reason.PERMANENT_ERROR
     assert outcome.failure is None and not outcome.counts
 
@@ -127,7 +130,7 @@ def test_what_retrying_cannot_fix_is_dead_lettered_at_once(
     outcome = verdict(error, key=key)
     assert (outcome.action, outcome.outcome, outcome.reason) == (
         Action.DEAD_LETTER,
-        Outcome.DEAD_LETTERED,
+        AttemptVerdict.DEAD_LETTERED,
         reason,
     )
     assert not outcome.counts and outcome.failure is None and not outcome.exhausted
@@ -220,7 +223,7 @@ def test_a_guard_failure_after_a_confirmed_dead_letter_is_acknowledged() -> None
     # to record it: the message is in the dead-letter topic, so it is finished.
     error = GuardUnavailable("the outcome was not recorded", scope="billing", key="k")
     outcome = verdict(error, dead_lettered=True)
-    assert (outcome.action, outcome.outcome) == (Action.ACKNOWLEDGE, Outcome.DEAD_LETTERED)
+    assert (outcome.action, outcome.outcome) == (Action.ACKNOWLEDGE, AttemptVerdict.DEAD_LETTERED)
 
 
 @given(key=st.sampled_from([Key.FOUND, Key.MISSING]), tried=attempts, limit=limits)
@@ -247,7 +250,7 @@ def test_other_errors_count_and_are_dead_lettered_after_max_attempts(limit: int)
         tried += 1
         if outcome.action is Action.DEAD_LETTER:
             break
-        assert (outcome.outcome, outcome.schedule) == (Outcome.RETRY, Schedule.RETRY)
+        assert (outcome.outcome, outcome.schedule) == (AttemptVerdict.RETRY, Schedule.RETRY)
     assert tried == limit
     assert outcome.reason is Reason.RETRIES_EXHAUSTED and outcome.exhausted
 
@@ -317,10 +320,10 @@ def test_every_verdict_is_consistent(
         database_unavailable=db_down,
     )
     # A retry has a backoff and finishes nothing; nothing else has a backoff.
-    assert (outcome.action is Action.RETRY) == (outcome.outcome is Outcome.RETRY)
+    assert (outcome.action is Action.RETRY) == (outcome.outcome is AttemptVerdict.RETRY)
     assert (outcome.action is Action.RETRY) == (outcome.schedule is not None)
     # Only a dead letter has a reason (a confirmed one is acknowledged with it).
-    assert (outcome.reason is not None) == (outcome.outcome is Outcome.DEAD_LETTERED)
+    assert (outcome.reason is not None) == (outcome.outcome is AttemptVerdict.DEAD_LETTERED)
     # Only the message's own failures count, and they always do.
     assert outcome.counts == (outcome.failure is Failure.ERROR)
     # Running out of attempts takes counted failures: an outage, a busy key or a missing dead
@@ -333,7 +336,10 @@ def test_every_verdict_is_consistent(
     ):
         assert outcome.action is not Action.DEAD_LETTER
     # Nothing is acknowledged that failed without a confirmed dead letter.
-    if outcome.action is Action.ACKNOWLEDGE and outcome.outcome is not Outcome.PREVIOUSLY_FAILED:
+    if (
+        outcome.action is Action.ACKNOWLEDGE
+        and outcome.outcome is not AttemptVerdict.PREVIOUSLY_FAILED
+    ):
         assert error is None or dead_lettered
 
 

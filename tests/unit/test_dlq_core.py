@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, strategies as st
 
 from outbox._core.deadletter import DeadLetterInfo
-from outbox._core.dlq import (
+from outbox._core.deadletter_reading import (
     REDRIVE_HEADER,
     Letter,
     group_letters,

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from outbox._core.dlq import MAX_OFFSET, MAX_PARTITION, describe_stop, format_cursor, parse_cursor
+from outbox._core.deadletter_reading import (
+    MAX_OFFSET,
+    MAX_PARTITION,
+    describe_stop,
+    format_cursor,
+    parse_cursor,
+)
 
 positions = st.dictionaries(
     st.integers(0, MAX_PARTITION), st.integers(0, MAX_OFFSET), min_size=1, max_size=20

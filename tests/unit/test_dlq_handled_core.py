@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from outbox._core.deadletter import DeadLetterInfo
-from outbox._core.dlq import (
+from outbox._core.deadletter_reading import (
     HANDLED_HOWS,
     Letter,
     check_group_id,

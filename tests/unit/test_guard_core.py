@@ -38,16 +38,16 @@ RKEY = "outbox-guard:{7:default:k}"
 @given(field=st.sampled_from(["lease", "completed_ttl", "failed_ttl"]), value=bad_seconds)
 def test_bad_durations_are_configuration_errors(field: str, value: object) -> None:
     with pytest.raises(ConfigurationError, match=field):
-        core.GuardSettings(**{field: value}).validate()  # type: ignore[arg-type]
+        core.GuardConfig(**{field: value}).validate()  # type: ignore[arg-type]
 
 
 @given(policy=st.one_of(not_a_number, st.text(max_size=20)))
 def test_only_two_policies(policy: object) -> None:
     if policy in core.POLICIES:
-        core.GuardSettings(on_redis_error=policy).validate()  # type: ignore[arg-type]
+        core.GuardConfig(on_redis_error=policy).validate()  # type: ignore[arg-type]
     else:
         with pytest.raises(ConfigurationError, match="on_redis_error"):
-            core.GuardSettings(on_redis_error=policy).validate()  # type: ignore[arg-type]
+            core.GuardConfig(on_redis_error=policy).validate()  # type: ignore[arg-type]
 
 
 @given(
@@ -61,13 +61,13 @@ def test_only_two_policies(policy: object) -> None:
 @example(prefix="outbox-guard\n")  # a final newline: what a `$`-anchored match lets through
 def test_bad_prefixes(prefix: object) -> None:
     with pytest.raises(ConfigurationError, match="prefix"):
-        core.GuardSettings(prefix=prefix).validate()  # type: ignore[arg-type]
+        core.GuardConfig(prefix=prefix).validate()  # type: ignore[arg-type]
 
 
 def test_defaults_and_derived_values() -> None:
-    s = core.GuardSettings().validate()
+    s = core.GuardConfig().validate()
     assert (s.lease, s.on_redis_error, s.renew) == (30.0, "closed", False)
-    s = core.GuardSettings(lease=1.5, completed_ttl=10, failed_ttl=20.5).validate()
+    s = core.GuardConfig(lease=1.5, completed_ttl=10, failed_ttl=20.5).validate()
     assert (s.lease_ms, s.completed_ttl_ms, s.failed_ttl_ms, s.keep_ms) == (
         1500,
         10000,
@@ -76,7 +76,7 @@ def test_defaults_and_derived_values() -> None:
     )
     assert s.renew_interval == 0.5
     with pytest.raises(ConfigurationError, match="renew"):
-        core.GuardSettings(renew="yes").validate()  # type: ignore[arg-type]
+        core.GuardConfig(renew="yes").validate()  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("cls", [RedisGuard, AsyncRedisGuard])

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from outbox._core.guard import GuardSettings, Replay, decode_claim, sign_outcome
+from outbox._core.guard import GuardConfig, Replay, decode_claim, sign_outcome
 from outbox.errors import ConfigurationError, GuardUnavailable, PreviouslyFailed
 
-KEY = GuardSettings(secret="s" * 32).validate().signing_key
+KEY = GuardConfig(secret="s" * 32).validate().signing_key
 assert KEY is not None
 REDIS_KEY = "outbox-guard:{8:payments:k1}"
 NOW = 1_900_000_000_000
@@ -52,10 +52,10 @@ def test_anything_unsigned_is_unreadable_never_a_replay(stored: str) -> None:
 
 def test_another_secret_cannot_read_them_and_a_short_secret_is_refused() -> None:
     stored = sign_outcome(KEY, REDIS_KEY, "C", "", "{}", NOW + 1000)
-    other = GuardSettings(secret=b"t" * 32).signing_key
+    other = GuardConfig(secret=b"t" * 32).signing_key
     assert other is not None
     with pytest.raises(GuardUnavailable):
         _claim(stored, key=other)
     with pytest.raises(ConfigurationError, match="at least 16 bytes"):
-        GuardSettings(secret="short").validate()
-    assert "s" * 32 not in repr(GuardSettings(secret="s" * 32))
+        GuardConfig(secret="short").validate()
+    assert "s" * 32 not in repr(GuardConfig(secret="s" * 32))

@@ -10,24 +10,28 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from outbox._core import http
+from outbox._core import http, http_answers
 from outbox._core.http import (
     Headers,
-    HttpSettings,
-    Refused,
     Request,
     decode_response,
     encode_response,
     fingerprint,
     is_stored,
     parse_key,
+)
+from outbox._core.http_admission import (
+    HttpConfig,
+)
+from outbox._core.http_answers import (
+    Refused,
     problem_for,
 )
 from outbox._core.validate import check_key
 from outbox.errors import ConfigurationError, KeyInProgress, KeyReuseError, PreviouslyFailed
 
 
-def refusal(values: list[str]) -> http.Problem:
+def refusal(values: list[str]) -> http_answers.Problem:
     with pytest.raises(Refused) as caught:
         parse_key(values)
     return caught.value.problem
@@ -130,24 +134,24 @@ def request(method: str = "POST", key: str | None = "k1", **headers: str) -> Req
 
 
 def test_methods_not_covered_pass_through_with_or_without_a_key() -> None:
-    admission = HttpSettings(require_key=True).validate()
+    admission = HttpConfig(require_key=True).admission()
     for method in ("GET", "HEAD", "OPTIONS", "PUT", "DELETE"):
         assert admission.admit(request(method)) is None
         assert admission.admit(request(method, key=None)) is None
 
 
 def test_missing_key_passes_unless_required() -> None:
-    assert HttpSettings().validate().admit(request(key=None)) is None
+    assert HttpConfig().admission().admit(request(key=None)) is None
     with pytest.raises(Refused) as caught:
-        HttpSettings(require_key=True).validate().admit(request(key=None))
+        HttpConfig(require_key=True).admission().admit(request(key=None))
     assert caught.value.problem.status == 400
     assert caught.value.problem.slug == "idempotency-key-missing"
 
 
 def test_default_scope_and_fixed_scope() -> None:
-    covered = HttpSettings().validate().admit(request("PATCH"))
+    covered = HttpConfig().admission().admit(request("PATCH"))
     assert covered is not None and (covered.scope, covered.key) == ("http", "k1")
-    covered = HttpSettings(scope="orders.v2").validate().admit(request())
+    covered = HttpConfig(scope="orders.v2").admission().admit(request())
     assert covered is not None and covered.scope == "orders.v2"
 
 
@@ -158,14 +162,14 @@ def test_scope_callable_sees_the_request_with_case_insensitive_headers() -> None
         seen.append(req)
         return "tenant:" + req.headers["x-tenant"]
 
-    covered = HttpSettings(scope=tenant).validate().admit(request(X_TENANT="acme"))
+    covered = HttpConfig(scope=tenant).admission().admit(request(X_TENANT="acme"))
     assert covered is not None and covered.scope == "tenant:acme"
     assert seen[0].method == "POST" and seen[0].path == "/orders"
     assert seen[0].headers["X-TENANT"] == "acme" and "x-Tenant" in seen[0].headers
 
 
 def test_invalid_scope_from_the_request_is_400() -> None:
-    admission = HttpSettings(scope=lambda req: req.headers.get("x-tenant", "")).validate()
+    admission = HttpConfig(scope=lambda req: req.headers.get("x-tenant", "")).admission()
     with pytest.raises(Refused) as caught:
         admission.admit(request(X_TENANT="no spaces allowed"))
     assert caught.value.problem.status == 400
@@ -173,7 +177,7 @@ def test_invalid_scope_from_the_request_is_400() -> None:
 
 
 def test_a_scope_callable_that_raises_is_400_not_500() -> None:
-    admission = HttpSettings(scope=lambda req: req.headers["x-tenant"]).validate()
+    admission = HttpConfig(scope=lambda req: req.headers["x-tenant"]).admission()
     with pytest.raises(Refused) as caught:
         admission.admit(request())  # no X-Tenant: the callable raises KeyError
     assert caught.value.problem.status == 400
@@ -185,7 +189,7 @@ def test_a_scope_callable_that_raises_is_400_not_500() -> None:
 
 
 def test_a_scope_callable_failing_otherwise_names_its_error() -> None:
-    admission = HttpSettings(scope=lambda req: {}["tenant"]).validate()
+    admission = HttpConfig(scope=lambda req: {}["tenant"]).admission()
     with pytest.raises(Refused) as caught:
         admission.admit(request())
     assert caught.value.problem.status == 400
@@ -208,11 +212,11 @@ def test_a_scope_callable_failing_otherwise_names_its_error() -> None:
 )
 def test_bad_settings_are_refused(options: dict[str, object]) -> None:
     with pytest.raises(ConfigurationError):
-        HttpSettings(**options).validate()  # type: ignore[arg-type]
+        HttpConfig(**options).admission()  # type: ignore[arg-type]
 
 
 def test_declared_length_over_the_limit_is_413() -> None:
-    admission = HttpSettings(max_request_bytes=10).validate()
+    admission = HttpConfig(max_request_bytes=10).admission()
     admission.check_declared_length("10")
     admission.check_declared_length(None)
     admission.check_declared_length("nonsense")
@@ -277,7 +281,7 @@ def test_without_a_raw_path_the_decoded_one_is_encoded_again() -> None:
 
 
 def test_methods_are_admitted_whatever_their_case() -> None:
-    admission = HttpSettings(require_key=True).validate()
+    admission = HttpConfig(require_key=True).admission()
     for method in ("post", "Post", "pAtCh"):
         with pytest.raises(Refused):
             admission.admit(Request(method, "/pay", Headers([])))
@@ -392,7 +396,7 @@ def test_problem_documents_follow_rfc_9457() -> None:
     document = json.loads(response.body)
     assert set(document) == {"type", "title", "status", "detail"}
     assert document["status"] == 409
-    assert document["type"] == http.PROBLEM_TYPE_BASE + "idempotency-key-in-progress"
+    assert document["type"] == http_answers.PROBLEM_TYPE_BASE + "idempotency-key-in-progress"
 
     reused = problem_for(KeyReuseError("http", "k"), 1)
     failed = problem_for(PreviouslyFailed("http", "k", "boom"), 1)

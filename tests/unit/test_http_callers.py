@@ -9,10 +9,12 @@ from hypothesis import given, strategies as st
 
 from outbox._core.http import (
     Headers,
-    HttpSettings,
     Request,
-    cookies_of,
     fingerprint,
+)
+from outbox._core.http_admission import (
+    HttpConfig,
+    cookies_of,
 )
 from outbox.errors import ConfigurationError
 
@@ -22,7 +24,7 @@ def request(*pairs: tuple[str, str]) -> Request:
 
 
 def test_the_default_covers_the_authorization_header() -> None:
-    admission = HttpSettings().validate()
+    admission = HttpConfig().admission()
     alice = admission.caller_of(request(("Authorization", "Bearer alice")))
     mallory = admission.caller_of(request(("authorization", "Bearer mallory")))
     assert alice is not None and mallory is not None and alice != mallory
@@ -39,7 +41,7 @@ def test_without_a_caller_the_fingerprint_is_the_earlier_one() -> None:
 
 
 def test_named_cookies_and_headers() -> None:
-    admission = HttpSettings(caller_headers=("X-Api-Key",), caller_cookies=("session",)).validate()
+    admission = HttpConfig(caller_headers=("X-Api-Key",), caller_cookies=("session",)).admission()
     base = admission.caller_of(request(("Cookie", "theme=dark; session=s1"), ("x-api-key", "k")))
     assert base is not None
     # Other cookies and Authorization are not looked at.
@@ -56,19 +58,19 @@ def test_a_principal_decides_alone() -> None:
         token = req.headers.get("authorization")
         return None if token is None else token.rsplit(".", 1)[0]  # the account, not the token
 
-    admission = HttpSettings(principal=principal).validate()
+    admission = HttpConfig(principal=principal).admission()
     one = admission.caller_of(request(("Authorization", "acct-7.token-a")))
     assert one is not None
     assert admission.caller_of(request(("Authorization", "acct-7.token-b"))) == one
     assert admission.caller_of(request(("Authorization", "acct-8.token-a"))) != one
     assert admission.caller_of(request()) is None
-    wrong = HttpSettings(principal=lambda req: 7).validate()  # type: ignore[arg-type,return-value]
+    wrong = HttpConfig(principal=lambda req: 7).admission()  # type: ignore[arg-type,return-value]
     with pytest.raises(ConfigurationError, match="must return a str"):
         wrong.caller_of(request())
 
 
 def test_per_caller_off_shares_responses_among_callers() -> None:
-    admission = HttpSettings(per_caller=False).validate()
+    admission = HttpConfig(per_caller=False).admission()
     assert admission.caller_of(request(("Authorization", "Bearer alice"))) is None
 
 
@@ -86,7 +88,7 @@ def test_per_caller_off_shares_responses_among_callers() -> None:
 )
 def test_bad_caller_settings_are_refused(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
-        HttpSettings(**settings).validate()
+        HttpConfig(**settings).admission()
 
 
 def test_cookie_fields_are_parsed_leniently() -> None:
@@ -100,7 +102,7 @@ def test_cookie_fields_are_parsed_leniently() -> None:
 def test_callers_with_other_credentials_never_share_a_fingerprint(
     a: list[tuple[str, str]], b: list[tuple[str, str]]
 ) -> None:
-    admission = HttpSettings().validate()
+    admission = HttpConfig().admission()
     creds_a = [v for n, v in a if n == "authorization"]
     creds_b = [v for n, v in b if n == "authorization"]
     same = admission.caller_of(request(*a)) == admission.caller_of(request(*b))

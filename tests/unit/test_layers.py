@@ -14,6 +14,10 @@ count as edges.
 Among the services, the folders are ranked too (``SERVICE_RANK``): the consumer builds on units
 of work and the guard, neither of those on the consumer, the relay and the operations (admin) on
 none of them; the HTTP door and the console sit above those, the users' test helpers on top.
+
+A folder imports another folder only through its face (``__init__.py``) or its public
+submodules; the shared private layers (``_core``, ``_pg``, ``_redis``, ``_kafka``, ``_otel``)
+are the one exception, open to every layer above them.
 """
 
 from __future__ import annotations
@@ -215,6 +219,50 @@ def test_service_folders_point_one_way() -> None:
     assert wrong == []
 
 
+# The folders every layer above them shares privately: a module anywhere may import their
+# modules. Every other folder of the package is reached from outside only through its face (its
+# __init__.py) or a public submodule (no ``_`` in the path below the folder).
+SHARED_PRIVATE = {"_core", "_pg", "_redis", "_kafka", "_otel"}
+# Sources of generated twins that must import another folder's private module because the twin
+# rule (tools/async_to_sync.py) maps the module itself: none today -- the names a face exports
+# are renamed by the rules, so a twin imports the sync names from the same face.
+TWIN_PRIVATE_IMPORTS: dict[str, set[str]] = {}
+
+
+def folder_of(module: str) -> str | None:
+    """The folder (a package directly under outbox/) that ``module`` is in, or None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else None
+
+
+def through_the_face(edge: Edge) -> bool:
+    target = folder_of(edge.target)
+    if target is None or target in SHARED_PRIVATE or target == folder_of(edge.source):
+        return True
+    below = edge.target.split(".")[2:]
+    if not any(part.startswith("_") for part in below):
+        return True
+    source = edge.source.removesuffix("_async")
+    allowed = TWIN_PRIVATE_IMPORTS.get(source, set())
+    return edge.target.removesuffix("_async") in allowed
+
+
+def test_a_folder_imports_another_only_through_its_face() -> None:
+    wrong = [f"{e.source} imports {e.target} at line {e.line}" for e in INTERNAL
+             if not through_the_face(e)]  # fmt: skip
+    assert wrong == []
+
+
+def test_the_face_rule_sees_a_private_import() -> None:
+    reach = Edge("outbox.testing.delivery", "outbox.consumer._attempt", 1, False, "")
+    face = Edge("outbox.testing.delivery", "outbox.consumer", 1, False, "")
+    inside = Edge("outbox.consumer._runner", "outbox.consumer._attempt", 1, False, "")
+    shared = Edge("outbox.consumer._runner", "outbox._pg.errors", 1, False, "")
+    public = Edge("outbox.django.middleware", "outbox.http.asgi", 1, False, "")
+    assert not through_the_face(reach)
+    assert all(map(through_the_face, [face, inside, shared, public]))
+
+
 def test_adapters_do_not_import_each_other() -> None:
     wrong = [
         f"{e.source} imports {e.target} at line {e.line}"
@@ -270,3 +318,24 @@ def test_operator_commands_do_not_load_the_kafka_client(command: str) -> None:
     )
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
     assert "usage: outbox" in out.stdout
+
+
+MAPPED_FOLDERS = ["uow", "guard", "consumer", "relay", "admin", "http", "console", "testing"]
+
+
+def test_the_development_map_names_every_module_of_the_service_folders() -> None:
+    lines = (PACKAGE.parent / "docs" / "development.md").read_text().splitlines()
+    unnamed = []
+    for folder in MAPPED_FOLDERS:
+        # The folder's entry: its line and the more deeply indented ones below it.
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"  {folder}/ "))
+        end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("   "))
+        layout = "\n".join(lines[start:end])
+        for path in sorted((PACKAGE / folder).iterdir()):
+            name = path.name
+            twin = path.with_name(path.stem + "_async.py")
+            if name in ("__init__.py", "__pycache__") or twin.exists():
+                continue  # the face, and generated twins (the map names their sources)
+            if name not in layout and f"{name}/" not in layout:
+                unnamed.append(f"{folder}/{name}")
+    assert unnamed == []

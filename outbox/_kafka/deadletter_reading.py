@@ -15,7 +15,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from outbox._core.deadletter import DeadLetterInfo
-from outbox._core.dlq import Letter
+from outbox._core.deadletter_reading import Letter
 from outbox._kafka.config import producer_config
 from outbox.errors import OutboxError, PublishError
 
