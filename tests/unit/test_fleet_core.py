@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from outbox._core.fleet import (
@@ -13,6 +15,8 @@ from outbox._core.fleet import (
     owner_of,
     parse_databases_file,
 )
+from outbox.config import FleetConfig, RelayConfig
+from outbox.errors import ConfigurationError
 
 DATABASES = [f"127.0.0.1:5432/tenant_{i}" for i in range(300)]
 
@@ -86,3 +90,31 @@ def test_bad_member_ids_are_refused(bad: str) -> None:
 
 def test_good_member_id() -> None:
     assert check_member_id("relay-0.pod") == "relay-0.pod"
+
+
+RELAY = RelayConfig("postgresql+psycopg://u@h/db", "127.0.0.1:9092")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({}, "no database to serve"),
+        ({"discover_url": "postgresql://u@h/postgres"}, "go together"),
+        ({"discover_pattern": "t%"}, "go together"),
+        ({"database_urls": ("mysql://h/x",)}, "database URL|URL"),
+        ({"database_urls": ("postgresql://u@h/a",), "member_id": ""}, "--member-id"),
+        ({"database_urls": ("postgresql://u@h/a",), "refresh_interval": 0}, "--refresh-interval"),
+    ],
+)
+def test_bad_fleet_settings_are_refused(changes: dict[str, Any], message: str) -> None:
+    settings: dict[str, Any] = {"relay": RELAY, "member_id": "m", **changes}
+    with pytest.raises(ConfigurationError, match=message):
+        FleetConfig(**settings).validate()
+
+
+def test_fleet_settings_hide_passwords_and_name_the_membership_database() -> None:
+    config = FleetConfig(
+        RELAY, database_urls=("postgresql://u:secret@h/a", "postgresql://u@h/b"), member_id="m"
+    ).validate()
+    assert "secret" not in repr(config)
+    assert config.membership_database() == "postgresql://u:secret@h/a"
