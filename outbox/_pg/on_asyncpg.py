@@ -11,7 +11,7 @@ toolkit sends ``BEGIN`` and ``COMMIT`` itself on the asyncpg connection; ORM ses
 statements on :attr:`AsyncpgTransaction.connection` run inside that server transaction. The
 adapter's previous mode is restored before the connection goes back to the pool, and a
 connection that comes back inside a server transaction is discarded
-(:func:`~outbox._pg.transaction_async.install_guard`).
+(:func:`~outbox._pg.transaction_base.install_guard`).
 
 What differs from psycopg, and why:
 
@@ -38,13 +38,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox._pg.statements import Prepared
-from outbox._pg.transaction_async import (
-    _ENDED,
-    _GUARDED,
-    _SAVEPOINT,
-    _SWITCHED,
-    AsyncTransaction,
-)
+from outbox._pg.transaction_async import AsyncTransaction
+from outbox._pg.transaction_base import ENDED, GUARDED, SAVEPOINT, SWITCHED
 from outbox.errors import TransactionEndedError
 
 _PARAMETER = re.compile(r"%\((\w+)\)s")
@@ -117,7 +112,7 @@ class AsyncpgTransaction(AsyncTransaction):
         level = adapter.isolation_level
         # The adapter starts no transaction of its own while switched (see the module's doc).
         adapter.autocommit = True
-        self.connection.info[_SWITCHED] = True
+        self.connection.info[SWITCHED] = True
         pg = self._pg
         rows: list[list[tuple[Any, ...]]] = []
         sql = ""
@@ -128,20 +123,20 @@ class AsyncpgTransaction(AsyncTransaction):
                 sql, args = bind(p.direct, params)
                 rows.append([tuple(r) for r in await pg.fetch(sql, *args)])
             if savepoint:
-                sql = f"SAVEPOINT {_SAVEPOINT}"
+                sql = f"SAVEPOINT {SAVEPOINT}"
                 await pg.execute(sql)
         except Exception as exc:
             raise await self._translate(sql, params, exc) from exc
         await self.connection.begin()
-        self.connection.info[_ENDED] = False
-        self.connection.info[_GUARDED] = True
+        self.connection.info[ENDED] = False
+        self.connection.info[GUARDED] = True
         return rows
 
     async def renew(self, *, rollback: bool) -> None:
         sql = (
-            f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}"
+            f"ROLLBACK TO SAVEPOINT {SAVEPOINT}"
             if rollback
-            else f"RELEASE SAVEPOINT {_SAVEPOINT}; SAVEPOINT {_SAVEPOINT}"
+            else f"RELEASE SAVEPOINT {SAVEPOINT}; SAVEPOINT {SAVEPOINT}"
         )
         try:
             await self._pg.execute(sql)
@@ -171,7 +166,7 @@ class AsyncpgTransaction(AsyncTransaction):
             raise await self._translate(sql, params, exc) from exc
 
     async def commit(self) -> None:
-        self.connection.info[_GUARDED] = False
+        self.connection.info[GUARDED] = False
         try:
             await self._pg.execute("COMMIT")
         except Exception as exc:
@@ -181,7 +176,7 @@ class AsyncpgTransaction(AsyncTransaction):
     async def commit_with(
         self, final: Prepared, params: dict[str, Any], after: Prepared | None = None
     ) -> Any:
-        if self.connection.info.get(_ENDED) or not self.usable():
+        if self.connection.info.get(ENDED) or not self.usable():
             raise TransactionEndedError(
                 "the unit of work's transaction is no longer open (it was ended inside the "
                 "body); nothing was committed by the unit of work"
@@ -191,7 +186,7 @@ class AsyncpgTransaction(AsyncTransaction):
         return None  # no probe: see the module's doc
 
     async def hold(self, lock_id: int) -> bool:
-        if self.connection.info.get(_ENDED) or not self.usable():
+        if self.connection.info.get(ENDED) or not self.usable():
             return False
         try:
             return bool(await self._pg.fetchval("SELECT pg_try_advisory_lock($1)", lock_id))
@@ -204,7 +199,7 @@ class AsyncpgTransaction(AsyncTransaction):
         self, held: bool, lock_id: int, sql: str, params: dict[str, Any]
     ) -> tuple[bool, bool]:
         pg = self._pg
-        self.connection.info[_GUARDED] = False
+        self.connection.info[GUARDED] = False
         try:
             await self._rollback()
             if not held:
@@ -226,7 +221,7 @@ class AsyncpgTransaction(AsyncTransaction):
                     await self.connection.invalidate(exc)
 
     async def finish(self) -> None:
-        self.connection.info[_GUARDED] = False
+        self.connection.info[GUARDED] = False
         try:
             await self.commit()
         finally:
@@ -236,18 +231,18 @@ class AsyncpgTransaction(AsyncTransaction):
         connection = self.connection
         try:
             if not connection.invalidated:
-                connection.info[_GUARDED] = False
-                connection.info.pop(_ENDED, None)
+                connection.info[GUARDED] = False
+                connection.info.pop(ENDED, None)
                 await self._rollback()
                 self._restore()
-                connection.info.pop(_SWITCHED, None)
+                connection.info.pop(SWITCHED, None)
         except Exception as exc:
             await connection.invalidate(exc)
         finally:
             await connection.close()
 
     def _restore(self) -> None:
-        if self._saved_level is not None or self.connection.info.get(_SWITCHED):
+        if self._saved_level is not None or self.connection.info.get(SWITCHED):
             self._adapter.isolation_level = self._saved_level
             self._saved_level = None
 

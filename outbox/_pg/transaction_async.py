@@ -25,185 +25,36 @@ also while psycopg waits for the server or cleans up after itself. Two things th
 statement the client gave up on is cancelled on the server at once (its transaction holds the
 key's lock, and a backend waiting on another lock would not notice its client had gone), and a
 connection that goes back to the pool not idle, or still switched to autocommit, is discarded
-(:func:`install_guard`).
+(:func:`~outbox._pg.transaction_base.install_guard`; that module holds what the two flavours
+share).
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
-import sys
-import weakref
 from typing import Any
 
 import psycopg
 import sqlalchemy as sa
-from psycopg import AsyncClientCursor, IsolationLevel, pq
+from psycopg import AsyncClientCursor, pq
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox._pg.literals import execute_text as _execute_text
 from outbox._pg.statements import Prepared
+from outbox._pg.transaction_base import (
+    CANCEL,
+    ENDED,
+    GUARDED,
+    SAVEPOINT,
+    SWITCHED,
+    begin_command,
+    check_unprepared,
+    prepared_names,
+    stop_abandoned,
+    wanted_statements,
+)
 from outbox.errors import ConfigurationError, TransactionEndedError
-
-# Names of the statements this module PREPAREd on each driver connection, and statements to
-# PREPARE at the connection's next begin_with().
-_prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[str]] = (
-    weakref.WeakKeyDictionary()
-)
-_wanted: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[Prepared]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-_GUARDED = "outbox.unit_of_work_open"
-_ENDED = "outbox.unit_of_work_rolled_back"
-# Set while the driver connection is switched to autocommit by a unit of work.
-_SWITCHED = "outbox.autocommit_switched"
-# The connection's cancel key (libpq PGcancel), made while the connection is alive: usable
-# after psycopg closed the connection, to stop what its backend still runs.
-_CANCEL = "outbox.cancel"
-
-# The savepoint a batch runs each unit of work in.
-_SAVEPOINT = "outbox_unit"
-
-
-def _refuse_commit(conn: sa.Connection) -> None:
-    if conn.info.get(_GUARDED):
-        raise TransactionEndedError(
-            "commit() is not allowed inside a unit of work: it commits when the with-block "
-            "ends, together with its idempotency key and outbox rows (use begin_nested() for "
-            "a savepoint)"
-        )
-
-
-def _note_rollback(conn: sa.Connection) -> None:
-    # A rollback (an ORM session does one after a failed flush) throws the whole unit of work
-    # away, which is safe; what must not follow is more work outside the transaction.
-    if conn.invalidated:
-        # The connection was lost (SQLAlchemy rolls back while handling the error): touching
-        # conn.info now would raise PendingRollbackError in place of the real error.
-        return
-    if conn.info.get(_GUARDED):
-        conn.info[_ENDED] = True
-
-
-def _refuse_begin(conn: sa.Connection) -> None:
-    if conn.info.get(_GUARDED) and conn.info.get(_ENDED):
-        raise TransactionEndedError(
-            "the unit of work's transaction was rolled back inside its body; nothing more can "
-            "be done in it: let the exception propagate and retry the unit of work"
-        )
-
-
-def _discard_unclean(dbapi_connection: Any, record: Any) -> None:
-    # After the pool's reset: a connection a unit of work left switched to autocommit, or in
-    # any state but idle (an interruption inside SQLAlchemy or an event handler can leave the
-    # pool believing a transaction was ended that the server still holds), is not handed out
-    # again.
-    if dbapi_connection is None:
-        return
-    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
-    pgconn = getattr(driver, "pgconn", None)
-    switched = record.info.pop(_SWITCHED, False)
-    in_transaction = getattr(driver, "is_in_transaction", None)  # asyncpg's connection
-    if (
-        switched
-        or (pgconn is not None and pgconn.transaction_status != pq.TransactionStatus.IDLE)
-        or (callable(in_transaction) and in_transaction())
-    ):
-        record.info[_GUARDED] = False
-        record.invalidate()
-
-
-def install_guard(engine: AsyncEngine) -> None:
-    """Keep a unit of work's transaction whole against its own body, and the pool clean.
-
-    ``commit()`` from the body would commit business rows without the key and the outbox rows:
-    refused before anything is sent. After a rollback from the body, any further statement is
-    refused instead of running outside the transaction. Connections outside a unit of work are
-    unaffected. A connection that comes back to the pool other than idle is discarded.
-    """
-    for name, fn in (
-        ("commit", _refuse_commit),
-        ("rollback", _note_rollback),
-        ("begin", _refuse_begin),
-    ):
-        if not sa.event.contains(engine.sync_engine, name, fn):
-            sa.event.listen(engine.sync_engine, name, fn)
-    if not sa.event.contains(engine.sync_engine.pool, "checkin", _discard_unclean):
-        sa.event.listen(engine.sync_engine.pool, "checkin", _discard_unclean)
-
-
-def cancel_key(connection: sa.Connection) -> tuple[Any, Any] | None:
-    """``(driver connection, its cancel key)`` of a SQLAlchemy connection on psycopg, for
-    :func:`stop_abandoned` (a caller's connection joined by a unit of work); ``None`` for
-    another driver. The key is made once per driver connection, while it is alive."""
-    if connection.invalidated:
-        return None
-    driver = connection.connection.driver_connection
-    if not isinstance(driver, psycopg.BaseConnection) or driver.closed:
-        return None
-    cancel = _cancel_keys.get(driver)
-    if cancel is None:
-        cancel = _cancel_keys[driver] = driver.pgconn.get_cancel()
-    return driver, cancel
-
-
-_cancel_keys: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def stop_abandoned(driver: Any, cancel: Any, *, again: bool = False) -> None:
-    """Cancel the statement the server may still run for ``driver``, without awaiting.
-
-    Needed when the client stopped waiting for it: psycopg, interrupted, cancels it itself, but
-    gives up and closes the connection when interrupted again (an anyio cancel scope interrupts
-    every await) -- and a backend waiting on a lock does not notice that its client closed the
-    connection. ``cancel`` is the cancel key taken while the connection was alive (it works
-    after the close). Sent only while a statement runs, or after an interruption (``again``:
-    one that is being handled elsewhere): a connection lost in a network failure is not
-    waited on.
-    """
-    running = not driver.closed and (
-        driver.pgconn.transaction_status == pq.TransactionStatus.ACTIVE
-    )
-    if not (running or ((again or _interrupted()) and (driver.closed or driver.broken))):
-        return
-    with contextlib.suppress(psycopg.Error):  # the backend is gone already
-        cancel.cancel()
-    if not driver.closed:
-        driver.pgconn.finish()
-
-
-def _interrupted() -> bool:
-    """True while an interruption (not an ordinary exception) is being handled."""
-    exc = sys.exc_info()[1]
-    return exc is not None and not isinstance(exc, Exception)
-
-
-def _begin_command(driver: psycopg.AsyncConnection[Any]) -> str:
-    # The same transaction characteristics psycopg itself would request.
-    parts = ["BEGIN"]
-    level = driver.isolation_level
-    if level is not None:
-        parts.append("ISOLATION LEVEL " + IsolationLevel(level).name.replace("_", " "))
-    if driver.read_only is not None:
-        parts.append("READ ONLY" if driver.read_only else "READ WRITE")
-    if driver.deferrable is not None:
-        parts.append("DEFERRABLE" if driver.deferrable else "NOT DEFERRABLE")
-    return " ".join(parts)
-
-
-def check_unprepared(driver: object) -> None:
-    """Refuse a driver connection that would PREPARE statements on its own behind a
-    transaction pooler (psycopg's automatic prepares are named per client connection: on a
-    shared server connection the same name may mean another client's statement, which then runs
-    in place of this one)."""
-    if getattr(driver, "prepare_threshold", None) is not None:
-        raise ConfigurationError(
-            "behind a transaction pooler (pooler='transaction') the engine's connections must "
-            "not prepare statements: create it with "
-            "connect_args={'prepare_threshold': None}, or pass a URL and let the outbox build it"
-        )
 
 
 async def check_caller(session: Any, connection: AsyncConnection | None) -> None:
@@ -278,8 +129,8 @@ class AsyncTransaction:
         self._pooled = pooled
         self._saved_autocommit: bool | None = None
         info = connection.info
-        self._cancel: pq.abc.PGcancel = info.get(_CANCEL) or info.setdefault(
-            _CANCEL, driver.pgconn.get_cancel()
+        self._cancel: pq.abc.PGcancel = info.get(CANCEL) or info.setdefault(
+            CANCEL, driver.pgconn.get_cancel()
         )
         # The claim's token (see outbox._pg.statements.UNIT_SETTING), new at every begin.
         self._unit = ""
@@ -328,18 +179,18 @@ class AsyncTransaction:
         A stale record of prepared statements is corrected before ``BEGIN`` is sent again:
         nothing of this transaction has run then."""
         driver = self._driver
-        known = _prepared.setdefault(driver, set())
+        known = prepared_names.setdefault(driver, set())
         self._saved_autocommit = driver.autocommit
-        self.connection.info[_SWITCHED] = True
+        self.connection.info[SWITCHED] = True
         self._unit = params["unit"] = secrets.token_hex(8)
         pooled = self._pooled
         try:
             await driver.set_autocommit(True)
-            begin = _begin_command(driver)
-            wanted = _wanted.setdefault(driver, set())
+            begin = begin_command(driver)
+            wanted = wanted_statements.setdefault(driver, set())
             body = b"; ".join(_execute_text(driver, p, params, inline=pooled) for p in statements)
             if savepoint:
-                body += f"; SAVEPOINT {_SAVEPOINT}".encode()
+                body += f"; SAVEPOINT {SAVEPOINT}".encode()
             for _attempt in range(2):
                 if pooled:
                     # No PREPARE, nothing to learn about the session: one attempt.
@@ -384,8 +235,8 @@ class AsyncTransaction:
         # SQLAlchemy's own transaction object over the server transaction: ORM sessions and
         # Core statements on this connection join it, and never commit it themselves.
         await self.connection.begin()
-        self.connection.info[_ENDED] = False
-        self.connection.info[_GUARDED] = True
+        self.connection.info[ENDED] = False
+        self.connection.info[GUARDED] = True
         return rows
 
     async def renew(self, *, rollback: bool) -> None:
@@ -395,9 +246,9 @@ class AsyncTransaction:
         savepoint); otherwise it is released and set anew. Locks taken before it stay held.
         """
         sql = (
-            f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}"
+            f"ROLLBACK TO SAVEPOINT {SAVEPOINT}"
             if rollback
-            else f"RELEASE SAVEPOINT {_SAVEPOINT}; SAVEPOINT {_SAVEPOINT}"
+            else f"RELEASE SAVEPOINT {SAVEPOINT}; SAVEPOINT {SAVEPOINT}"
         )
         try:
             await self._driver.execute(sql.encode())
@@ -452,7 +303,7 @@ class AsyncTransaction:
             raise await self._translate(sql, params, exc) from exc
 
     async def commit(self) -> None:
-        self.connection.info[_GUARDED] = False
+        self.connection.info[GUARDED] = False
         await self.connection.commit()
 
     async def commit_bound(self, final: Prepared, params: dict[str, Any]) -> None:
@@ -488,21 +339,21 @@ class AsyncTransaction:
                 "the unit of work's transaction is no longer open (it was ended inside the "
                 "body); nothing was committed by the unit of work"
             )
-        self.connection.info[_GUARDED] = False
+        self.connection.info[GUARDED] = False
         params = {**params, "unit": self._unit}
         if self._pooled:
             message = _execute_text(driver, final, params, inline=True) + b"; COMMIT"
             if after is not None:
                 message += b"; " + _execute_text(driver, after, {}, inline=True)
             return await self._commit_message(message, final, params, after is not None)
-        known = _prepared.get(driver, ())
+        known = prepared_names.get(driver, ())
         if after is not None and after.name not in known:
-            _wanted.setdefault(driver, set()).add(after)
+            wanted_statements.setdefault(driver, set()).add(after)
             after = None
         if final.name not in known:
             # Not PREPAREd yet: this time the statement's own text with its literals, and the
             # COMMIT in the same message, as behind a pooler.
-            _wanted.setdefault(driver, set()).add(final)
+            wanted_statements.setdefault(driver, set()).add(final)
             message = _execute_text(driver, final, params, inline=True) + b"; COMMIT"
             return await self._commit_message(message, final, params, False)
         message = _execute_text(driver, final, params) + b"; COMMIT"
@@ -519,7 +370,7 @@ class AsyncTransaction:
             await cursor.execute(message)
         except psycopg.Error as exc:
             if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
-                _prepared.pop(driver, None)
+                prepared_names.pop(driver, None)
             raise await self._translate(final.execute, params, exc) from exc
         # The server transaction is over; close SQLAlchemy's view of it (psycopg sends nothing).
         await self.connection.commit()
@@ -541,7 +392,7 @@ class AsyncTransaction:
         if self._pooled:
             # No session lock behind a pooler: the savepoint set with the claim serves instead
             # (roll_back_and_record rolls back to it, keeping the transaction's key lock).
-            return self.usable() and not self.connection.info.get(_ENDED, False)
+            return self.usable() and not self.connection.info.get(ENDED, False)
         if driver.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
             return False
         try:
@@ -561,7 +412,7 @@ class AsyncTransaction:
         wrote a row. The session lock is always released before returning.
         """
         driver = self._driver
-        self.connection.info[_GUARDED] = False
+        self.connection.info[GUARDED] = False
         if self._pooled:
             return await self._roll_back_and_record_pooled(held, lock_id, sql, params)
         try:
@@ -595,7 +446,7 @@ class AsyncTransaction:
         cursor = AsyncClientCursor(driver)
         try:
             if held:
-                await cursor.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; {sql}; COMMIT", params)
+                await cursor.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; {sql}; COMMIT", params)
                 cursor.nextset()  # the record's result
                 recorded = cursor.rowcount == 1
                 if self.connection.in_transaction():
@@ -617,7 +468,7 @@ class AsyncTransaction:
 
     async def finish(self) -> None:
         """End a transaction that wrote nothing and return the connection to the pool."""
-        self.connection.info[_GUARDED] = False
+        self.connection.info[GUARDED] = False
         try:
             await self.connection.commit()
         finally:
@@ -632,14 +483,14 @@ class AsyncTransaction:
                 with contextlib.suppress(psycopg.Error, sa.exc.DBAPIError):  # rolled back below
                     await self.end_pipeline()
             if not connection.invalidated:
-                connection.info[_GUARDED] = False
-                if connection.info.pop(_ENDED, False):
+                connection.info[GUARDED] = False
+                if connection.info.pop(ENDED, False):
                     # psycopg's rollback() may have sent DEALLOCATE ALL: learn anew next time.
-                    _prepared.pop(self._driver, None)
+                    prepared_names.pop(self._driver, None)
                 await self._rollback()
                 if self._saved_autocommit is not None:
                     await self._driver.set_autocommit(self._saved_autocommit)
-                connection.info.pop(_SWITCHED, None)
+                connection.info.pop(SWITCHED, None)
         except (sa.exc.DBAPIError, psycopg.Error) as exc:
             await connection.invalidate(exc)
         except BaseException:
@@ -664,7 +515,7 @@ class AsyncTransaction:
             await driver.execute("ROLLBACK")
         else:
             await driver.rollback()
-            _prepared.pop(driver, None)
+            prepared_names.pop(driver, None)
         if self.connection.in_transaction():
             # SQLAlchemy's view; the server is idle, nothing is sent.
             await self.connection.rollback()

@@ -38,12 +38,8 @@ from outbox._pg.statements import (
     idempotency_key_complete_joined,
     joined_statements,
 )
-from outbox._pg.transaction import (
-    cancel_key,
-    check_caller,
-    check_transaction,
-    stop_abandoned,
-)
+from outbox._pg.transaction import check_caller, check_transaction
+from outbox._pg.transaction_base import cancel_key, stop_abandoned
 from outbox._redis.cache import OutcomeCache
 from outbox.config import OutboxConfig
 from outbox.errors import ConfigurationError, KeyInProgress

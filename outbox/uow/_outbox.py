@@ -35,7 +35,8 @@ from outbox._pg.statements import (
     outbox_insert,
     statements,
 )
-from outbox._pg.transaction import Transaction, check_caller, install_guard
+from outbox._pg.transaction import Transaction, check_caller
+from outbox._pg.transaction_base import install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache import OutcomeCache, make_cache_client
 from outbox._redis.clients import check_redis_flavour

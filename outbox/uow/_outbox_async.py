@@ -43,7 +43,8 @@ from outbox._pg.statements import (
     outbox_insert,
     statements,
 )
-from outbox._pg.transaction_async import AsyncTransaction, check_caller, install_guard
+from outbox._pg.transaction_async import AsyncTransaction, check_caller
+from outbox._pg.transaction_base import install_guard
 from outbox._pg.wakeup import make_notifier, noop
 from outbox._redis.cache_async import AsyncOutcomeCache, make_async_cache_client
 from outbox._redis.clients import check_redis_flavour
@@ -189,7 +190,7 @@ class AsyncOutbox:
             # A new connection may lead to a recreated or restored database: read its key again.
             event.listen(self.engine.sync_engine.pool, "connect", self._on_connect)
         self._sql: Statements = statements(self.config.schema)
-        install_guard(self.engine)
+        install_guard(self.engine.sync_engine)
         self._wakes = self.config.wake_relays
         self._notify = (
             make_notifier(notifier_engine(self.engine), client, self.config.schema)
