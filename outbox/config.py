@@ -51,6 +51,7 @@ from outbox._core.environment import (  # the table of OUTBOX_* variables
     ENV_SCHEMA as ENV_SCHEMA,
     ENV_WAKEUP_INTERVAL as ENV_WAKEUP_INTERVAL,
 )
+from outbox._core.fleet import check_member_id
 from outbox._core.lanes import DEFAULT_LANES, MAX_LANES as MAX_LANES
 from outbox._core.recordsize import DEFAULT_MESSAGE_MAX_BYTES, producer_limit
 from outbox._core.redact import redact_kafka_config, redact_url as redact_url
@@ -65,6 +66,7 @@ from outbox._core.settings import (
     check_kafka_config,
     check_port,
     check_seconds,
+    check_text_setting,
 )
 from outbox._core.urls import check_database_url
 from outbox._core.validate import shown
@@ -470,3 +472,79 @@ def env_float(name: str, default: _T) -> float | _T:
     if not math.isfinite(number):
         raise ConfigurationError(f"{name}={shown(value)} is not a finite number")
     return number
+
+
+@dataclass(frozen=True, repr=False)
+class FleetConfig:
+    """Settings of an ``outbox-relay`` process serving many databases (docs/relay.md, "Many
+    databases").
+
+    ``relay`` holds the settings every database's relay shares (its ``database_url`` is
+    replaced by each database's). The databases are the union of ``database_urls``, the
+    URLs in ``databases_file`` (one per line) and the databases of ``discover_url``'s server
+    whose names match the ``LIKE`` pattern ``discover_pattern``; the file and the server are
+    read again every ``refresh_interval`` seconds. ``member_id`` names this process among the
+    fleet's members (stable across restarts: a restarted member gets its databases back);
+    members see each other through a lock in ``membership_url`` (by default the discovery
+    database, else the first database listed).
+    """
+
+    relay: RelayConfig
+    database_urls: tuple[str, ...] = ()
+    databases_file: str | None = None
+    discover_url: str | None = None
+    discover_pattern: str | None = None
+    member_id: str = ""
+    membership_url: str | None = None
+    refresh_interval: float = 10.0
+    membership_interval: float = 1.0
+
+    def __repr__(self) -> str:
+        return (
+            f"FleetConfig(relay={self.relay!r}, "
+            f"database_urls={[redact_url(u) for u in self.database_urls]!r}, "
+            f"databases_file={self.databases_file!r}, "
+            f"discover_url={redact_url(self.discover_url) if self.discover_url else None!r}, "
+            f"discover_pattern={self.discover_pattern!r}, member_id={self.member_id!r}, "
+            f"membership_url="
+            f"{redact_url(self.membership_url) if self.membership_url else None!r}, "
+            f"refresh_interval={self.refresh_interval!r}, "
+            f"membership_interval={self.membership_interval!r})"
+        )
+
+    def membership_database(self) -> str:
+        """The URL of the database whose locks show the live members."""
+        if self.membership_url:
+            return self.membership_url
+        if self.discover_url:
+            return self.discover_url
+        if self.database_urls:
+            return self.database_urls[0]
+        return self.relay.database_url
+
+    def validate(self) -> FleetConfig:
+        self.relay.validate()
+        for url in (*self.database_urls, self.discover_url, self.membership_url):
+            if url is not None:
+                check_database_url(url)
+        if (self.discover_url is None) != (self.discover_pattern is None):
+            raise ConfigurationError(
+                "--discover-url and --discover-pattern go together: the server to ask, and the "
+                "LIKE pattern of the database names to serve (e.g. 'tenant_%')"
+            )
+        if self.discover_pattern is not None:
+            check_text_setting("--discover-pattern", self.discover_pattern, limit=200)
+        if self.databases_file is not None:
+            check_text_setting("--databases-file", self.databases_file, limit=4096)
+        if not (self.database_urls or self.databases_file or self.discover_url):
+            raise ConfigurationError(
+                "no database to serve: give --database-url (repeatable), --databases-file or "
+                "--discover-url with --discover-pattern"
+            )
+        try:
+            check_member_id(self.member_id)
+        except ValueError as exc:
+            raise ConfigurationError(f"--member-id: {exc}") from None
+        check_seconds("--refresh-interval", self.refresh_interval, MAX_TIMEOUT)
+        check_seconds("membership_interval", self.membership_interval, MAX_TIMEOUT)
+        return self

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from psycopg import sql
@@ -191,6 +191,13 @@ def make_notifier(engine: Any, redis: Any, schema: str | None) -> Callable[[], N
 def noop() -> None:
     """The notifier of an outbox that does not wake relays (``OutboxConfig.wake_relays``)."""
     return None
+
+
+class Wakeups(Protocol):
+    """A relay's source of wake-ups: ``join`` ends it (a :class:`Listener`, or a
+    subscription to a fleet's shared listener)."""
+
+    def join(self, timeout: float) -> None: ...
 
 
 class Listener:

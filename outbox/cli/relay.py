@@ -8,16 +8,29 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 
+from outbox._core.environment import (
+    ENV_DATABASE_URL,
+    ENV_RELAY_DATABASES_FILE,
+    ENV_RELAY_DISCOVER_PATTERN,
+    ENV_RELAY_DISCOVER_URL,
+    ENV_RELAY_MEMBER_ID,
+    ENV_RELAY_MEMBERSHIP_URL,
+    ENV_RELAY_REFRESH_INTERVAL,
+)
+from outbox._core.settings import MAX_TIMEOUT, check_seconds
 from outbox._core.stopping import stop_on_signals
+from outbox._core.urls import check_database_url
 from outbox._kafka.config import producer_config
 from outbox._metrics_server import MetricsServer
 from outbox.cli._common import (
     EXIT_FAILURE,
     EXIT_OK,
     SECRETS_EPILOG,
+    Flag,
     Parser,
     add_flags,
     add_kafka_config,
@@ -26,13 +39,84 @@ from outbox.cli._common import (
     run,
     tune_collector,
 )
-from outbox.config import RelayConfig
-from outbox.relay import Relay, RunResult, relay_max_silence
+from outbox.config import FleetConfig, RelayConfig, env
+from outbox.errors import ConfigurationError
+from outbox.relay import Fleet, Relay, RunResult, relay_max_silence
 
 log = logging.getLogger("outbox.relay")
 
 PROG = "outbox-relay"
 EXIT_CODES: Mapping[RunResult, int] = {RunResult.FINISHED: EXIT_OK}
+
+
+def _url(name: str, value: str) -> object:
+    return check_database_url(value)
+
+
+def _refresh(name: str, value: float) -> object:
+    return check_seconds(name, value, MAX_TIMEOUT)
+
+
+def _number(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("not a number") from None
+
+
+# The flags of a relay serving many databases (docs/relay.md, "Many databases").
+FLEET_FLAGS = (
+    Flag(
+        "--databases-file",
+        ENV_RELAY_DATABASES_FILE,
+        "a file of PostgreSQL URLs to serve, one per line (# comments), read again every "
+        "--refresh-interval: lines added or removed start or stop their relay",
+        metavar="PATH",
+    ),
+    Flag(
+        "--discover-url",
+        ENV_RELAY_DISCOVER_URL,
+        "a PostgreSQL URL whose server's databases named like --discover-pattern are served "
+        "(each through this URL with its database name replaced), looked up again every "
+        "--refresh-interval",
+        check=_url,
+        secret=True,
+        metavar="URL",
+    ),
+    Flag(
+        "--discover-pattern",
+        ENV_RELAY_DISCOVER_PATTERN,
+        "SQL LIKE pattern of the database names --discover-url serves, e.g. 'tenant_%%'",
+        metavar="LIKE",
+    ),
+    Flag(
+        "--refresh-interval",
+        ENV_RELAY_REFRESH_INTERVAL,
+        "seconds between two readings of --databases-file and --discover-url",
+        type=_number,
+        kind="a number",
+        default=10.0,
+        default_text="10",
+        check=_refresh,
+    ),
+    Flag(
+        "--member-id",
+        ENV_RELAY_MEMBER_ID,
+        "this process's name among the relay processes sharing the databases; keep it stable "
+        "across restarts (a restarted member gets its databases back)",
+        default_text="the host name",
+    ),
+    Flag(
+        "--membership-url",
+        ENV_RELAY_MEMBERSHIP_URL,
+        "the database whose locks show which relay processes are alive (every process must "
+        "reach it)",
+        default_text="--discover-url, else the first --database-url",
+        check=_url,
+        secret=True,
+        metavar="URL",
+    ),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=SECRETS_EPILOG,
     )
     d = RelayConfig("", "")
-    add_flags(parser, "database_url", "schema", "bootstrap_servers")
+    parser.add_argument(
+        "--database-url",
+        dest="database_urls",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="PostgreSQL URL, postgresql+psycopg://user:pass@host/db; repeat it to serve many "
+        f"databases (env {ENV_DATABASE_URL}: one URL, preferred: a flag's value shows in ps)",
+    )
+    add_flags(parser, *FLEET_FLAGS)
+    add_flags(parser, "schema", "bootstrap_servers")
     add_kafka_config(parser)
     add_flags(
         parser,
@@ -75,9 +169,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def database_urls(args: argparse.Namespace) -> list[str]:
+    """The ``--database-url`` flags given, else ``OUTBOX_DATABASE_URL``; each checked."""
+    urls = list(args.database_urls or [])
+    from_env = env(ENV_DATABASE_URL)
+    if not urls and from_env:
+        urls = [from_env]
+    for url in urls:
+        check_database_url(url)
+    # For the error messages' redaction (outbox.cli._common.run).
+    args.database_url = urls[0] if urls else None
+    return urls
+
+
+def is_fleet(args: argparse.Namespace) -> bool:
+    """Many databases: more than one URL, a databases file or a discovery query."""
+    resolve_flags(args)
+    return bool(len(database_urls(args)) > 1 or args.databases_file or args.discover_url)
+
+
 def config_from_args(args: argparse.Namespace) -> RelayConfig:
     """Flags first, then ``OUTBOX_*`` environment variables, then defaults."""
     resolve_flags(args)
+    urls = database_urls(args)
+    if not urls and (args.databases_file or args.discover_url):
+        # Many databases: each relay gets its own URL (Fleet); this one is a placeholder.
+        urls = [args.membership_url or args.discover_url or "postgresql://localhost/postgres"]
+    if urls:
+        args.database_url = urls[0]
     return RelayConfig(
         database_url=require(args, "database_url"),
         bootstrap_servers=require(args, "bootstrap_servers"),
@@ -94,7 +213,42 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
     ).validate()
 
 
+def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
+    """The settings of a relay serving many databases."""
+    relay = config_from_args(args)
+    return FleetConfig(
+        relay=relay,
+        database_urls=tuple(database_urls(args)),
+        databases_file=args.databases_file,
+        discover_url=args.discover_url,
+        discover_pattern=args.discover_pattern,
+        member_id=args.member_id or socket.gethostname(),
+        membership_url=args.membership_url,
+        refresh_interval=args.refresh_interval,
+    ).validate()
+
+
+def fleet_command(args: argparse.Namespace) -> int:
+    for flag, given in (
+        ("--once", args.once),
+        ("--check", args.check),
+        ("--metrics-port", args.metrics_port is not None),
+    ):
+        if given:
+            raise ConfigurationError(
+                f"{flag} serves one database: give a single --database-url with it"
+            )
+    config = fleet_config_from_args(args)
+    producer_config(config.relay.bootstrap_servers, config.relay.kafka_config)
+    fleet = Fleet(config)
+    tune_collector()
+    with stop_on_signals(fleet.stop):
+        return EXIT_CODES[fleet.run()]
+
+
 def command(args: argparse.Namespace) -> int:
+    if is_fleet(args):
+        return fleet_command(args)
     config = config_from_args(args)
     # The producer's settings are checked now, before the first connection, not when the
     # relay builds its producer after claiming its first batch.

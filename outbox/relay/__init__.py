@@ -6,6 +6,15 @@ relay's own claim, and deleted only after the brokers acknowledged it.
 
 from __future__ import annotations
 
+from outbox.relay._fleet import Fleet, FleetConfig
 from outbox.relay._relay import BatchResult, Relay, RelayConfig, RunResult, relay_max_silence
 
-__all__ = ["BatchResult", "Relay", "RelayConfig", "RunResult", "relay_max_silence"]
+__all__ = [
+    "BatchResult",
+    "Fleet",
+    "FleetConfig",
+    "Relay",
+    "RelayConfig",
+    "RunResult",
+    "relay_max_silence",
+]

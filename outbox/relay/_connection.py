@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import sqlalchemy as sa
 
@@ -34,8 +35,12 @@ class Session:
         sql: OutboxStatements,
         lanes: LaneOwnership,
         metrics: RelayMetrics,
+        on_session: Callable[[sa.Connection], None] | None = None,
     ) -> None:
         self.engine, self.url, self.sql = engine, url, sql
+        # Runs on every new session before it registers for lanes (the fleet takes its
+        # serving lock there: outbox.relay._fleet).
+        self.on_session = on_session
         self.lanes, self.metrics = lanes, metrics
         self.conn: sa.Connection | None = None
         self._session_checked = False
@@ -62,6 +67,8 @@ class Session:
         self.refuse_pooled_sessions()
         conn = self.engine.connect()
         try:
+            if self.on_session is not None:
+                self.on_session(conn)
             self.lanes.register(conn)
             self.sequence = self._outbox_table(conn)
         except Exception:

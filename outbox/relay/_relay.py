@@ -55,7 +55,7 @@ from outbox._kafka.producer import DeliveryReport, KafkaProducer
 from outbox._pg import lanes as pg_lanes
 from outbox._pg.errors import database_unavailable, is_database_error
 from outbox._pg.relay import OutboxSequence, OutboxStatements, listen_connector, relay_engine
-from outbox._pg.wakeup import Listener
+from outbox._pg.wakeup import Listener, Wakeups
 from outbox.config import RelayConfig as RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError
 from outbox.relay._claims import ClaimEngine
@@ -89,6 +89,8 @@ class Relay:
 
     ``producer_factory`` exists for the benchmark and tests that need another producer
     configuration; it defaults to :class:`outbox._kafka.producer.KafkaProducer`.
+    ``on_session(conn)`` runs on each new database session before it takes lanes;
+    ``listen(kick)`` subscribes to wake-ups instead of a listener thread of the relay's own.
     """
 
     def __init__(
@@ -96,6 +98,8 @@ class Relay:
         config: RelayConfig,
         *,
         producer_factory: Callable[[], KafkaProducer] | None = None,
+        on_session: Callable[[sa.Connection], None] | None = None,
+        listen: Callable[[threading.Event], Wakeups] | None = None,
     ) -> None:
         self.config = config.validate()
         self.url = normalize_database_url(config.database_url)
@@ -110,7 +114,11 @@ class Relay:
         self.engine = relay_engine(self.url)
         self.sql = OutboxStatements.for_schema(config.schema)
         self.producing = Producing(self.config, self.stop_event, producer_factory)
-        self.session = Session(self.engine, self.url, self.sql, self.lanes, self.metrics)
+        self.session = Session(
+            self.engine, self.url, self.sql, self.lanes, self.metrics, on_session=on_session
+        )
+        # Where wake-ups come from when not from a listener thread of this relay's own.
+        self._listen = listen
         self.readiness = Readiness(self.config, self.sql, self.metrics)
         self.announcement = IdleAnnouncement(self._announce)
         self._next_stats = 0.0
@@ -227,12 +235,13 @@ class Relay:
                 raise
             # The database is not reachable yet: checked at the first connection of the loop.
         self.batches.start(once)
-        listener = None
-        if not once:
+        listener: Wakeups | None = None
+        if not once and self._listen is not None:
+            listener = self._listen(self.kick)
+        elif not once:
             listener = Listener(
                 listen_connector(self.engine), self.config.schema, self.kick, self.stop_event
-            )
-            listener.start()
+            ).start()
         log.info(
             "event=relay_started database=%s bootstrap=%s lanes=%d batch_size=%d once=%s engine=%s",
             redact_url(self.url),
@@ -366,7 +375,7 @@ class Relay:
         self.announcement.on(Event.LOST)  # the lock went with the session
         self.session.drop()
 
-    def _shutdown(self, listener: Listener | None) -> None:
+    def _shutdown(self, listener: Wakeups | None) -> None:
         self.stop_event.set()
         self._rollback()
         self.producing.close()

@@ -1,0 +1,296 @@
+"""Benchmark: a relay fleet, many databases on one PostgreSQL served by two relay processes.
+
+    python benchmarks/fleet.py [--server-url URL] [--bootstrap-servers HOST:PORT]
+                               [--databases 100] [--idle-seconds 30] [--rate 1000]
+                               [--load-seconds 15]
+
+Measured in one run:
+
+* **connections**: the sessions the two relay processes hold in all (serving sessions, wake-up
+  listeners, membership);
+* **idle CPU** over ``--idle-seconds``: the two relay processes and the PostgreSQL backends
+  of their sessions, from ``/proc/<pid>/stat``, as a percentage of one core;
+* **commit -> Kafka latency** (p50/p99) while writers commit ``--rate`` events/s, each to a
+  random database, with the after-commit wake-up a unit of work sends (a consumer timestamps
+  arrival);
+* **takeover**: after a SIGKILL of the process serving more databases, the seconds until every
+  database is served again (by the survivor).
+
+The databases are copies of a template migrated once (``outbox_testing_db_...``), dropped at
+the end. Without ``--bootstrap-servers`` a Tansu broker is started on a free port. Figures
+from a machine whose cores others share are indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import sqlalchemy as sa
+from confluent_kafka import Consumer
+from cpu import TICK, _process_ticks
+from relay import start_tansu
+
+from outbox._core import codec as _codec
+from outbox._core.fleet import owner_namespace
+from outbox._pg.wakeup import make_notifier
+from outbox.schema import tables
+from outbox.testing.databases import TemplateDatabases
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def relay_processes(
+    bootstrap: str, server: str, pattern: str, logs: Path
+) -> list[subprocess.Popen[bytes]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    procs = []
+    for member in ("a", "b"):
+        argv = [
+            sys.executable, "-m", "outbox.cli.relay",
+            "--discover-url", server, "--discover-pattern", pattern,
+            "--member-id", member, "--bootstrap-servers", bootstrap,
+            "--poll-interval", "30", "--log-level", "WARNING",
+        ]  # fmt: skip
+        with (logs / f"{member}.log").open("ab") as out:
+            procs.append(
+                subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+            )
+    return procs
+
+
+def served(admin: sa.Engine, pattern: str) -> int:
+    with admin.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
+                    "WHERE l.locktype = 'advisory' AND l.classid = :ns AND l.objid = 0 "
+                    "AND l.objsubid = 2 AND l.granted AND d.datname LIKE :p"
+                ),
+                {"ns": owner_namespace(None), "p": pattern},
+            ).scalar_one()
+        )
+
+
+def relay_backends(admin: sa.Engine) -> list[int]:
+    with admin.connect() as conn:
+        return [
+            int(p)
+            for p in conn.execute(
+                sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay'")
+            ).scalars()
+        ]
+
+
+def wait(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise SystemExit(f"timed out: {what}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--server-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+    )
+    parser.add_argument("--bootstrap-servers")
+    parser.add_argument("--databases", type=int, default=100)
+    parser.add_argument("--idle-seconds", type=float, default=30.0)
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--load-seconds", type=float, default=15.0)
+    args = parser.parse_args()
+
+    broker = None
+    bootstrap = args.bootstrap_servers
+    if not bootstrap:
+        broker, bootstrap = start_tansu()
+    templates = TemplateDatabases(args.server_url)
+    admin = sa.create_engine(args.server_url, poolclass=sa.pool.NullPool)
+    urls: list[str] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
+    engines: list[sa.Engine] = []
+    try:
+        started = time.monotonic()
+        for _ in range(args.databases):
+            urls.append(templates.create())
+        first = str(sa.make_url(urls[0]).database)
+        pattern = first.rsplit("_", 1)[0].replace("_", r"\_") + r"\_%"
+        print(f"{args.databases} databases created in {time.monotonic() - started:.1f}s")
+
+        procs = relay_processes(bootstrap, args.server_url, pattern, logs)
+        started = time.monotonic()
+        wait(lambda: served(admin, pattern) == args.databases, 120, "every database served")
+        print(f"every database served {time.monotonic() - started:.1f}s after start")
+        time.sleep(3.0)
+        backends = relay_backends(admin)
+        print(f"relay sessions in all: {len(backends)} for {args.databases} databases, 2 processes")
+
+        # Idle.
+        relay_pids = [p.pid for p in procs]
+        before = {p: _process_ticks(p) for p in relay_pids + backends}
+        time.sleep(args.idle_seconds)
+        after = {p: _process_ticks(p) for p in relay_pids + backends}
+        spent = {p: after[p] - before[p] for p in before if after[p]}
+        relays_pct = sum(spent.get(p, 0) for p in relay_pids) / TICK / args.idle_seconds * 100
+        backends_pct = sum(spent.get(p, 0) for p in backends) / TICK / args.idle_seconds * 100
+        print(
+            f"idle CPU over {args.idle_seconds:g}s: relays {relays_pct:.2f}% of a core, their "
+            f"backends {backends_pct:.2f}%, total {relays_pct + backends_pct:.2f}%"
+        )
+
+        # Latency under load.
+        topic = f"fleet-bench-{uuid.uuid4().hex[:8]}"
+        engines = [sa.create_engine(u, pool_size=2) for u in urls]
+        notifiers = [make_notifier(e, None, None) for e in engines]
+        table = tables(None).outbox
+        committed: dict[str, float] = {}
+        arrived: dict[str, float] = {}
+        stop = threading.Event()
+        consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-{uuid.uuid4().hex[:6]}",
+                "auto.offset.reset": "earliest",
+                "session.timeout.ms": 6000,
+                "topic.metadata.refresh.interval.ms": 500,
+                "fetch.wait.max.ms": 1,
+                "fetch.min.bytes": 1,
+            }
+        )
+        consumer.subscribe([topic])
+
+        def consume() -> None:
+            while not stop.is_set() or len(arrived) < len(committed):
+                msg = consumer.poll(0.2)
+                if msg is None or msg.error():
+                    if stop.is_set() and time.monotonic() > drain_deadline:
+                        return
+                    continue
+                now = time.time()
+                for k, v in msg.headers() or []:
+                    if k == _codec.IDEMPOTENCY_HEADER:
+                        arrived.setdefault(bytes(v).decode(), now)
+
+        def write(worker: int, per_second: float) -> None:
+            rng = random.Random(worker)
+            interval = 1.0 / per_second
+            due = time.monotonic()
+            while not stop.is_set():
+                due += interval
+                delay = due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                i = rng.randrange(len(engines))
+                event_id = uuid.uuid4()
+                key = f"k{rng.randrange(1000)}".encode()
+                with engines[i].begin() as conn:
+                    conn.execute(
+                        sa.insert(table),
+                        {
+                            "event_id": event_id,
+                            "topic": topic,
+                            "key": key,
+                            "value": b"x" * 100,
+                            "headers": _codec.encode_headers({}),
+                            "key_hash": _codec.key_hash(key, event_id.bytes),
+                        },
+                    )
+                committed[str(event_id)] = time.time()
+                notifiers[i]()
+
+        # The topic exists before the clock starts (auto-created by a first event).
+        with engines[0].begin() as conn:
+            warm = uuid.uuid4()
+            conn.execute(
+                sa.insert(table),
+                {
+                    "event_id": warm,
+                    "topic": topic,
+                    "key": b"w",
+                    "value": b"w",
+                    "headers": _codec.encode_headers({}),
+                    "key_hash": _codec.key_hash(b"w", warm.bytes),
+                },
+            )
+        notifiers[0]()
+        drain_deadline = float("inf")
+        reader = threading.Thread(target=consume, daemon=True)
+        reader.start()
+        time.sleep(3.0)
+        workers = 8
+        writers = [
+            threading.Thread(target=write, args=(w, args.rate / workers), daemon=True)
+            for w in range(workers)
+        ]
+        started = time.monotonic()
+        for t in writers:
+            t.start()
+        time.sleep(args.load_seconds)
+        stop.set()
+        for t in writers:
+            t.join()
+        elapsed = time.monotonic() - started
+        drain_deadline = time.monotonic() + 20
+        reader.join(25)
+        consumer.close()
+        lat = sorted((arrived[e] - c) * 1000 for e, c in committed.items() if e in arrived)
+        missing = len(committed) - len(lat)
+        p50 = statistics.median(lat)
+        p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+        print(
+            f"commit->Kafka at {len(committed) / elapsed:.0f} events/s over {args.databases} "
+            f"random databases: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {lat[-1]:.1f} ms "
+            f"({len(lat)} events, {missing} not seen)"
+        )
+
+        # Takeover after SIGKILL.
+        victim = procs[0]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        killed = time.monotonic()
+        wait(lambda: served(admin, pattern) < args.databases, 10, "the kill freed no lock")
+        freed = args.databases - served(admin, pattern)
+        wait(lambda: served(admin, pattern) == args.databases, 60, "takeover")
+        print(
+            f"takeover after SIGKILL of one process: every database served again "
+            f"{time.monotonic() - killed:.2f}s after the kill (>= {freed} databases moved)"
+        )
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(20)
+            if proc.poll() is None:
+                proc.kill()
+        for engine in engines:
+            engine.dispose()
+        for url in urls:
+            with contextlib.suppress(Exception):
+                templates.drop(url)
+        templates.close()
+        admin.dispose()
+        if broker is not None:
+            broker.kill()
+        print(f"relay logs: {logs}")
+
+
+if __name__ == "__main__":
+    main()
