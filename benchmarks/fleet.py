@@ -176,7 +176,8 @@ def main() -> None:
         consumer.subscribe([topic])
 
         def consume() -> None:
-            while not stop.is_set() or len(arrived) < len(committed):
+            # Until every committed event arrived (the warm-up event arrives too: not a count).
+            while not stop.is_set() or not committed.keys() <= arrived.keys():
                 msg = consumer.poll(0.2)
                 if msg is None or msg.error():
                     if stop.is_set() and time.monotonic() > drain_deadline:
