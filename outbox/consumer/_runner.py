@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from outbox._core.deadletter import DeadLetterInfo, Reason
@@ -18,7 +18,7 @@ from outbox._core.offsets import Assignment, PartitionId
 from outbox._core.retry import backoff_delay
 from outbox._core.stopping import stop_on_signals
 from outbox._kafka.config import consumer_config, producer_config
-from outbox._kafka.consumer import Committed, KafkaConsumer, Message, coordinates, header_key
+from outbox._kafka.consumer import KafkaConsumer, Message, coordinates, header_key
 from outbox._kafka.deadletter import DeadLetterProducer
 from outbox._kafka.serialization import Deserializer
 from outbox._pg.engines import database_answers, readiness_engine
@@ -33,6 +33,7 @@ from outbox.consumer._attempt import Attempts, GuardedAttempts, batch_handler
 from outbox.consumer._attempt_base import FingerprintFunc, KeyFunc
 from outbox.consumer._metrics import ConsumerMetrics, default_max_silence, serve_metrics
 from outbox.consumer._micro_batches import MicroBatches
+from outbox.consumer._runner_base import RunnerBase, _check_guarded, _describe
 from outbox.errors import ConfigurationError, ConsumerError
 from outbox.guard import Claim, RedisGuard
 from outbox.uow import MessageBatch, Outbox
@@ -88,7 +89,7 @@ JSON-serializable; it is stored as the claim's result and replayed to duplicates
 """
 
 
-class ConsumerRunner:
+class ConsumerRunner(RunnerBase):
     """Feeds Kafka messages through units of work and commits offsets behind them.
 
     ``outbox`` is an :class:`~outbox.uow.Outbox`, or an
@@ -290,36 +291,6 @@ class ConsumerRunner:
         if self._fatal is not None:
             raise ConsumerError(f"fatal Kafka client error: {self._fatal}; restart the consumer")
 
-    def stop(self) -> None:
-        """Ask :meth:`run` to return after the message in hand (safe from signal handlers)."""
-        self._stopping.set()
-
-    @property
-    def stopping(self) -> bool:
-        """True once :meth:`stop` was called."""
-        return self._stopping.is_set()
-
-    def healthy(self, max_silence: float) -> bool:
-        """True while :meth:`run` is consuming and its loop moved within ``max_silence`` seconds.
-
-        The loop moves on every poll (at least every ``poll_timeout``) and on every attempt at a
-        message, so only one step that takes longer -- a handler, or a dead letter waiting up to
-        ``dlq_timeout`` for the broker -- makes the runner look stuck. False before :meth:`run`,
-        once :meth:`stop` was called, and after :meth:`run` returned.
-        """
-        beat = self._heartbeat
-        return (
-            beat is not None
-            and not self._stopping.is_set()
-            and time.monotonic() - beat <= max_silence
-        )
-
-    def ready(self, max_silence: float) -> bool:
-        """True while :meth:`healthy` holds and the last checks (every
-        ``READY_CHECK_INTERVAL`` seconds) reached the broker and, for a runner with an outbox,
-        PostgreSQL: what ``/readyz`` answers."""
-        return self._broker_up and self._database_up and self.healthy(max_silence)
-
     def _attempts(self, dlq: DeadLetterProducer) -> Attempts | GuardedAttempts:
         """The attempts at this runner's messages, sending dead letters to ``dlq``."""
         store = self._store
@@ -328,9 +299,6 @@ class ConsumerRunner:
                 store, self._handler, self.config, self._metrics, dlq=dlq, **self._rules
             )
         return Attempts(store, self._handler, self.config, self._metrics, dlq=dlq, **self._rules)
-
-    def _beat(self) -> None:
-        self._heartbeat = time.monotonic()
 
     def _check_if_due(self) -> None:
         """Readiness checks, on the loop (so a wedged loop is never ready): a metadata request
@@ -357,19 +325,6 @@ class ConsumerRunner:
 
     # -- partitions and offsets ----------------------------------------------------------------
 
-    def _on_client_error(self, error: str, fatal: bool) -> None:
-        # librdkafka reconnects by itself; these are reported, never dropped silently.
-        if fatal:
-            log.error("fatal Kafka client error: %s", error)
-            self._fatal = error
-            self.stop()
-        else:
-            log.warning("Kafka client error: %s", error)
-
-    def _on_assign(self, partitions: list[PartitionId]) -> None:
-        self._partitions.assign(partitions)
-        log.info("assigned %s", _describe(partitions))
-
     def _on_revoke(self, partitions: list[PartitionId]) -> None:
         # The new owner starts at the committed offset: commit what is finished. Messages in a
         # backlog are dropped here and redelivered there; a unit of work that committed but
@@ -395,18 +350,6 @@ class ConsumerRunner:
         self._metrics.unassigned(self.config.group, partitions)
         if self._consumer is not None:
             self._consumer.release(partitions)
-
-    def _on_commit(self, error: str | None, committed: list[Committed]) -> None:
-        if error is not None:
-            # The next commit carries the same or a later offset; until then a crash only means
-            # redelivery, which the idempotency key absorbs.
-            log.warning("offset commit failed: %s", error)
-            return
-        for topic, partition, offset, failed in committed:
-            if failed is not None:
-                log.warning("offset commit of %s[%d] failed: %s", topic, partition, failed)
-                continue
-            self._partitions.confirm((topic, partition), offset)
 
     def _commit(self, sync: bool, only: list[PartitionId] | None = None) -> None:
         consumer = self._consumer
@@ -435,22 +378,6 @@ class ConsumerRunner:
             highs = consumer.high_watermarks(tp for tp, _ in self._partitions.items())
             lags = self._partitions.lags(highs, lambda message: coordinates(message)[2])
             self._metrics.lagging(self.config.group, lags)
-
-    def _poll_timeout(self) -> float:
-        longest = min(self.config.poll_timeout, self.config.commit_interval)
-        return self._partitions.next_retry(time.monotonic(), longest)
-
-    def _accept(self, message: Message) -> None:
-        topic, partition, offset = coordinates(message)
-        state = self._partitions.get((topic, partition))
-        if state is None:
-            # Fetched before its partition was revoked in this same poll: it belongs to the new
-            # owner now. Processing it here would apply it with no offset of ours to commit,
-            # and the new owner would meet it again.
-            log.debug("dropped %s[%d]@%d: partition no longer assigned", topic, partition, offset)
-            return
-        state.backlog.append(message)
-        self._metrics.received(self.config.group, topic)
 
     # -- the work --------------------------------------------------------------------------------
 
@@ -518,25 +445,3 @@ def consume(
     runner = ConsumerRunner(outbox, handler, **settings)
     with stop_on_signals(runner.stop, enabled=install_signal_handlers):
         runner.run()
-
-
-def _check_guarded(config: ConsumerConfig, handler: object) -> None:
-    """Refuse what a runner under the Redis guard cannot do: there is no transaction for
-    messages to share, so no micro-batches and no batch handler."""
-    if config.batch_size != 1 and config.concurrency == 1:
-        raise ConfigurationError(
-            f"a runner with a Redis guard handles one message at a time: batch_size must be 1, "
-            f"got {config.batch_size} (micro-batches share a PostgreSQL transaction, which a "
-            "guard does not have; with concurrency above 1, batch_size is how many messages a "
-            "turn takes, each under a claim of its own)"
-        )
-    if getattr(handler, BATCH_HANDLER, False):
-        raise ConfigurationError(
-            "a runner with a Redis guard takes handler(claim, message), not a @batch_handler: "
-            "batches need an outbox"
-        )
-
-
-def _describe(partitions: Iterable[tuple[Any, ...]]) -> str:
-    parts = [f"{p[0]}[{p[1]}]" for p in partitions]
-    return ", ".join(parts) if parts else "nothing"

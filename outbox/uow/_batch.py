@@ -20,7 +20,8 @@ from outbox._core.failures import is_permanent
 from outbox._pg.statements import many_statements
 from outbox._pg.transaction import Transaction
 from outbox.errors import ConfigurationError
-from outbox.uow._unit import Completion, UnitOfWork
+from outbox.uow._unit import UnitOfWork
+from outbox.uow._unit_base import Completion
 
 if TYPE_CHECKING:
     from outbox.uow._outbox import Outbox

@@ -25,7 +25,8 @@ from outbox._core.failures import is_permanent
 from outbox._pg.statements import many_statements
 from outbox._pg.transaction_async import AsyncTransaction
 from outbox.errors import ConfigurationError
-from outbox.uow._unit_async import AsyncUnitOfWork, Completion
+from outbox.uow._unit_async import AsyncUnitOfWork
+from outbox.uow._unit_base import Completion
 
 if TYPE_CHECKING:
     from outbox.uow._outbox_async import AsyncOutbox

@@ -14,7 +14,8 @@ from outbox._core.typed_results import TypedResult
 from outbox._pg.identity import for_paramstyle, identity_of
 from outbox._redis.cache import OutcomeCache
 from outbox.config import OutboxConfig
-from outbox.uow._unit import ReplaySource, UnitOfWork
+from outbox.uow._unit import UnitOfWork
+from outbox.uow._unit_base import ReplaySource
 
 
 class Outcomes:

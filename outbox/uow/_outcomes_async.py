@@ -17,7 +17,8 @@ from outbox._core.typed_results import TypedResult
 from outbox._pg.identity import for_paramstyle, identity_of
 from outbox._redis.cache_async import AsyncOutcomeCache
 from outbox.config import OutboxConfig
-from outbox.uow._unit_async import AsyncUnitOfWork, ReplaySource
+from outbox.uow._unit_async import AsyncUnitOfWork
+from outbox.uow._unit_base import ReplaySource
 
 
 class AsyncOutcomes:

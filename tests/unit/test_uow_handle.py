@@ -11,26 +11,29 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "outbox"
-HANDLES = {PACKAGE / "uow" / "_unit_async.py", PACKAGE / "uow" / "_unit.py"}
+HANDLES = {PACKAGE / "uow" / f"{name}.py" for name in ("_unit_async", "_unit", "_unit_base")}
+# The handle's classes: each flavour's, and the base both build on.
+CLASSES = {"_unit_async.py": "AsyncUnitOfWork", "_unit_base.py": "UnitBase"}
 HANDLE_NAMES = {"uow", "unit", "u"}
 
 
 def _private_fields() -> set[str]:
-    tree = ast.parse((PACKAGE / "uow" / "_unit_async.py").read_text(encoding="utf-8"))
-    handle = next(
-        node
-        for node in tree.body
-        if isinstance(node, ast.ClassDef) and node.name == "AsyncUnitOfWork"
-    )
-    return {
-        node.attr
-        for node in ast.walk(handle)
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-        and node.attr.startswith("_")
-        and not node.attr.startswith("__")
-    }
+    fields: set[str] = set()
+    for module, name in CLASSES.items():
+        tree = ast.parse((PACKAGE / "uow" / module).read_text(encoding="utf-8"))
+        handle = next(
+            node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name
+        )
+        fields |= {
+            node.attr
+            for node in ast.walk(handle)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        }
+    return fields
 
 
 def _is_handle(node: ast.expr) -> bool:
