@@ -10,6 +10,7 @@ them unchanged. The asyncio consumer makes its blocking calls on the client's ow
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -35,6 +36,8 @@ log = logging.getLogger("outbox.consumer")
 # Polls that serve queued rebalance events before close() (see KafkaConsumer.close); each
 # returns at once, with a record or with nothing left to serve.
 _CLOSE_POLLS = 1000
+# Seconds close() may take before it is left behind (see close_within).
+_CLOSE_TIMEOUT = 30.0
 
 
 class Committed(NamedTuple):
@@ -326,15 +329,48 @@ class KafkaConsumer:
         forever when ``close()`` itself has to serve an assignment (librdkafka issue 4884), and
         confluent-kafka holds the GIL there, which would freeze every thread of the process.
         Records these polls fetch are dropped; their offsets are not committed, so the group
-        reads them again.
+        reads them again. A close that still does not return within ``_CLOSE_TIMEOUT`` seconds
+        is left behind (:func:`close_within`).
         """
+        close_within(self._consumer, _CLOSE_TIMEOUT)
+
+
+def close_within(client: Any, timeout: float, polls: int = _CLOSE_POLLS) -> bool:
+    """Serve ``client``'s queued events (at most ``polls`` polls), then close it, waiting at most
+    ``timeout`` seconds; True when it closed.
+
+    librdkafka can still wait forever inside ``close()`` -- a rebalance that arrives after the
+    polls -- and a runner must stop all the same: the close runs on a thread of its own, and is
+    left behind (logged) when it does not return in time; the group moves the partitions once
+    the member's session times out. A close that fails raises :class:`ConsumerError`.
+    """
+    failed: list[BaseException] = []
+
+    def close() -> None:
         try:
-            for _ in range(_CLOSE_POLLS):
-                if self._consumer.poll(0) is None:
+            for _ in range(polls):
+                if client.poll(0) is None:
                     break
-            self._consumer.close()
-        except (KafkaException, RuntimeError) as exc:
+            client.close()
+        except BaseException as exc:  # handed to the caller below
+            failed.append(exc)
+
+    closer = threading.Thread(target=close, name="outbox-kafka-consumer-close", daemon=True)
+    closer.start()
+    closer.join(timeout)
+    if closer.is_alive():
+        log.warning(
+            "event=consumer_close_stuck the Kafka client did not close within %.0fs; left "
+            "behind: its partitions move to other members once its session times out",
+            timeout,
+        )
+        return False
+    if failed:
+        exc = failed[0]
+        if isinstance(exc, KafkaException | RuntimeError):
             raise ConsumerError(str(exc)) from exc
+        raise exc
+    return True
 
 
 class AsyncKafkaConsumer:
