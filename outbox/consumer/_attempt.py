@@ -24,14 +24,11 @@ from outbox._core.handlers import BATCH_HANDLER
 from outbox._core.offsets import Tries
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message
-from outbox._kafka.serialization import Deserializer
 from outbox._otel import spans
 from outbox._pg.errors import database_unavailable, transaction_conflict
 from outbox.consumer._attempt_base import (
     AttemptsBase,
     Carried,
-    FingerprintFunc,
-    KeyFunc,
     _Unit,
     _where,
     store_result,
@@ -60,7 +57,7 @@ class DeadLetterSink(Protocol):
     def send_message(self, message: Message, letter: DeadLetter) -> None: ...
 
 
-class BaseAttempts(AttemptsBase, ABC):
+class BaseAttempts(AttemptsBase[DeadLetterSink], ABC):
     """Attempts at messages for one runner, wherever their keys' outcomes are kept: key rules,
     the handler around one attempt, the verdict carried out, metrics and dead letters.
 
@@ -72,28 +69,6 @@ class BaseAttempts(AttemptsBase, ABC):
 
     cache: OutcomeCache | None = None
     batch_form = False
-
-    def __init__(
-        self,
-        handler: Callable[..., Any],
-        config: ConsumerConfig,
-        metrics: ConsumerMetrics,
-        *,
-        permanent_errors: tuple[type[BaseException], ...],
-        dlq: DeadLetterSink,
-        key_func: KeyFunc | None,
-        fingerprint_func: FingerprintFunc | None,
-        beat: Callable[[], None],
-        key_deserializer: Deserializer | None = None,
-        value_deserializer: Deserializer | None = None,
-    ) -> None:
-        super().__init__(
-            handler, config, metrics,
-            permanent_errors=permanent_errors, key_func=key_func,
-            fingerprint_func=fingerprint_func, beat=beat,
-            key_deserializer=key_deserializer, value_deserializer=value_deserializer,
-        )  # fmt: skip
-        self._dlq = dlq
 
     def _decided(self, message: Message, tries: Tries) -> AttemptVerdict | None:
         """The outcome of a message decided before (a dead letter confirmed, or one to send

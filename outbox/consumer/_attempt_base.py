@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from outbox._core.deadletter import Reason
 from outbox._core.disposition import AttemptVerdict, Disposition, Failure, Schedule
@@ -44,8 +44,12 @@ class _Unit(Protocol):
     def result(self, value: Any) -> None: ...
 
 
-class AttemptsBase:
-    """The settings of a runner's attempts and the decisions on them that wait for nothing."""
+Sink = TypeVar("Sink")
+
+
+class AttemptsBase(Generic[Sink]):
+    """The settings of a runner's attempts and the decisions on them that wait for nothing;
+    ``dlq`` is where its dead letters go (each flavour's ``DeadLetterSink``)."""
 
     def __init__(
         self,
@@ -54,6 +58,7 @@ class AttemptsBase:
         metrics: ConsumerMetrics,
         *,
         permanent_errors: tuple[type[BaseException], ...],
+        dlq: Sink,
         key_func: KeyFunc | None,
         fingerprint_func: FingerprintFunc | None,
         beat: Callable[[], None],
@@ -71,6 +76,7 @@ class AttemptsBase:
         self._metrics = metrics
         self._beat = beat
         self._link = config.trace_context == "link"
+        self._dlq = dlq
 
     def _read_key(self, message: Message) -> tuple[str | None, str | None]:
         if self._key_func is not None:
