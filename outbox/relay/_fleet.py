@@ -13,9 +13,10 @@ its log lines carry its name. The fleet's loop, every ``membership_interval``:
 3. serves the databases rendezvous hashing gives this member (:mod:`outbox._core.fleet`) and
    stops serving the others.
 
-Wake-ups of all the relays come through one :class:`outbox._pg.fleet.FleetListener` (one
-thread waiting on every database's ``LISTEN`` socket), so an idle fleet costs a poll per
-database every ``--poll-interval`` and nothing in between.
+Each relay listens for wake-ups on its own session (the one that holds the serving lock and
+the lanes: one connection per database served); while relays wait for work, one
+:class:`outbox._pg.fleet.FleetListener` thread watches their sockets, so an idle fleet costs a
+poll per database every ``--poll-interval`` and nothing in between.
 
 A relay takes the database's serving lock on its own session before it registers for lanes
 (``Relay(on_session=...)``), waiting while the previous server still holds it: at most one
@@ -302,15 +303,13 @@ class Fleet:
 
     def _serve(self, served: _Served) -> None:
         served.owned = False
-        listener = self._listener
         relay = Relay(
             self._relay_config(served.url),
             producer_factory=self._producer_factory,
-            on_session=lambda conn: self._take_database(served, relay, conn),
-            listen=lambda kick: listener.subscribe(
-                listen_connector(relay.engine), self.config.relay.schema, kick
-            ),
+            on_session=lambda conn: self._take_database(served, relay, watch, conn),
+            listen=lambda kick: watch,
         )
+        watch = self._listener.watch(self.config.relay.schema, relay.kick)
         served.relay = relay
         served.thread = threading.Thread(
             target=self._run_relay,
@@ -320,8 +319,11 @@ class Fleet:
         )
         served.thread.start()
 
-    def _take_database(self, served: _Served, relay: Relay, conn: sa.Connection) -> None:
-        """On each new session of ``relay``: wait for the database's serving lock."""
+    def _take_database(
+        self, served: _Served, relay: Relay, watch: pg_fleet.Watch, conn: sa.Connection
+    ) -> None:
+        """On each new session of ``relay``: wait for the database's serving lock, then
+        listen for wake-ups on that session."""
         waited = False
         while not pg_fleet.owner_try(conn, self.config.relay.schema):
             if not waited:
@@ -329,6 +331,7 @@ class Fleet:
                 waited = True
             if relay.stop_event.wait(_OWNER_RETRY):
                 return
+        watch.session(conn)
         served.owned = True
         log.info("event=database_served member=%r", self.config.member_id)
 
