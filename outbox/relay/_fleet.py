@@ -55,6 +55,8 @@ log = logging.getLogger("outbox.relay")
 _TAGGED_LOGGERS = ("outbox.relay", "outbox.wakeup")
 # Seconds between two tries of a serving lock another process still holds.
 _OWNER_RETRY = 0.2
+# A fleet relay's statistics and lane rebalances: every this many poll intervals at most.
+FLEET_SLOW_FACTOR = 2
 
 
 def database_identity(url: str) -> str:
@@ -289,16 +291,20 @@ class Fleet:
 
     def _relay_config(self, url: str) -> RelayConfig:
         template = self.config.relay
-        # Table statistics are per database: every poll interval at most, not every 5 s for
-        # each of a hundred databases.
-        # Lanes: one process serves a database at a time (the serving lock), so its relay
-        # takes every lane at its first rebalance and has nobody to share them with later.
+        # An idle database costs its relay a claim every poll interval, and the table's
+        # statistics and a lane rebalance when they are due: with a hundred databases those
+        # are the whole idle cost of the fleet (wake-ups come by notification). Statistics
+        # and rebalances come every second poll at most: one process serves a database at a
+        # time (the serving lock), so its relay takes every lane at its first rebalance
+        # (at once) and has nobody to share them with later, and the statistics feed the
+        # logs and `outbox status`, which read the database themselves.
+        slow = FLEET_SLOW_FACTOR * template.poll_interval
         return dataclasses.replace(
             template,
             database_url=url,
             metrics_port=None,
-            stats_interval=max(template.stats_interval, template.poll_interval),
-            rebalance_interval=max(template.rebalance_interval, template.poll_interval),
+            stats_interval=max(template.stats_interval, slow),
+            rebalance_interval=max(template.rebalance_interval, slow),
         )
 
     def _serve(self, served: _Served) -> None:
