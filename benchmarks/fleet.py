@@ -45,12 +45,14 @@ from cpu import TICK, _process_ticks
 from relay import start_tansu
 
 from outbox._core import codec as _codec
-from outbox._core.fleet import owner_namespace
+from outbox._core.fleet import member_key, member_namespace, owner_namespace
 from outbox._pg.wakeup import make_notifier
 from outbox.schema import tables
 from outbox.testing.databases import TemplateDatabases
 
 REPO = Path(__file__).resolve().parents[1]
+MEMBERS = ("a", "b")
+MEMBER_KEYS = [member_key(m) for m in MEMBERS]
 
 
 def relay_processes(
@@ -58,7 +60,7 @@ def relay_processes(
 ) -> list[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     procs = []
-    for member in ("a", "b"):
+    for member in MEMBERS:
         argv = [
             sys.executable, "-m", "outbox.cli.relay",
             "--discover-url", server, "--discover-pattern", pattern,
@@ -86,12 +88,20 @@ def served(admin: sa.Engine, pattern: str) -> int:
         )
 
 
-def relay_backends(admin: sa.Engine) -> list[int]:
+def relay_backends(admin: sa.Engine, pattern: str) -> list[int]:
+    """The backends of the two relay processes: their sessions to the benchmark's databases,
+    and their membership sessions (other relays may be running on the same server)."""
     with admin.connect() as conn:
         return [
             int(p)
             for p in conn.execute(
-                sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay'")
+                sa.text(
+                    "SELECT a.pid FROM pg_stat_activity a WHERE a.application_name = "
+                    "'outbox-relay' AND (a.datname LIKE :p OR a.pid IN (SELECT l.pid FROM "
+                    "pg_locks l WHERE l.locktype = 'advisory' AND l.classid = :ns "
+                    "AND l.objid = ANY(:keys) AND l.objsubid = 2))"
+                ),
+                {"p": pattern, "ns": member_namespace(None), "keys": MEMBER_KEYS},
             ).scalars()
         ]
 
@@ -105,7 +115,7 @@ def wait(predicate: object, timeout: float, what: str) -> None:
     raise SystemExit(f"timed out: {what}")
 
 
-WRITER_THREADS = 3
+WRITER_THREADS = 6
 
 
 def write_share(
@@ -204,7 +214,7 @@ def main() -> None:
         wait(lambda: served(admin, pattern) == args.databases, 120, "every database served")
         print(f"every database served {time.monotonic() - started:.1f}s after start")
         time.sleep(3.0)
-        backends = relay_backends(admin)
+        backends = relay_backends(admin, pattern)
         print(f"relay sessions in all: {len(backends)} for {args.databases} databases, 2 processes")
 
         # Idle.
