@@ -102,6 +102,8 @@ class Watch:
     def session(self, conn: sa.Connection) -> None:
         """Listen on the relay's new session ``conn`` (ends the transaction it opens)."""
         driver = conn.connection.driver_connection
+        if driver is None:  # pragma: no cover - a live session always has one
+            raise RuntimeError("the session's driver connection is not available")
         listen = sql.SQL("LISTEN {}").format(sql.Identifier(self.channel))
         conn.exec_driver_sql(listen.as_string(driver))
         conn.commit()

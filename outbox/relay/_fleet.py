@@ -47,6 +47,7 @@ from outbox._pg.fleet import FleetListener
 from outbox._pg.relay import listen_connector, relay_engine
 from outbox.config import FleetConfig as FleetConfig, RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError
+from outbox.relay._fleet_metrics import FleetMetrics
 from outbox.relay._relay import Relay, RunResult
 
 log = logging.getLogger("outbox.relay")
@@ -119,6 +120,8 @@ class Fleet:
         self._listed: dict[str, list[str]] = {"given": list(config.database_urls)}
         self._tags = _Tags()
         self._listener = FleetListener()
+        # /metrics of every database this member serves, with a database label.
+        self.metrics = FleetMetrics(self)
         # A member that just joined waits one turn before serving, so that members starting
         # together see each other first instead of each serving everything for a moment.
         self._settle_until = 0.0
@@ -380,6 +383,7 @@ class Fleet:
         next_refresh = 0.0
         try:
             while not self.stop_event.is_set():
+                self.metrics.beat()
                 now = time.monotonic()
                 if now >= next_refresh:
                     self.refresh()
