@@ -1,7 +1,7 @@
 """Benchmark: a relay fleet, many databases on one PostgreSQL served by two relay processes.
 
     python benchmarks/fleet.py [--server-url URL] [--bootstrap-servers HOST:PORT]
-                               [--databases 100] [--idle-seconds 30] [--rate 1000]
+                               [--databases 100] [--idle-seconds 120] [--rate 1000]
                                [--load-seconds 15] [--writers 4]
 
 Measured in one run:
@@ -184,7 +184,8 @@ def main() -> None:
     )
     parser.add_argument("--bootstrap-servers")
     parser.add_argument("--databases", type=int, default=100)
-    parser.add_argument("--idle-seconds", type=float, default=30.0)
+    # Four polls of 30 s: every relay's whole idle cycle (claims, statistics, a rebalance).
+    parser.add_argument("--idle-seconds", type=float, default=120.0)
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--load-seconds", type=float, default=15.0)
     parser.add_argument("--writers", type=int, default=4, help="writer processes")

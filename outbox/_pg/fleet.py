@@ -35,13 +35,49 @@ WHERE l.locktype = 'advisory' AND l.classid = %s AND l.objsubid = 2 AND l.grante
 """
 
 
+def members_channel(schema: str | None) -> str:
+    """The channel on which a member that joined tells the others to read the members again."""
+    return channel(schema).replace("outbox_wakeup", "outbox_fleet_members", 1)
+
+
 def member_join(connection: Any, schema: str | None, key: int) -> bool:
-    """Take this member's lock on ``connection`` (a driver connection in autocommit); false
-    while another live session holds it (a second process with the same member id)."""
+    """Take this member's lock on ``connection`` (a driver connection in autocommit), listen
+    for members joining and announce this one; false while another live session holds the
+    lock (a second process with the same member id)."""
     row = connection.execute(
         "SELECT pg_try_advisory_lock(%s, %s)", (member_namespace(schema), key)
     ).fetchone()
+    if not (row and row[0]):
+        return False
+    name = members_channel(schema)
+    connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(name)))
+    connection.execute("SELECT pg_notify(%s, '')", (name,))
+    return True
+
+
+def members_gone(connection: Any, schema: str | None, keys: list[int]) -> bool:
+    """Whether any of the member ``keys`` has no live holder any more: a shared lock on a
+    member's key is granted only while no session holds the member's own (exclusive) one.
+    Much cheaper than reading ``pg_locks`` (which copies every lock of the server); the lock
+    lasts as long as the statement (autocommit)."""
+    if not keys:
+        return False
+    row = connection.execute(
+        "SELECT bool_or(pg_try_advisory_xact_lock_shared(%s, k)) FROM unnest(%s::int[]) k",
+        (member_namespace(schema), keys),
+    ).fetchone()
     return bool(row and row[0])
+
+
+def member_announced(connection: Any) -> bool:
+    """Whether a member announced itself (:func:`member_join`) on ``connection`` since the
+    last call: reads what arrived on the socket, without a statement."""
+    pgconn = connection.pgconn
+    pgconn.consume_input()
+    announced = False
+    while pgconn.notifies() is not None:
+        announced = True
+    return announced
 
 
 def live_members(connection: Any, schema: str | None) -> set[int]:

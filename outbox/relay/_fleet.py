@@ -56,8 +56,11 @@ log = logging.getLogger("outbox.relay")
 _TAGGED_LOGGERS = ("outbox.relay", "outbox.wakeup")
 # Seconds between two tries of a serving lock another process still holds.
 _OWNER_RETRY = 0.2
+# Turns of the loop between two full readings of the members when no member announced
+# itself (a member gone is seen at the next turn, a member that joined when it says so).
+_FULL_READ = 5
 # A fleet relay's statistics and lane rebalances: every this many poll intervals at most.
-FLEET_SLOW_FACTOR = 2
+FLEET_SLOW_FACTOR = 4
 
 
 def database_identity(url: str) -> str:
@@ -117,6 +120,7 @@ class Fleet:
         self._membership: Any = None
         self._membership_lost = False
         self._duplicate_member = False
+        self._turns_to_full = 0  # the next reading of the members is a full one
         self._listed: dict[str, list[str]] = {"given": list(config.database_urls)}
         self._tags = _Tags()
         self._listener = FleetListener()
@@ -229,6 +233,13 @@ class Fleet:
                 connection.autocommit = True
                 try:
                     joined = pg_fleet.member_join(connection, self.config.relay.schema, self.key)
+                    if not joined:
+                        # Another member's liveness probe holds the key for a statement's
+                        # time: a second try tells it from a live duplicate.
+                        time.sleep(0.05)
+                        joined = pg_fleet.member_join(
+                            connection, self.config.relay.schema, self.key
+                        )
                 except Exception:
                     connection.close()
                     raise
@@ -246,7 +257,7 @@ class Fleet:
                 self._duplicate_member = False
                 self._membership = connection
                 self._settle_until = time.monotonic() + self.config.membership_interval
-            members = pg_fleet.live_members(self._membership, self.config.relay.schema)
+            members = self._read_members(self._membership)
         except Exception as exc:
             if not (is_database_error(exc) or isinstance(exc, OSError)):
                 raise
@@ -271,7 +282,22 @@ class Fleet:
             )
         self.members = members
 
+    def _read_members(self, connection: Any) -> set[int]:
+        """The live members: from ``pg_locks`` when a member announced that it joined, and
+        every ``_FULL_READ`` turns anyway; in between only whether a member known alive is
+        gone (one small statement instead of a copy of every lock of the server)."""
+        schema = self.config.relay.schema
+        others = sorted(self.members - {self.key})
+        self._turns_to_full -= 1
+        if pg_fleet.member_announced(connection):
+            self._turns_to_full = 0
+        if self._turns_to_full > 0 and not pg_fleet.members_gone(connection, schema, others):
+            return set(self.members)
+        self._turns_to_full = _FULL_READ
+        return pg_fleet.live_members(connection, schema)
+
     def _drop_membership(self) -> None:
+        self._turns_to_full = 0
         connection, self._membership = self._membership, None
         if connection is not None:
             with contextlib.suppress(Exception):
@@ -297,7 +323,7 @@ class Fleet:
         # An idle database costs its relay a claim every poll interval, and the table's
         # statistics and a lane rebalance when they are due: with a hundred databases those
         # are the whole idle cost of the fleet (wake-ups come by notification). Statistics
-        # and rebalances come every second poll at most: one process serves a database at a
+        # and rebalances come every fourth poll at most: one process serves a database at a
         # time (the serving lock), so its relay takes every lane at its first rebalance
         # (at once) and has nobody to share them with later, and the statistics feed the
         # logs and `outbox status`, which read the database themselves.
