@@ -325,8 +325,9 @@ class Fleet:
         # are the whole idle cost of the fleet (wake-ups come by notification). Statistics
         # and rebalances come every fourth poll at most: one process serves a database at a
         # time (the serving lock), so its relay takes every lane at its first rebalance
-        # (at once) and has nobody to share them with later, and the statistics feed the
-        # logs and `outbox status`, which read the database themselves.
+        # (at once) and has nobody to share them with later; the statistics feed the logs
+        # and the backlog figures of /metrics (that old at most), while `outbox status`
+        # reads each database itself.
         slow = FLEET_SLOW_FACTOR * template.poll_interval
         return dataclasses.replace(
             template,
