@@ -276,21 +276,33 @@ WHERE o.id = f.id
 # (ALTER SEQUENCE ... CACHE gives the sequence a new one too): pg_relation_filenode() looks at the
 # catalog as it is now, so an ALTER committed during the statement would show a new file with the
 # old settings, and read as a RESTART.
-OUTBOX_LOW_WATER = """
+_LOW_WATER_FACTS = """
 SELECT current_setting('transaction_isolation'), s.seqcache, s.seqincrement, s.seqcycle,
        p.readable,
        CASE WHEN p.readable
             THEN coalesce(pg_sequence_last_value(%(sequence)s::oid::regclass), 0) END,
-       c.relfilenode::bigint, s.xmin::text::bigint,
-       CASE WHEN %(watch)s THEN ARRAY(
+       c.relfilenode::bigint, s.xmin::text::bigint, {backends}"""
+
+# The database's other backends, in the statements of a relay that watches them (and only
+# there: planned at all, even behind a CASE that never runs it, the view cost each reading
+# about 0.9 ms of backend CPU, more than the rest of the reading).
+_BACKENDS = """ARRAY(
            SELECT a.pid FROM pg_stat_activity a
            WHERE a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())
              AND a.pid <> pg_backend_pid()
-             AND a.application_name IS DISTINCT FROM %(relay)s) END
+             AND a.application_name IS DISTINCT FROM %(relay)s)"""
+_NO_BACKENDS = "NULL::integer[]"
+
+_LOW_WATER_FROM = """
 FROM (SELECT coalesce(has_sequence_privilege(%(sequence)s::oid, 'SELECT, USAGE'), false)
       AS readable) p
 LEFT JOIN pg_sequence s ON s.seqrelid = %(sequence)s::oid
-LEFT JOIN pg_class c ON c.oid = s.seqrelid;
+LEFT JOIN pg_class c ON c.oid = s.seqrelid"""
+
+OUTBOX_LOW_WATER = (
+    _LOW_WATER_FACTS
+    + _LOW_WATER_FROM
+    + """;
 SELECT coalesce(array_agg(DISTINCT l.virtualtransaction), '{{}}')
 FROM pg_locks l
 WHERE l.locktype = 'relation'
@@ -302,6 +314,27 @@ WHERE l.locktype = 'relation'
 SELECT min(o.id) FROM {outbox} o
 WHERE o.id >= %(low)s AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
 """
+)
+
+# An idle relay's poll (outbox.relay._claims): the first reading of the low-water mark (the
+# facts, checked on this poll as on every claim) and, in the same statement, whether the claim
+# from the mark in force would find a row at all -- the claim's own conditions, parked keys
+# included, without its locks. The mark stays where the last claim put it: every row that may
+# still be sent lies at or above it while the facts hold (outbox._core.lowwater), so "none" is
+# the claim's answer, in one statement instead of the readings' three and the claim.
+OUTBOX_PENDING = (
+    _LOW_WATER_FACTS
+    + """,
+       EXISTS (
+           SELECT 1 FROM {outbox} o
+           WHERE o.id >= %(low)s
+             AND o.parked_at IS NULL
+             AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
+             AND """
+    + _not_behind_parked("o")
+    + """)"""
+    + _LOW_WATER_FROM
+)
 
 # The outbox table's oid, its id sequence's oid and name, and the table's name as PostgreSQL
 # resolved it (schema-qualified: through the session's search_path when no schema is
@@ -341,6 +374,9 @@ class OutboxStatements:
     fail: sa.TextClause
     stats: sa.TextClause
     low_water: str
+    low_water_watch: str
+    pending: str
+    pending_watch: str
     table: str
 
     @classmethod
@@ -353,7 +389,10 @@ class OutboxStatements:
             delete_range=OUTBOX_DELETE_CONFIRMED_RANGE.format(outbox=table),
             fail=sa.text(OUTBOX_RECORD_FAILURES.format(outbox=table)),
             stats=sa.text(OUTBOX_STATS.format(outbox=table)),
-            low_water=OUTBOX_LOW_WATER.format(outbox=table),
+            low_water=OUTBOX_LOW_WATER.format(outbox=table, backends=_NO_BACKENDS),
+            low_water_watch=OUTBOX_LOW_WATER.format(outbox=table, backends=_BACKENDS),
+            pending=OUTBOX_PENDING.format(outbox=table, backends=_NO_BACKENDS),
+            pending_watch=OUTBOX_PENDING.format(outbox=table, backends=_BACKENDS),
             table=table,
         )
 
@@ -521,28 +560,60 @@ def outbox_low_water(
     ``watch``: also list the database's other backends."""
     if not conn.in_transaction():
         conn.begin()
-    # Every value is an integer (or a constant) the relay formats itself, so the statements go
-    # without parameters: one simple-protocol message, and no client-side parsing of the text
-    # for placeholders (measured: that cost more than the server's work on them).
-    values = {
-        "sequence": int(sequence.sequence or 0),
-        "table": int(sequence.table or 0),
-        "low": int(low),
-        "lanes": int(lanes),
-        "owned": "'{" + ",".join(str(int(lane)) for lane in owned) + "}'",
-        "watch": "true" if watch else "false",
-        "relay": f"'{APPLICATION_NAME}'",
-    }
     with _driver(conn).cursor() as cur:
-        cur.execute(sql.low_water % values)
+        statement = sql.low_water_watch if watch else sql.low_water
+        cur.execute(statement % _low_water_values(sequence, lanes, owned, low))
         first = cur.fetchone()
         cur.nextset()
         writers = cur.fetchone()
         cur.nextset()
         live = cur.fetchone()
     assert first is not None and writers is not None and live is not None
-    isolation, cache, increment, cycle, readable, drawn, filenode, altered, backends = first
-    facts = Facts(
+    return _facts(first), list(writers[0]), live[0]
+
+
+def outbox_pending(
+    conn: sa.Connection,
+    sql: OutboxStatements,
+    sequence: OutboxSequence,
+    *,
+    lanes: int,
+    owned: Sequence[int],
+    low: int,
+    watch: bool = False,
+) -> tuple[Facts, bool]:
+    """The facts the low-water mark rests on (as :func:`outbox_low_water` reads them) and
+    whether a claim of the ``owned`` lanes from ``low`` would find a row, in one statement
+    (in the caller's transaction)."""
+    if not conn.in_transaction():
+        conn.begin()
+    with _driver(conn).cursor() as cur:
+        statement = sql.pending_watch if watch else sql.pending
+        cur.execute(statement % _low_water_values(sequence, lanes, owned, low))
+        row = cur.fetchone()
+    assert row is not None
+    return _facts(row[:-1]), bool(row[-1])
+
+
+def _low_water_values(
+    sequence: OutboxSequence, lanes: int, owned: Sequence[int], low: int
+) -> dict[str, Any]:
+    # Every value is an integer (or a constant) the relay formats itself, so the statements go
+    # without parameters: one simple-protocol message, and no client-side parsing of the text
+    # for placeholders (measured: that cost more than the server's work on them).
+    return {
+        "sequence": int(sequence.sequence or 0),
+        "table": int(sequence.table or 0),
+        "low": int(low),
+        "lanes": int(lanes),
+        "owned": "'{" + ",".join(str(int(lane)) for lane in owned) + "}'",
+        "relay": f"'{APPLICATION_NAME}'",
+    }
+
+
+def _facts(row: Sequence[Any]) -> Facts:
+    isolation, cache, increment, cycle, readable, drawn, filenode, altered, backends = row
+    return Facts(
         isolation=isolation,
         cache=cache,
         increment=increment,
@@ -553,7 +624,6 @@ def outbox_low_water(
         altered=altered,
         backends=None if backends is None else frozenset(backends),
     )
-    return facts, list(writers[0]), live[0]
 
 
 def _driver(conn: sa.Connection) -> psycopg.Connection[Any]:

@@ -60,6 +60,7 @@ class Reset(enum.Enum):
     REBALANCE = "rebalance"  # the owned lanes changed; the session and its transaction stand
     ROLLBACK = "rollback"  # the transaction in hand was rolled back; the session stands
     RECONNECT = "reconnect"  # the session is gone (and the lanes with it)
+    WAKEUP = "wakeup"  # a wake-up came: something may be pending; all else stands
 
 
 class Host(Protocol):

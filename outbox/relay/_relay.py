@@ -283,6 +283,8 @@ class Relay:
             self.readiness.check_broker(self.producing.get, self.stop_event)
             self._next_stats = now + self.config.stats_interval
         self.announcement.on(Event.CLAIM)
+        if self.kick.is_set():
+            self.batches.reset(Reset.WAKEUP)
         self.kick.clear()
         return self.process_batch(conn)
 

@@ -91,6 +91,8 @@ class WindowEngine:
         the lanes changed, ``_load``) but drops the page read ahead: it was read for the lanes
         owned before, and may hold rows of a lane another relay delivers now from the same
         cursor (sent again here, they would arrive after that lane's later rows)."""
+        if reason is Reset.WAKEUP:
+            return
         if reason is Reset.REBALANCE:
             self._ahead = None
         else:
