@@ -199,3 +199,69 @@ def test_a_sequence_moved_back_under_a_running_relay_strands_nothing(
         wait_for_records(kafka_bootstrap, topic, sent)
     finally:
         relay.stop()
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of the relay loop's ``name`` (one element per call)."""
+    calls: list[int] = []
+    original = getattr(relay_loop, name)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(relay_loop, name, counting)
+    return calls
+
+
+def test_an_idle_relays_polls_ask_whether_anything_is_pending_and_claim_only_then(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a claim found nothing, the fallback polls (no wake-up: these inserts send none)
+    check the mark in one statement instead of claiming, and still find a committed row."""
+    topic = f"relay-idle-poll-{uuid.uuid4().hex[:8]}"
+    checks = _counted(monkeypatch, "outbox_pending")
+    claims = _counted(monkeypatch, "outbox_claim_batch")
+    config = RelayConfig(database_url, kafka_bootstrap, batch_size=BATCH, poll_interval=0.05)
+    relay = RelayThread(config).start()
+    try:
+        sent = insert_rows(engine, topic, [(f"k{i}", b"v") for i in range(15)])
+        wait_for(lambda: outbox_count(engine) == 0, 30, "the relay to send every row")
+        wait_for(lambda: len(checks) >= 1, 30, "an idle poll")
+        claimed, checked = len(claims), len(checks)
+        wait_for(lambda: len(checks) >= checked + 5, 30, "five more idle polls")
+        assert len(claims) == claimed, "an idle relay's poll claimed"
+        sent += insert_rows(engine, topic, [(f"later-{i}", b"v") for i in range(3)])
+        wait_for(lambda: outbox_count(engine) == 0, 30, "a poll to find the later rows")
+        assert len(claims) > claimed
+        wait_for_records(kafka_bootstrap, topic, sent)
+    finally:
+        relay.stop()
+
+
+@pytest.mark.parametrize("how", ["setval", "restart"])
+def test_a_sequence_moved_back_under_an_idle_relay_is_noticed_by_its_poll(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:  # fmt: skip
+    """The poll that finds nothing pending checks the mark's facts as a claim does: after a
+    setval or RESTART, rows with ids below the mark are found without a wake-up."""
+    topic = f"relay-idle-setval-{uuid.uuid4().hex[:8]}"
+    checks = _counted(monkeypatch, "outbox_pending")
+    config = RelayConfig(database_url, kafka_bootstrap, batch_size=BATCH, poll_interval=0.05)
+    relay = RelayThread(config).start()
+    try:
+        sent = insert_rows(engine, topic, [(f"k{i}", b"v") for i in range(30)])
+        wait_for(lambda: outbox_count(engine) == 0, 30, "the relay to send every row")
+        checked = len(checks)
+        wait_for(lambda: len(checks) > checked + 1, 30, "idle polls past every id drawn")
+        with engine.begin() as conn:
+            if how == "setval":
+                conn.exec_driver_sql(f"SELECT setval('{SEQUENCE}', 1)")
+            else:
+                conn.exec_driver_sql(f"ALTER SEQUENCE {SEQUENCE} RESTART WITH 2")
+        sent += insert_rows(engine, topic, [(f"again-{i}", b"v") for i in range(3)])
+        wait_for(lambda: outbox_count(engine) == 0, 30, "a poll to find the rows below the mark")
+        wait_for_records(kafka_bootstrap, topic, sent)
+    finally:
+        relay.stop()
