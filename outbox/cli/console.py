@@ -21,6 +21,7 @@ from outbox.cli._common import (
     ranged,
     require,
 )
+from outbox.cli.relay import FLEET_FLAGS
 from outbox.errors import ConfigurationError
 
 # This module is imported only when `outbox console` runs; without the console extra the
@@ -29,6 +30,7 @@ try:
     import uvicorn
 
     from outbox.console.app import ConsoleConfig, create_app
+    from outbox.console.fleet import FleetSources, create_fleet_app
 except ImportError as exc:
     _MISSING: str | None = exc.name or "starlette"
 else:
@@ -101,6 +103,8 @@ def register(subparsers: Any) -> None:
         p, "database_url", "schema", "bootstrap_servers", "redis_url", "log_level",
         HOST, PORT, ADMIN_TOKEN, DLQ_LIMIT, COUNT_BUDGET,
     )  # fmt: skip
+    # Many databases (a relay fleet's): a page of them all, each one's console beside it.
+    add_flags(p, *FLEET_FLAGS[:3])
     add_kafka_config(p)
     p.set_defaults(func=command)
 
@@ -111,8 +115,12 @@ def command(args: argparse.Namespace) -> int:
             f"outbox console needs the console extra ({_MISSING} is missing): "
             "pip install 'outbox-kit[console]'"
         )
+    fleet = bool(args.databases_file or args.discover_url or args.discover_pattern)
     settings = ConsoleConfig(
-        database_url=require(args, "database_url"),
+        # A fleet's databases each have their own URL; this one is only the template's.
+        database_url=(args.database_url or args.discover_url or "postgresql://localhost/")
+        if fleet
+        else require(args, "database_url"),
         schema=args.schema,
         bootstrap_servers=args.bootstrap_servers,
         redis_url=args.redis_url,
@@ -121,7 +129,16 @@ def command(args: argparse.Namespace) -> int:
         dead_letters_limit=args.dlq_limit,
         count_budget=args.count_budget,
     ).validate()
-    app = create_app(settings)
+    if fleet:
+        sources = FleetSources(
+            [args.database_url] if args.database_url else [],
+            args.databases_file,
+            args.discover_url,
+            args.discover_pattern,
+        ).validate()
+        app = create_fleet_app(sources, settings)
+    else:
+        app = create_app(settings)
     mode = "admin token set" if settings.admin_token else "read-only"
     logging.getLogger("outbox.console").info(
         "outbox console on http://%s:%d/ (%s)", args.host, args.port, mode

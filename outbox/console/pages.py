@@ -93,19 +93,13 @@ class Console(Readings):
                 "done": data.done_message(request.query_params.get("done")),
                 "csrf": self.csrf_token(request) if admin_now else "",
                 "database": redact_url(self.settings.database_url),
+                "base": base_of(request),
                 "refresh": None,
                 **context,
             },
             status_code=status,
         )
-        # Nothing runs on these pages but their own stylesheet; none may be framed.
-        response.headers["Content-Security-Policy"] = (
-            "default-src 'self'; script-src 'none'; frame-ancestors 'none'; form-action 'self'"
-        )
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        # No address leaves for another site; the console's own forms keep their Origin
-        # (under no-referrer a browser sends "Origin: null" with them).
-        response.headers["Referrer-Policy"] = "same-origin"
+        protect(response)
         new = getattr(request.state, "new_csrf", None)
         if new:
             response.set_cookie(CSRF_COOKIE, new, httponly=True, samesite="strict", path="/")
@@ -262,7 +256,7 @@ class Console(Readings):
         log.warning("admin %s: %d parked row(s) (%s) from %s", action, changed, described, client)
         done = "put back in line" if action == "retry" else "discarded"
         query = urlencode({**data.filter_params(where), "done": f"{changed} row(s) {done}"})
-        return RedirectResponse(f"/parked?{query}", status_code=303)
+        return RedirectResponse(f"{base_of(request)}/parked?{query}", status_code=303)
 
     def keys(self, request: Request) -> Response:
         lookup = data.parse_key_lookup(dict(request.query_params))
@@ -414,7 +408,7 @@ class Console(Readings):
         params = {"topic": topic, "done": done}
         if start is not None:
             params["from"] = format_cursor(start)
-        return RedirectResponse(f"/dlq?{urlencode(params)}", status_code=303)
+        return RedirectResponse(f"{base_of(request)}/dlq?{urlencode(params)}", status_code=303)
 
     def login(self, request: Request) -> Response:
         if self.settings.admin_token is None:
@@ -425,7 +419,26 @@ class Console(Readings):
                 status_code=401,
                 headers={"WWW-Authenticate": 'Basic realm="outbox console", charset="UTF-8"'},
             )
-        return RedirectResponse("/", status_code=303)
+        return RedirectResponse(f"{base_of(request)}/", status_code=303)
+
+
+def protect(response: Response) -> None:
+    """The headers every page of the console carries."""
+    # Nothing runs on these pages but their own stylesheet; none may be framed.
+    response.headers["Content-Security-Policy"] = (
+        "default-src 'self'; script-src 'none'; frame-ancestors 'none'; form-action 'self'"
+    )
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    # No address leaves for another site; the console's own forms keep their Origin
+    # (under no-referrer a browser sends "Origin: null" with them).
+    response.headers["Referrer-Policy"] = "same-origin"
+
+
+def base_of(request: Request) -> str:
+    """Where this console's pages are: "" alone, ``/db/<key>`` as one database of a fleet's
+    console (outbox.console.fleet), the path its links and redirects start with."""
+    root: str = request.scope.get("root_path", "")
+    return root.rstrip("/")
 
 
 def _age(seconds: float | None) -> str:
