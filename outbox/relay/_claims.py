@@ -12,8 +12,8 @@ by row. A row leaves the outbox only with a commit that follows its delivery rep
 Claims start at the low-water mark (:mod:`outbox._core.lowwater`), whose assumptions are
 checked on every claim. Once a claim found nothing, the polls that follow (the fallback timer's,
 while no wake-up came) first ask in one statement whether anything is pending at the mark, with
-the mark's facts checked in the same statement, and claim only if so: an idle database costs a
-poll that one statement instead of the readings' three and the claim. All that a claim carries
+the mark's facts checked in the same statement, and claim only if so: an idle database's poll
+is that one statement instead of the readings' three and the claim. All that a claim carries
 from one batch to the next -- the batch claimed ahead, whether locks got in the way lately, the
 mark, whether the last claim found nothing -- goes back in :meth:`reset`.
 """
