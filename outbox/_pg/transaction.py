@@ -246,10 +246,9 @@ class Transaction:
         which statement failed is not known. Statements are sent in bursts
         (:func:`~outbox._pg.coalesce.coalesce`), and at once where an answer is needed."""
         pipeline = self._driver.pipeline()
-        pipeline.__enter__()
         # Statements go to the server in bursts, not one write (and one wake-up of the server)
         # each: see outbox._pg.coalesce.
-        coalesce(pipeline)
+        coalesce(pipeline.__enter__())
         self._pipeline = pipeline
 
     def end_pipeline(self) -> None:

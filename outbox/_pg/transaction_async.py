@@ -274,10 +274,9 @@ class AsyncTransaction:
         which statement failed is not known. Statements are sent in bursts
         (:func:`~outbox._pg.coalesce.coalesce`), and at once where an answer is needed."""
         pipeline = self._driver.pipeline()
-        await pipeline.__aenter__()
         # Statements go to the server in bursts, not one write (and one wake-up of the server)
         # each: see outbox._pg.coalesce.
-        coalesce(pipeline)
+        coalesce(await pipeline.__aenter__())
         self._pipeline = pipeline
 
     async def end_pipeline(self) -> None:
