@@ -313,6 +313,31 @@ def _record_context(message: Any) -> SpanContext | None:
     return _context_of(carrier) if carrier else None
 
 
+_SILENT = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+_recording = False  # a provider, once set, stays: the API refuses to replace it
+
+
+def recording() -> bool:
+    """False while no tracer provider is set (the API's own proxy, or its no-op provider):
+    then no span is recorded, and a span only passes on a context it was given."""
+    global _recording
+    if not _recording:
+        _recording = type(trace.get_tracer_provider()) not in _SILENT
+    return _recording
+
+
+def needed(message: Any) -> bool:
+    """True when a ``process`` span around ``message`` does something: a tracer provider
+    records it, or the record carries a context for the handler's spans and events to pass
+    on. Otherwise the span would be empty, and the runner saves itself the cost of one."""
+    if recording():
+        return True
+    for name, value in message.headers() or ():
+        if value is not None and name.lower() == codec.TRACEPARENT_HEADER:
+            return True
+    return False
+
+
 @contextmanager
 def process(message: Any, group: str, link: bool) -> Iterator[Span]:
     """A current ``process {topic}`` span around the handling of ``message`` (a

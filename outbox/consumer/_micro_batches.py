@@ -299,8 +299,13 @@ class MicroBatches(MicroBatchesBase):
         """Run one message in a savepoint of ``batch`` and place it; False when its partition
         stops there."""
         tries = sl.state.tries(entry.offset, sl.is_head(entry))
+        runnable = batch.lookup(entry.key).runnable
+        if not runnable:  # a replay, or a key held elsewhere: no unit of work to run
+            decided = attempts.decided(entry.message, tries, entry.key, entry.fingerprint, batch)
+            if decided is not None:
+                return self._place(mb, sl, entry, decided)
         # Only a key whose work runs can fail for a reason not known without the database.
-        optimistic = batch.optimistic and batch.lookup(entry.key).runnable
+        optimistic = batch.optimistic and runnable
         try:
             outcome = attempts.run(
                 entry.message, tries, entry.key, entry.fingerprint, batch, optimistic
