@@ -13,8 +13,9 @@ the queue is drained before any fetch, sync or exit, so nothing waits for an ans
 statement still held here.
 
 Written against psycopg's pipeline internals (``_communicate_gen``, ``_fetch_gen`` and
-``_enqueue_sync`` of ``psycopg._pipeline_base.BasePipeline``, present since psycopg 3.1); where they are missing, :func:`coalesce` leaves the pipeline as it is. Both flavours use
-it: the generators are psycopg's own, waited on by the sync or the asyncio connection.
+``_enqueue_sync`` of ``psycopg._pipeline_base.BasePipeline``, present since psycopg 3.1); where they
+are missing, :func:`coalesce` leaves the pipeline as it is. Both flavours use it: the generators are
+psycopg's own, waited on by the sync or the asyncio connection.
 """
 
 from __future__ import annotations

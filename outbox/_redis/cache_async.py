@@ -1,10 +1,11 @@
 """Redis fast path: remembers outcomes (COMPLETED results, FAILED errors) of committed keys.
 
-Redis is a cache, never the truth. Entries are written only after the PostgreSQL commit,
-read and written with single-key commands (safe on Redis Cluster; a micro-batch's reads are one
-``MGET`` on a single Redis), with bounded timeouts. Any Redis failure, a slow answer or a
-malformed entry makes the cache step aside: the caller goes to PostgreSQL, which decides. After a failure the cache stays out of the way for a short while
-(``cache_retry_after``) so that a Redis outage does not add a timeout to every call.
+Redis is a cache, never the truth. Entries are written only after the PostgreSQL commit, read and
+written with single-key commands (safe on Redis Cluster; a micro-batch's reads are one ``MGET`` on a
+single Redis), with bounded timeouts. Any Redis failure, a slow answer or a malformed entry makes
+the cache step aside: the caller goes to PostgreSQL, which decides. After a failure the cache stays
+out of the way for a short while (``cache_retry_after``) so that a Redis outage does not add a
+timeout to every call.
 
 The cache trusts only entries signed with its database's key (:mod:`outbox._redis.entry`),
 which the unit of work reads from PostgreSQL once (:meth:`AsyncOutcomeCache.trust`) and again on
