@@ -314,24 +314,17 @@ def _record_context(message: Any) -> SpanContext | None:
 
 
 _SILENT = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
-_recording = False  # a provider, once set, stays: the API refuses to replace it
 
 
 def recording() -> bool:
     """False while no tracer provider is set (the API's own proxy, or its no-op provider):
     then no span is recorded, and a span only passes on a context it was given."""
-    global _recording
-    if not _recording:
-        _recording = type(trace.get_tracer_provider()) not in _SILENT
-    return _recording
+    return type(trace.get_tracer_provider()) not in _SILENT
 
 
-def needed(message: Any) -> bool:
-    """True when a ``process`` span around ``message`` does something: a tracer provider
-    records it, or the record carries a context for the handler's spans and events to pass
-    on. Otherwise the span would be empty, and the runner saves itself the cost of one."""
-    if recording():
-        return True
+def carries_context(message: Any) -> bool:
+    """True when ``message`` has a ``traceparent`` header: a context that its ``process``
+    span passes on to the handler's spans and events, even when nothing is recorded."""
     for name, value in message.headers() or ():
         if value is not None and name.lower() == codec.TRACEPARENT_HEADER:
             return True

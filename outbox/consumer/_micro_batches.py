@@ -15,6 +15,7 @@ from outbox._core.disposition import AttemptVerdict, Failure
 from outbox._core.offsets import Assignment, PartitionId, PartitionState, Tries
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
+from outbox._otel import spans
 from outbox._pg.errors import database_unavailable
 from outbox.config import ConsumerConfig
 from outbox.consumer._attempt import Attempts, GuardedAttempts
@@ -54,6 +55,7 @@ class MicroBatches(MicroBatchesBase):
         """One micro-batch. ``mb.moved`` is False when nothing moved; ``mb.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
         mb = MicroBatch(time.perf_counter())
+        self._attempts.traced = spans is not None and spans.recording()
         if self.config.concurrency > 1:
             self._run_lanes(mb, plan)
             self._record(mb)
