@@ -11,6 +11,7 @@ import sqlalchemy as sa
 import outbox
 from outbox import OutboxConfig
 from outbox.errors import ConfigurationError, PermanentError, PreviouslyFailed
+from tests.fixtures.redis import PrivateRedis
 from tests.fixtures.uow import INSERT_ORDER, count, place, watch
 
 
@@ -143,10 +144,12 @@ def test_keys_are_single_and_unambiguous(ob: outbox.Outbox) -> None:
 
 
 def test_a_batch_reads_its_keys_in_one_mget_with_the_answers_of_single_reads(
-    ob: outbox.Outbox,
+    make_outbox: Callable[..., outbox.Outbox], private_redis: Callable[..., PrivateRedis]
 ) -> None:
     """On a single Redis, get_many is one MGET; each answer is what get gives: an entry, or
-    None for a key never stored and for garbage."""
+    None for a key never stored and for garbage. (A server of its own: its command counts
+    are this test's alone.)"""
+    ob = make_outbox(private_redis().url)
     assert ob.cache is not None
     cache, client = ob.cache, ob.cache.client
     for key in ("m-1", "m-3"):
