@@ -73,15 +73,18 @@ FROM (
 ) w
 """
 
-# The next page of a window: its rows after the last id sent, in id order (a walk of the primary
-# key; the window's set is fixed, so a LIMIT here cuts no window). Columns as the claim returns
-# them (outbox._core.delivery.ClaimedRow), the last one saying whether the row is parked (a row
-# the claim relay parked before the switch to windows).
+# The next rows of a window in a range of ids after the last id sent, in id order (a walk of the
+# primary key; the window's set is fixed, so a LIMIT here cuts no window). The range is bounded
+# above as well as the LIMIT: without the bound the planner, which cannot tell how many rows the
+# snapshot tests keep, scanned and sorted the whole window for every page (200 ms a page of 5,000
+# out of 60,000, against 5 ms for the range). Columns as the claim returns them
+# (outbox._core.delivery.ClaimedRow), the last one saying whether the row is parked (a row the
+# claim relay parked before the switch to windows).
 WINDOW_PAGE = f"""
 SELECT o.id, o.attempts, o.topic, o.key, o.value, o.headers::text,
        convert_to(o.event_id::text, 'UTF8'), o.parked_at IS NOT NULL
 FROM {{outbox}} o
-WHERE o.id > %(done)s AND o.id <= %(high)s
+WHERE o.id > %(done)s AND o.id <= %(end)s
   AND {_LANE}
   AND {_IN_WINDOW}
 ORDER BY o.id
@@ -374,11 +377,28 @@ def window_page(
     cursor: Cursor,
     batch_size: int,
 ) -> list[ClaimedRow]:
-    """The window's next rows after ``cursor.done`` (at most ``batch_size``), in id order."""
-    params = {**_lane_params(lanes, owned, cursor), "high": cursor.high, "batch_size": batch_size}
+    """The window's next rows after ``cursor.done`` (at most ``batch_size``), in id order.
+
+    Read range by range of ids (see WINDOW_PAGE) until ``batch_size`` rows are in or the
+    window's highest id is passed: fewer rows than ``batch_size`` means the window's last page.
+    A range that held fewer rows than asked for (other lanes' rows, rows of later windows) makes
+    the next one wider in proportion."""
+    params = {**_lane_params(lanes, owned, cursor), "batch_size": batch_size}
+    rows: list[ClaimedRow] = []
+    done, span = cursor.done, 2 * batch_size
     with _begin(conn).cursor(binary=True) as cur:
-        cur.execute(sql.page, params)
-        rows: list[ClaimedRow] = cur.fetchall()
+        while done < cursor.high:
+            wanted = batch_size - len(rows)
+            end = min(cursor.high, done + span)
+            cur.execute(sql.page, {**params, "done": done, "end": end, "batch_size": wanted})
+            got: list[ClaimedRow] = cur.fetchall()
+            rows += got
+            if len(got) == wanted:
+                break
+            # The range held `got` rows of `end - done` ids: the next one is sized to hold what
+            # is still wanted at that density (twice over), within bounds.
+            span = min(64 * batch_size, max(span, 2 * wanted * (end - done) // max(1, len(got))))
+            done = end
     return rows
 
 
