@@ -231,16 +231,19 @@ RECLAIM_COUNT = f"""SELECT count(*) FROM ({_RECLAIMABLE}
 # Per topic: rows of the owned lanes not yet past their cursors, with the oldest one's age (from
 # the lowest xmin of their delivered snapshots on: below it every row is delivered), and the
 # parked rows (through the small partial index ix_outbox_parked). Never a scan of the rows
-# delivered and not given back yet, which a held horizon can make millions.
+# delivered and not given back yet, which a held horizon can make millions. The cursors are
+# joined once (a hash of 32 rows), not looked up per row: under a held horizon every cursor
+# write leaves a version of its row behind, and a lookup per row walked them all (a 300,000-row
+# backlog took minutes, and held the relay's loop that long).
 WINDOW_STATS = """
 SELECT o.topic, count(*), 0, EXTRACT(EPOCH FROM now() - min(o.created_at))
 FROM {outbox} o
+LEFT JOIN (SELECT w.lane, w.delivered::pg_snapshot AS delivered FROM {windows} w) w
+       ON w.lane = o.key_hash %% %(lanes)s
 WHERE (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
   AND o.parked_at IS NULL
   AND (%(floor)s::xid8 IS NULL OR o.txid >= %(floor)s::xid8)
-  AND NOT coalesce(
-      pg_visible_in_snapshot(o.txid, (SELECT w.delivered::pg_snapshot FROM {windows} w
-                                       WHERE w.lane = o.key_hash %% %(lanes)s)), false)
+  AND NOT coalesce(pg_visible_in_snapshot(o.txid, w.delivered), false)
 GROUP BY o.topic
 UNION ALL
 SELECT p.topic, 0, count(*), 0 FROM {outbox} p WHERE p.parked_at IS NOT NULL GROUP BY p.topic

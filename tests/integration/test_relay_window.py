@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -494,3 +495,39 @@ def test_pages_of_a_few_lanes_among_many_return_each_row_once_in_id_order(
             cursor = Cursor(cursor.delivered, cursor.opened, page[-1][0], cursor.high)
     assert got == wanted
     assert len(wanted) == 200 and sizes == [30] * 6 + [20]
+
+
+def test_the_backlog_reads_the_cursors_once_not_once_per_row(engine: sa.Engine) -> None:
+    """WINDOW_STATS runs on the relay's loop every stats interval: under a held horizon every
+    cursor write leaves a version of its row behind, and a lookup of the cursor per pending row
+    walked them all (minutes for a 300,000-row backlog, the relay's loop held that long)."""
+    sql = WindowStatements.for_schema(None)
+    with engine.connect() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO outbox (event_id, topic, key, value, headers, key_hash) "
+            "SELECT gen_random_uuid(), 't', 'k', 'v', '{}', g %% 32 FROM generate_series(1, 5000) g"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO outbox_relay_windows (lane, lanes, delivered) "
+            "SELECT g, 32, '1:1:' FROM generate_series(0, 31) g"
+        )
+        conn.commit()
+        conn.exec_driver_sql("ANALYZE outbox")
+        params = {"lanes": 32, "owned": list(range(32)), "floor": "1"}
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        with driver.cursor() as cur:
+            cur.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql.stats}", params)
+            plan = cur.fetchone()[0][0]["Plan"]  # type: ignore[index]
+        conn.rollback()
+
+    def scans(node: dict[str, Any]) -> list[tuple[str, int]]:
+        found = []
+        if "Relation Name" in node:
+            found.append((str(node["Relation Name"]), int(node["Actual Loops"])))
+        for child in node.get("Plans", []):
+            found += scans(child)
+        return found
+
+    cursor_scans = [loops for name, loops in scans(plan) if name == "outbox_relay_windows"]
+    assert cursor_scans == [1], plan
