@@ -237,7 +237,8 @@ class KafkaProducer:
                 # Let other threads of the process have the interpreter between runs of
                 # produce() calls (the relay's database work overlaps this loop).
                 time.sleep(0)
-                for done, (topic, key, value, headers) in enumerate(
+                # `done` is read after the loop: the record produce() refused.
+                for done, (topic, key, value, headers) in enumerate(  # noqa: B007
                     records[start : start + 512], start
                 ):
                     produce(topic, value, key, headers=headers)
