@@ -1,8 +1,8 @@
 """Benchmark: a relay fleet, many databases on one PostgreSQL served by two relay processes.
 
     python benchmarks/fleet.py [--server-url URL] [--bootstrap-servers HOST:PORT]
-                               [--databases 100] [--idle-seconds 30] [--rate 1000]
-                               [--load-seconds 15]
+                               [--databases 100] [--idle-seconds 120] [--rate 1000]
+                               [--load-seconds 15] [--writers 4]
 
 Measured in one run:
 
@@ -10,9 +10,9 @@ Measured in one run:
   listeners, membership);
 * **idle CPU** over ``--idle-seconds``: the two relay processes and the PostgreSQL backends
   of their sessions, from ``/proc/<pid>/stat``, as a percentage of one core;
-* **commit -> Kafka latency** (p50/p99) while writers commit ``--rate`` events/s, each to a
-  random database, with the after-commit wake-up a unit of work sends (a consumer timestamps
-  arrival);
+* **commit -> Kafka latency** (p50/p99) while ``--writers`` processes commit ``--rate``
+  events/s in all, each to a random database, with the after-commit wake-up a unit of work
+  sends (a consumer timestamps arrival);
 * **takeover**: after a SIGKILL of the process serving more databases, the seconds until every
   database is served again (by the survivor).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing as mp
 import os
 import random
 import signal
@@ -36,6 +37,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import Consumer
@@ -43,12 +45,14 @@ from cpu import TICK, _process_ticks
 from relay import start_tansu
 
 from outbox._core import codec as _codec
-from outbox._core.fleet import owner_namespace
+from outbox._core.fleet import member_key, member_namespace, owner_namespace
 from outbox._pg.wakeup import make_notifier
 from outbox.schema import tables
 from outbox.testing.databases import TemplateDatabases
 
 REPO = Path(__file__).resolve().parents[1]
+MEMBERS = ("a", "b")
+MEMBER_KEYS = [member_key(m) for m in MEMBERS]
 
 
 def relay_processes(
@@ -56,7 +60,7 @@ def relay_processes(
 ) -> list[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     procs = []
-    for member in ("a", "b"):
+    for member in MEMBERS:
         argv = [
             sys.executable, "-m", "outbox.cli.relay",
             "--discover-url", server, "--discover-pattern", pattern,
@@ -84,12 +88,20 @@ def served(admin: sa.Engine, pattern: str) -> int:
         )
 
 
-def relay_backends(admin: sa.Engine) -> list[int]:
+def relay_backends(admin: sa.Engine, pattern: str) -> list[int]:
+    """The backends of the two relay processes: their sessions to the benchmark's databases,
+    and their membership sessions (other relays may be running on the same server)."""
     with admin.connect() as conn:
         return [
             int(p)
             for p in conn.execute(
-                sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay'")
+                sa.text(
+                    "SELECT a.pid FROM pg_stat_activity a WHERE a.application_name = "
+                    "'outbox-relay' AND (a.datname LIKE :p OR a.pid IN (SELECT l.pid FROM "
+                    "pg_locks l WHERE l.locktype = 'advisory' AND l.classid = :ns "
+                    "AND l.objid = ANY(:keys) AND l.objsubid = 2))"
+                ),
+                {"p": pattern, "ns": member_namespace(None), "keys": MEMBER_KEYS},
             ).scalars()
         ]
 
@@ -103,6 +115,68 @@ def wait(predicate: object, timeout: float, what: str) -> None:
     raise SystemExit(f"timed out: {what}")
 
 
+WRITER_THREADS = 6
+
+
+def write_share(
+    urls: list[str],
+    topic: str,
+    per_second: float,
+    seconds: float,
+    worker: int,
+    go: Any,
+    results: Any,
+) -> None:
+    """One writer process: commit ``per_second`` events for ``seconds`` to random databases of
+    ``urls`` (each commit followed by its wake-up, as a unit of work does); put the commit
+    times, by event id, on ``results``."""
+    engines = [sa.create_engine(u, pool_size=WRITER_THREADS) for u in urls]
+    notifiers = [make_notifier(e, None, None) for e in engines]
+    for engine in engines:  # connected before the clock starts
+        with engine.connect():
+            pass
+    table = tables(None).outbox
+    committed: dict[str, float] = {}
+    go.wait()
+    start = time.monotonic()
+
+    def write(thread: int) -> None:
+        rng = random.Random(worker * 100 + thread)
+        interval = WRITER_THREADS / per_second
+        n = 0
+        while (now := time.monotonic()) - start < seconds:
+            due = start + thread * interval / WRITER_THREADS + n * interval
+            if due > now:
+                time.sleep(due - now)
+            n += 1
+            i = rng.randrange(len(engines))
+            event_id = uuid.uuid4()
+            key = f"k{rng.randrange(1000)}".encode()
+            with engines[i].begin() as conn:
+                conn.execute(
+                    sa.insert(table),
+                    {
+                        "event_id": event_id,
+                        "topic": topic,
+                        "key": key,
+                        "value": b"x" * 100,
+                        "headers": _codec.encode_headers({}),
+                        "key_hash": _codec.key_hash(key, event_id.bytes),
+                    },
+                )
+            committed[str(event_id)] = time.time()
+            notifiers[i]()
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in range(WRITER_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results.put(committed)
+    for engine in engines:
+        engine.dispose()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -110,9 +184,11 @@ def main() -> None:
     )
     parser.add_argument("--bootstrap-servers")
     parser.add_argument("--databases", type=int, default=100)
-    parser.add_argument("--idle-seconds", type=float, default=30.0)
+    # Four polls of 30 s: every relay's whole idle cycle (claims, statistics, a rebalance).
+    parser.add_argument("--idle-seconds", type=float, default=120.0)
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--load-seconds", type=float, default=15.0)
+    parser.add_argument("--writers", type=int, default=4, help="writer processes")
     args = parser.parse_args()
 
     broker = None
@@ -125,6 +201,7 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     logs = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
     engines: list[sa.Engine] = []
+    writers: list[Any] = []
     try:
         started = time.monotonic()
         for _ in range(args.databases):
@@ -138,7 +215,7 @@ def main() -> None:
         wait(lambda: served(admin, pattern) == args.databases, 120, "every database served")
         print(f"every database served {time.monotonic() - started:.1f}s after start")
         time.sleep(3.0)
-        backends = relay_backends(admin)
+        backends = relay_backends(admin, pattern)
         print(f"relay sessions in all: {len(backends)} for {args.databases} databases, 2 processes")
 
         # Idle.
@@ -156,8 +233,25 @@ def main() -> None:
 
         # Latency under load.
         topic = f"fleet-bench-{uuid.uuid4().hex[:8]}"
-        engines = [sa.create_engine(u, pool_size=2) for u in urls]
-        notifiers = [make_notifier(e, None, None) for e in engines]
+        # Writer processes, each committing to its own share of the databases (a random one
+        # of its share each time, so the union is random over all of them): one Python
+        # process cannot commit 1,000 units of work a second over a hundred databases and
+        # send their wake-ups too. They connect first, then wait for the start.
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        go = ctx.Event()
+        per_writer, seconds = args.rate / args.writers, args.load_seconds
+        writers = [
+            ctx.Process(
+                target=write_share,
+                args=(urls[w :: args.writers], topic, per_writer, seconds, w, go, results),
+            )
+            for w in range(args.writers)
+        ]
+        for writer in writers:
+            writer.start()
+        engines = [sa.create_engine(urls[0], poolclass=sa.pool.NullPool)]
+        notifiers = [make_notifier(engines[0], None, None)]
         table = tables(None).outbox
         committed: dict[str, float] = {}
         arrived: dict[str, float] = {}
@@ -188,33 +282,6 @@ def main() -> None:
                     if k == _codec.IDEMPOTENCY_HEADER:
                         arrived.setdefault(bytes(v).decode(), now)
 
-        def write(worker: int, per_second: float) -> None:
-            rng = random.Random(worker)
-            interval = 1.0 / per_second
-            due = time.monotonic()
-            while not stop.is_set():
-                due += interval
-                delay = due - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                i = rng.randrange(len(engines))
-                event_id = uuid.uuid4()
-                key = f"k{rng.randrange(1000)}".encode()
-                with engines[i].begin() as conn:
-                    conn.execute(
-                        sa.insert(table),
-                        {
-                            "event_id": event_id,
-                            "topic": topic,
-                            "key": key,
-                            "value": b"x" * 100,
-                            "headers": _codec.encode_headers({}),
-                            "key_hash": _codec.key_hash(key, event_id.bytes),
-                        },
-                    )
-                committed[str(event_id)] = time.time()
-                notifiers[i]()
-
         # The topic exists before the clock starts (auto-created by a first event).
         with engines[0].begin() as conn:
             warm = uuid.uuid4()
@@ -234,19 +301,14 @@ def main() -> None:
         reader = threading.Thread(target=consume, daemon=True)
         reader.start()
         time.sleep(3.0)
-        workers = 8
-        writers = [
-            threading.Thread(target=write, args=(w, args.rate / workers), daemon=True)
-            for w in range(workers)
-        ]
-        started = time.monotonic()
-        for t in writers:
-            t.start()
-        time.sleep(args.load_seconds)
+        go.set()
+        for _ in writers:
+            committed.update(results.get(timeout=args.load_seconds + 120))
+        for writer in writers:
+            writer.join(10)
         stop.set()
-        for t in writers:
-            t.join()
-        elapsed = time.monotonic() - started
+        times = sorted(committed.values())
+        elapsed = max(times[-1] - times[0], 1e-9)
         drain_deadline = time.monotonic() + 20
         reader.join(25)
         consumer.close()
@@ -273,6 +335,9 @@ def main() -> None:
             f"{time.monotonic() - killed:.2f}s after the kill (>= {freed} databases moved)"
         )
     finally:
+        for writer in writers:
+            if writer.is_alive():
+                writer.terminate()
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -313,6 +313,24 @@ def _record_context(message: Any) -> SpanContext | None:
     return _context_of(carrier) if carrier else None
 
 
+_SILENT = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+
+
+def recording() -> bool:
+    """False while no tracer provider is set (the API's own proxy, or its no-op provider):
+    then no span is recorded, and a span only passes on a context it was given."""
+    return type(trace.get_tracer_provider()) not in _SILENT
+
+
+def carries_context(message: Any) -> bool:
+    """True when ``message`` has a ``traceparent`` header: a context that its ``process``
+    span passes on to the handler's spans and events, even when nothing is recorded."""
+    for name, value in message.headers() or ():
+        if value is not None and name.lower() == codec.TRACEPARENT_HEADER:
+            return True
+    return False
+
+
 @contextmanager
 def process(message: Any, group: str, link: bool) -> Iterator[Span]:
     """A current ``process {topic}`` span around the handling of ``message`` (a

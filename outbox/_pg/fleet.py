@@ -6,8 +6,9 @@
   serves it, on its relay's own session (taken before the relay registers for lanes, so that
   it goes with that session: a killed process frees it at once);
 * discovery: the databases of one server whose names match a ``LIKE`` pattern;
-* wake-ups: :class:`FleetListener`, one thread waiting (epoll) on the ``LISTEN`` connections of
-  every database the process serves, instead of a thread per database waking twice a second.
+* wake-ups: :class:`FleetListener`, one thread waiting (epoll) on the sessions of the relays
+  that wait for work, each listening on its own session (:class:`Watch`): one connection per
+  database served, none for wake-ups.
 """
 
 from __future__ import annotations
@@ -17,15 +18,12 @@ import logging
 import os
 import selectors
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
 from psycopg import sql
 
 from outbox._core.fleet import member_namespace, owner_namespace
-from outbox._core.retry import Backoff
 from outbox._pg.wakeup import channel
 
 log = logging.getLogger("outbox.wakeup")
@@ -37,13 +35,49 @@ WHERE l.locktype = 'advisory' AND l.classid = %s AND l.objsubid = 2 AND l.grante
 """
 
 
+def members_channel(schema: str | None) -> str:
+    """The channel on which a member that joined tells the others to read the members again."""
+    return channel(schema).replace("outbox_wakeup", "outbox_fleet_members", 1)
+
+
 def member_join(connection: Any, schema: str | None, key: int) -> bool:
-    """Take this member's lock on ``connection`` (a driver connection in autocommit); false
-    while another live session holds it (a second process with the same member id)."""
+    """Take this member's lock on ``connection`` (a driver connection in autocommit), listen
+    for members joining and announce this one; false while another live session holds the
+    lock (a second process with the same member id)."""
     row = connection.execute(
         "SELECT pg_try_advisory_lock(%s, %s)", (member_namespace(schema), key)
     ).fetchone()
+    if not (row and row[0]):
+        return False
+    name = members_channel(schema)
+    connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(name)))
+    connection.execute("SELECT pg_notify(%s, '')", (name,))
+    return True
+
+
+def members_gone(connection: Any, schema: str | None, keys: list[int]) -> bool:
+    """Whether any of the member ``keys`` has no live holder any more: a shared lock on a
+    member's key is granted only while no session holds the member's own (exclusive) one.
+    Much cheaper than reading ``pg_locks`` (which copies every lock of the server); the lock
+    lasts as long as the statement (autocommit)."""
+    if not keys:
+        return False
+    row = connection.execute(
+        "SELECT bool_or(pg_try_advisory_xact_lock_shared(%s, k)) FROM unnest(%s::int[]) k",
+        (member_namespace(schema), keys),
+    ).fetchone()
     return bool(row and row[0])
+
+
+def member_announced(connection: Any) -> bool:
+    """Whether a member announced itself (:func:`member_join`) on ``connection`` since the
+    last call: reads what arrived on the socket, without a statement."""
+    pgconn = connection.pgconn
+    pgconn.consume_input()
+    announced = False
+    while pgconn.notifies() is not None:
+        announced = True
+    return announced
 
 
 def live_members(connection: Any, schema: str | None) -> set[int]:
@@ -84,151 +118,141 @@ def discover_databases(connection: Any, pattern: str) -> list[str]:
     return [str(r[0]) for r in rows]
 
 
-class _Subscription:
-    """One database's wake-ups: its ``LISTEN`` connection and the relay's ``kick`` event."""
+class Watch:
+    """One relay's wake-ups on its own session: ``LISTEN`` runs on the session the relay
+    already holds (:meth:`session`), and while the relay waits for work (:meth:`wait`) the
+    fleet's listener thread watches that session's socket for it. No connection of its own.
 
-    def __init__(
-        self, owner: FleetListener, connect: Callable[[], Any], schema: str | None, kick: Any
-    ) -> None:
+    A notification that arrives while the relay uses its session is read by the driver with
+    the statement's results and sets ``kick`` through a notify handler (without one, the
+    driver would keep it in a backlog nobody reads)."""
+
+    def __init__(self, owner: FleetListener, schema: str | None, kick: threading.Event) -> None:
         self.owner = owner
-        self.connect = connect
         self.channel = channel(schema)
         self.kick = kick
-        self.connection: Any = None
-        self.backoff = Backoff(0.1, 5.0)
-        self.retry_at = 0.0
-        self.closed = False
+        self.driver: Any = None  # the session's psycopg connection, once listening
+        self.parked = False
+        self.waits = 0  # waits spent watched by the listener thread (tests read it)
+
+    def session(self, conn: sa.Connection) -> None:
+        """Listen on the relay's new session ``conn`` (ends the transaction it opens)."""
+        driver = conn.connection.driver_connection
+        if driver is None:  # pragma: no cover - a live session always has one
+            raise RuntimeError("the session's driver connection is not available")
+        listen = sql.SQL("LISTEN {}").format(sql.Identifier(self.channel))
+        conn.exec_driver_sql(listen.as_string(driver))
+        conn.commit()
+        driver.add_notify_handler(self._notified)
+        self.driver = driver
+        # Something may have committed while nobody listened: look once.
+        self.kick.set()
+
+    def _notified(self, _notify: Any) -> None:
+        self.kick.set()
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for ``kick`` (a notification, a stop, a lost session), the
+        session's socket watched meanwhile by the fleet's listener thread."""
+        driver = self.driver
+        if driver is None or driver.closed or driver.pgconn.transaction_status != _IDLE:
+            # No session listening, or one inside a transaction (the server holds its
+            # notifications until it ends): the poll timer alone.
+            self.kick.wait(timeout)
+            return
+        self.owner.park(self, driver)
+        try:
+            self.waits += 1
+            self.kick.wait(timeout)
+        finally:
+            self.owner.unpark(self)
 
     def join(self, timeout: float) -> None:
-        """Stop listening (the relay's shutdown; the name is the per-relay listener's)."""
-        self.owner.unsubscribe(self)
+        """The relay's shutdown (the name is the per-relay listener's)."""
+        self.owner.unpark(self)
+        self.driver = None
+
+
+# libpq's PQTRANS_IDLE: the session is not inside a transaction.
+_IDLE = 0
 
 
 class FleetListener:
-    """Wake-ups of many relays: a ``LISTEN`` connection per database, one thread waiting on
-    all their sockets and one that (re)connects the ones down. A notification (or a lost
-    connection, after which something may have committed unseen) sets that relay's ``kick``;
-    while a connection is down its relay still polls every ``--poll-interval``."""
+    """Wake-ups of many relays from one thread: while a relay waits for work its session's
+    socket is in this thread's ``epoll`` set; whatever arrives on it (a notification, or the
+    connection closing) sets that relay's ``kick`` and takes the socket out of the set again,
+    so the relay reads its own session from then on. While a relay's session is down the
+    relay still polls every ``--poll-interval``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._subscriptions: set[_Subscription] = set()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._stop = threading.Event()
-        self._due = threading.Event()  # a subscription needs a connection
-        self._threads = [
-            threading.Thread(target=self._wait, name="outbox-fleet-listen", daemon=True),
-            threading.Thread(target=self._connect_due, name="outbox-fleet-connect", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._parked: dict[Watch, int] = {}  # the watches parked now, and their sockets
+        self._thread = threading.Thread(target=self._wait, name="outbox-fleet-listen", daemon=True)
+        self._thread.start()
 
-    def subscribe(self, connect: Callable[[], Any], schema: str | None, kick: Any) -> _Subscription:
-        """Listen for ``schema``'s wake-ups on connections ``connect()`` opens; set ``kick``."""
-        subscription = _Subscription(self, connect, schema, kick)
+    def watch(self, schema: str | None, kick: threading.Event) -> Watch:
+        """A relay's wake-ups on its own session (``schema``'s channel), setting ``kick``."""
+        return Watch(self, schema, kick)
+
+    def park(self, watch: Watch, driver: Any) -> None:
+        """Watch ``driver``'s socket for ``watch`` until :meth:`unpark` (the relay does not
+        touch the session meanwhile)."""
         with self._lock:
-            self._subscriptions.add(subscription)
-        self._due.set()
-        return subscription
-
-    def unsubscribe(self, subscription: _Subscription) -> None:
-        with self._lock:
-            subscription.closed = True
-            self._subscriptions.discard(subscription)
-            self._drop(subscription)
-
-    def _drop(self, subscription: _Subscription) -> None:
-        # Under self._lock.
-        connection, subscription.connection = subscription.connection, None
-        if connection is not None:
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self._selector.unregister(connection.fileno())
-            with contextlib.suppress(Exception):
-                connection.close()
-            os.write(self._wake_w, b"x")
-
-    def _connect_due(self) -> None:
-        while not self._stop.is_set():
-            self._due.wait(0.5)
-            self._due.clear()
-            now = time.monotonic()
-            with self._lock:
-                due = [
-                    s
-                    for s in self._subscriptions
-                    if s.connection is None and not s.closed and s.retry_at <= now
-                ]
-            for subscription in due:
-                self._listen(subscription)
-
-    def _listen(self, subscription: _Subscription) -> None:
-        connection: Any = None
-        try:
-            connection = subscription.connect()
-            connection.autocommit = True
-            connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(subscription.channel)))
-        except Exception as exc:
-            if connection is not None:
-                with contextlib.suppress(Exception):
-                    connection.close()
-            delay = subscription.backoff.failed()
-            subscription.retry_at = time.monotonic() + delay
-            if subscription.backoff.failures == 1:
-                log.warning(
-                    "event=listen_failed error=%r retry_in=%.1fs", type(exc).__name__, delay
-                )
-            return
-        subscription.backoff.succeeded()
-        with self._lock:
-            if subscription.closed:
-                connection.close()
+            if self._stop.is_set():
                 return
-            subscription.connection = connection
-            self._selector.register(connection.fileno(), selectors.EVENT_READ, subscription)
-        os.write(self._wake_w, b"x")
-        # Something may have committed while nobody listened: look once.
-        subscription.kick.set()
+            fileno = driver.pgconn.socket
+            self._selector.register(fileno, selectors.EVENT_READ, (watch, driver))
+            self._parked[watch] = fileno
+            watch.parked = True
+
+    def unpark(self, watch: Watch) -> None:
+        """Give ``watch``'s session back to its relay (nothing if it is not parked)."""
+        with self._lock:
+            self._unpark(watch)
+
+    def _unpark(self, watch: Watch) -> None:
+        # Under self._lock.
+        fileno = self._parked.pop(watch, None)
+        watch.parked = False
+        if fileno is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(fileno)
 
     def _wait(self) -> None:
         while not self._stop.is_set():
-            ready = self._selector.select(timeout=5.0)
+            ready = self._selector.select(timeout=30.0)
             for key, _ in ready:
-                subscription = key.data
-                if subscription is None:
+                if key.data is None:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
                     continue
+                watch, driver = key.data
                 with self._lock:
-                    connection = subscription.connection
-                    if connection is None:
-                        continue
-                    try:
-                        pgconn = connection.pgconn
+                    if self._parked.get(watch) != key.fd:
+                        continue  # given back meanwhile
+                    with contextlib.suppress(Exception):
+                        # Read what came (the relay reads its session again from now on;
+                        # a broken connection fails the relay's next statement).
+                        pgconn = driver.pgconn
                         pgconn.consume_input()
                         while pgconn.notifies() is not None:
                             pass
-                        if pgconn.status != 0:  # CONNECTION_OK
-                            raise OSError("connection lost")
-                    except Exception:
-                        self._drop(subscription)
-                        subscription.retry_at = time.monotonic()
-                        self._due.set()
-                subscription.kick.set()
+                    self._unpark(watch)
+                watch.kick.set()
 
     def close(self) -> None:
         self._stop.set()
-        self._due.set()
         os.write(self._wake_w, b"x")
-        for thread in self._threads:
-            thread.join(2.0)
+        self._thread.join(2.0)
         with self._lock:
-            for subscription in list(self._subscriptions):
-                subscription.closed = True
-                self._drop(subscription)
-            self._subscriptions.clear()
+            for watch in list(self._parked):
+                self._unpark(watch)
+                watch.kick.set()
         self._selector.close()
         os.close(self._wake_r)
         os.close(self._wake_w)

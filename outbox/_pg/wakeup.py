@@ -194,8 +194,11 @@ def noop() -> None:
 
 
 class Wakeups(Protocol):
-    """A relay's source of wake-ups: ``join`` ends it (a :class:`Listener`, or a
-    subscription to a fleet's shared listener)."""
+    """A relay's source of wake-ups (a :class:`Listener`, or a fleet's
+    :class:`outbox._pg.fleet.Watch` on the relay's own session): ``wait`` waits for the
+    relay's kick, ``join`` ends it."""
+
+    def wait(self, timeout: float) -> None: ...
 
     def join(self, timeout: float) -> None: ...
 
@@ -252,6 +255,10 @@ class Listener:
                     with contextlib.suppress(Exception):
                         connection.close()
         self.listening.clear()
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for a wake-up (or anything else that sets the event)."""
+        self._event.wait(timeout)
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)

@@ -232,7 +232,6 @@ def fleet_command(args: argparse.Namespace) -> int:
     for flag, given in (
         ("--once", args.once),
         ("--check", args.check),
-        ("--metrics-port", args.metrics_port is not None),
     ):
         if given:
             raise ConfigurationError(
@@ -243,7 +242,21 @@ def fleet_command(args: argparse.Namespace) -> int:
     fleet = Fleet(config)
     tune_collector()
     with stop_on_signals(fleet.stop):
-        return EXIT_CODES[fleet.run()]
+        server = None
+        if args.metrics_port is not None:
+            # Every served database's series, with a database label (outbox.relay._fleet_metrics).
+            server = MetricsServer(
+                fleet.metrics,
+                args.metrics_port,
+                host=config.relay.metrics_host,
+                max_silence=relay_max_silence(config.relay),
+            ).start()
+            log.info("event=metrics_listening host=%s port=%d", server.host, server.port)
+        try:
+            return EXIT_CODES[fleet.run()]
+        finally:
+            if server is not None:
+                server.close()
 
 
 def command(args: argparse.Namespace) -> int:

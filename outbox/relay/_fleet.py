@@ -13,9 +13,10 @@ its log lines carry its name. The fleet's loop, every ``membership_interval``:
 3. serves the databases rendezvous hashing gives this member (:mod:`outbox._core.fleet`) and
    stops serving the others.
 
-Wake-ups of all the relays come through one :class:`outbox._pg.fleet.FleetListener` (one
-thread waiting on every database's ``LISTEN`` socket), so an idle fleet costs a poll per
-database every ``--poll-interval`` and nothing in between.
+Each relay listens for wake-ups on its own session (the one that holds the serving lock and
+the lanes: one connection per database served); while relays wait for work, one
+:class:`outbox._pg.fleet.FleetListener` thread watches their sockets, so an idle fleet costs a
+poll per database every ``--poll-interval`` and nothing in between.
 
 A relay takes the database's serving lock on its own session before it registers for lanes
 (``Relay(on_session=...)``), waiting while the previous server still holds it: at most one
@@ -46,6 +47,7 @@ from outbox._pg.fleet import FleetListener
 from outbox._pg.relay import listen_connector, relay_engine
 from outbox.config import FleetConfig as FleetConfig, RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError
+from outbox.relay._fleet_metrics import FleetMetrics
 from outbox.relay._relay import Relay, RunResult
 
 log = logging.getLogger("outbox.relay")
@@ -54,6 +56,11 @@ log = logging.getLogger("outbox.relay")
 _TAGGED_LOGGERS = ("outbox.relay", "outbox.wakeup")
 # Seconds between two tries of a serving lock another process still holds.
 _OWNER_RETRY = 0.2
+# Turns of the loop between two full readings of the members when no member announced
+# itself (a member gone is seen at the next turn, a member that joined when it says so).
+_FULL_READ = 5
+# A fleet relay's statistics and lane rebalances: every this many poll intervals at most.
+FLEET_SLOW_FACTOR = 4
 
 
 def database_identity(url: str) -> str:
@@ -113,9 +120,12 @@ class Fleet:
         self._membership: Any = None
         self._membership_lost = False
         self._duplicate_member = False
+        self._turns_to_full = 0  # the next reading of the members is a full one
         self._listed: dict[str, list[str]] = {"given": list(config.database_urls)}
         self._tags = _Tags()
         self._listener = FleetListener()
+        # /metrics of every database this member serves, with a database label.
+        self.metrics = FleetMetrics(self)
         # A member that just joined waits one turn before serving, so that members starting
         # together see each other first instead of each serving everything for a moment.
         self._settle_until = 0.0
@@ -223,6 +233,13 @@ class Fleet:
                 connection.autocommit = True
                 try:
                     joined = pg_fleet.member_join(connection, self.config.relay.schema, self.key)
+                    if not joined:
+                        # Another member's liveness probe holds the key for a statement's
+                        # time: a second try tells it from a live duplicate.
+                        time.sleep(0.05)
+                        joined = pg_fleet.member_join(
+                            connection, self.config.relay.schema, self.key
+                        )
                 except Exception:
                     connection.close()
                     raise
@@ -240,7 +257,7 @@ class Fleet:
                 self._duplicate_member = False
                 self._membership = connection
                 self._settle_until = time.monotonic() + self.config.membership_interval
-            members = pg_fleet.live_members(self._membership, self.config.relay.schema)
+            members = self._read_members(self._membership)
         except Exception as exc:
             if not (is_database_error(exc) or isinstance(exc, OSError)):
                 raise
@@ -265,7 +282,22 @@ class Fleet:
             )
         self.members = members
 
+    def _read_members(self, connection: Any) -> set[int]:
+        """The live members: from ``pg_locks`` when a member announced that it joined, and
+        every ``_FULL_READ`` turns anyway; in between only whether a member known alive is
+        gone (one small statement instead of a copy of every lock of the server)."""
+        schema = self.config.relay.schema
+        others = sorted(self.members - {self.key})
+        self._turns_to_full -= 1
+        if pg_fleet.member_announced(connection):
+            self._turns_to_full = 0
+        if self._turns_to_full > 0 and not pg_fleet.members_gone(connection, schema, others):
+            return set(self.members)
+        self._turns_to_full = _FULL_READ
+        return pg_fleet.live_members(connection, schema)
+
     def _drop_membership(self) -> None:
+        self._turns_to_full = 0
         connection, self._membership = self._membership, None
         if connection is not None:
             with contextlib.suppress(Exception):
@@ -288,29 +320,32 @@ class Fleet:
 
     def _relay_config(self, url: str) -> RelayConfig:
         template = self.config.relay
-        # Table statistics are per database: every poll interval at most, not every 5 s for
-        # each of a hundred databases.
-        # Lanes: one process serves a database at a time (the serving lock), so its relay
-        # takes every lane at its first rebalance and has nobody to share them with later.
+        # An idle database costs its relay a claim every poll interval, and the table's
+        # statistics and a lane rebalance when they are due: with a hundred databases those
+        # are the whole idle cost of the fleet (wake-ups come by notification). Statistics
+        # and rebalances come every fourth poll at most: one process serves a database at a
+        # time (the serving lock), so its relay takes every lane at its first rebalance
+        # (at once) and has nobody to share them with later; the statistics feed the logs
+        # and the backlog figures of /metrics (that old at most), while `outbox status`
+        # reads each database itself.
+        slow = FLEET_SLOW_FACTOR * template.poll_interval
         return dataclasses.replace(
             template,
             database_url=url,
             metrics_port=None,
-            stats_interval=max(template.stats_interval, template.poll_interval),
-            rebalance_interval=max(template.rebalance_interval, template.poll_interval),
+            stats_interval=max(template.stats_interval, slow),
+            rebalance_interval=max(template.rebalance_interval, slow),
         )
 
     def _serve(self, served: _Served) -> None:
         served.owned = False
-        listener = self._listener
         relay = Relay(
             self._relay_config(served.url),
             producer_factory=self._producer_factory,
-            on_session=lambda conn: self._take_database(served, relay, conn),
-            listen=lambda kick: listener.subscribe(
-                listen_connector(relay.engine), self.config.relay.schema, kick
-            ),
+            on_session=lambda conn: self._take_database(served, relay, watch, conn),
+            listen=lambda kick: watch,
         )
+        watch = self._listener.watch(self.config.relay.schema, relay.kick)
         served.relay = relay
         served.thread = threading.Thread(
             target=self._run_relay,
@@ -320,8 +355,11 @@ class Fleet:
         )
         served.thread.start()
 
-    def _take_database(self, served: _Served, relay: Relay, conn: sa.Connection) -> None:
-        """On each new session of ``relay``: wait for the database's serving lock."""
+    def _take_database(
+        self, served: _Served, relay: Relay, watch: pg_fleet.Watch, conn: sa.Connection
+    ) -> None:
+        """On each new session of ``relay``: wait for the database's serving lock, then
+        listen for wake-ups on that session."""
         waited = False
         while not pg_fleet.owner_try(conn, self.config.relay.schema):
             if not waited:
@@ -329,6 +367,7 @@ class Fleet:
                 waited = True
             if relay.stop_event.wait(_OWNER_RETRY):
                 return
+        watch.session(conn)
         served.owned = True
         log.info("event=database_served member=%r", self.config.member_id)
 
@@ -371,6 +410,7 @@ class Fleet:
         next_refresh = 0.0
         try:
             while not self.stop_event.is_set():
+                self.metrics.beat()
                 now = time.monotonic()
                 if now >= next_refresh:
                     self.refresh()

@@ -90,7 +90,8 @@ class Relay:
     ``producer_factory`` exists for the benchmark and tests that need another producer
     configuration; it defaults to :class:`outbox._kafka.producer.KafkaProducer`.
     ``on_session(conn)`` runs on each new database session before it takes lanes;
-    ``listen(kick)`` subscribes to wake-ups instead of a listener thread of the relay's own.
+    ``listen(kick)`` subscribes to wake-ups instead of a listener thread of the relay's own
+    (the fleet's, on the relay's own session: :class:`outbox._pg.fleet.Watch`).
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class Relay:
         )
         # Where wake-ups come from when not from a listener thread of this relay's own.
         self._listen = listen
+        self._wakeups: Wakeups | None = None
         self.readiness = Readiness(self.config, self.sql, self.metrics)
         self.announcement = IdleAnnouncement(self._announce)
         self._next_stats = 0.0
@@ -242,6 +244,7 @@ class Relay:
             listener = Listener(
                 listen_connector(self.engine), self.config.schema, self.kick, self.stop_event
             ).start()
+        self._wakeups = listener
         log.info(
             "event=relay_started database=%s bootstrap=%s lanes=%d batch_size=%d once=%s engine=%s",
             redact_url(self.url),
@@ -343,7 +346,10 @@ class Relay:
                 )
                 self.producing.serve()  # client errors, and a due outage summary
                 self.idle.set()
-                self.kick.wait(timeout)
+                if self._wakeups is None:
+                    self.kick.wait(timeout)
+                else:
+                    self._wakeups.wait(timeout)
                 self.idle.clear()
         return RunResult.FINISHED
 

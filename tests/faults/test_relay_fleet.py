@@ -94,7 +94,13 @@ def databases(_database_factory: DatabaseFactory) -> Iterator[Databases]:
 
 
 def start_member(
-    member: str, admin_url: str, pattern: str, listing: Path, bootstrap: str, log: Path
+    member: str,
+    admin_url: str,
+    pattern: str,
+    listing: Path,
+    bootstrap: str,
+    log: Path,
+    extra: list[str] | None = None,
 ) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     argv = [
@@ -105,6 +111,7 @@ def start_member(
         "--batch-size", "100", "--lanes", "8",
         # Wake-ups must do the work: a poll would come too late for the waits below.
         "--poll-interval", "30",
+        *(extra or []),
     ]  # fmt: skip
     with log.open("ab") as out:
         return subprocess.Popen(

@@ -177,3 +177,29 @@ def test_first_attempts_stop_asking_redis_until_a_duplicate_arrives(
         assert gets() == WINDOW + 2  # reading ahead again
     finally:
         client.close()
+
+
+def test_a_batch_reads_its_keys_in_one_mget_with_the_answers_of_single_reads(
+    make_outbox: Callable[..., outbox.Outbox], private_redis: Callable[..., PrivateRedis]
+) -> None:
+    """On a single Redis, get_many is one MGET; each answer is what get gives: an entry, or
+    None for a key never stored and for garbage. (A server of its own: its command counts
+    are this test's alone.)"""
+    ob = make_outbox(private_redis().url)
+    assert ob.cache is not None
+    cache, client = ob.cache, ob.cache.client
+    for key in ("m-1", "m-3"):
+        place(ob, key)
+        place(ob, key)  # a replay: the cache holds the outcome from here on
+    client.set(cache.redis_key("shop", "m-junk"), b"not json")
+    keys = ["m-1", "m-2", "m-3", "m-junk"]
+
+    def calls(command: str) -> int:
+        stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+        return int(stats.get("calls", 0)) if isinstance(stats, dict) else 0
+
+    mgets, gets = calls("mget"), calls("get")
+    many = cache.get_many("shop", keys)
+    assert calls("mget") == mgets + 1 and calls("get") == gets
+    assert [c is not None for c in many] == [True, False, True, False]
+    assert many == [cache.get("shop", k) for k in keys]
