@@ -2,6 +2,7 @@
 
     python benchmarks/relay_paired.py BASELINE_CHECKOUT [CANDIDATE_CHECKOUT]
                                       [--rows 100000] [--rounds 8] [--relays 1] [--keys 1000]
+                                      [--engine claim|window]
 
 ``benchmarks/relay.py`` reports each drain as a ratio of a raw producer measured in the same
 run; on a shared machine the raw producer's rate moves from run to run more than a relay's does,
@@ -35,7 +36,7 @@ import relay as bench  # benchmarks/relay.py: its helpers
 
 
 def relays_of(
-    checkout: Path, url: str, bootstrap: str, count: int
+    checkout: Path, url: str, bootstrap: str, count: int, engine: str = "claim"
 ) -> list[subprocess.Popen[bytes]]:
     """``count`` relay processes running the ``outbox`` package of ``checkout``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
@@ -43,6 +44,7 @@ def relays_of(
     command = [
         sys.executable, "-m", "outbox.cli.relay", "--database-url", url,
         "--bootstrap-servers", bootstrap, "--log-level", "WARNING", "--rebalance-interval", "0.2",
+        *(["--engine", engine] if engine != "claim" else []),
     ]  # fmt: skip
     return [
         subprocess.Popen(
@@ -56,7 +58,7 @@ def drain(
     engine: sa.Engine, checkout: Path, url: str, bootstrap: str, args: argparse.Namespace
 ) -> float:
     """Rows per second of one burst drained by ``checkout``'s relays, started idle for it."""
-    procs = relays_of(checkout, url, bootstrap, args.relays)
+    procs = relays_of(checkout, url, bootstrap, args.relays, args.engine)
     try:
         bench.wait_until(lambda: bench.relays_idle(engine, args.relays), 60, "relays to go idle")
         time.sleep(0.3)
@@ -78,6 +80,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--relays", type=int, default=1)
     parser.add_argument("--keys", type=int, default=bench.KEYS, help="0 for unique keys")
+    parser.add_argument(
+        "--engine", default="claim", choices=["claim", "window"], help="both checkouts' engine"
+    )
     args = parser.parse_args()
     checkouts = {"baseline": args.baseline.resolve(), "candidate": args.candidate.resolve()}
     for name, path in checkouts.items():
@@ -88,6 +93,7 @@ def main() -> int:
     rates: dict[str, list[float]] = {name: [] for name in checkouts}
     with bench.scratch(url, args.bootstrap_servers) as (engine, bootstrap):
         Producer({"bootstrap.servers": bootstrap}).list_topics("bench-paired", timeout=10)
+        bench.use_engine(engine, args.engine)  # and wait for the drains as that engine needs
         print(f"{args.relays} relay(s), bursts of {args.rows:,} rows, {args.keys or 'unique'} keys")
         for number in range(1, args.rounds + 1):
             for name, path in checkouts.items():

@@ -47,6 +47,7 @@ from cpu import Meter, Usage, available as cpu_available, processes_named
 from pooler import pgbouncer
 from scratch import database_argument, scratch_database
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import Session
 from wire import WireCounter, count_redis, proxied_url
 
 import outbox
@@ -82,6 +83,7 @@ MODES: dict[str, tuple[bool, bool]] = {
     "uow-no-wakeup": (True, False),
     "joined": (True, True),
     "joined-no-redis": (False, True),
+    "joined-session": (True, True),
 }
 
 
@@ -182,6 +184,15 @@ def _setup(mode: str, url: str, redis_url: str) -> tuple[sa.Engine, Any, Any]:
                 conn.execute(BARE_OUTBOX_INSERT, bare_outbox_params(prefix))
                 if mode == "floor":
                     conn.execute(FLOOR_KEY_INSERT, {"scope": "bench", "key": f"{prefix}-{n}"})
+        elif mode == "joined-session":
+            with (
+                Session(engine) as session,
+                session.begin(),
+                ob.unit_of_work(f"{prefix}-{n}", scope="bench", session=session) as uow,
+            ):
+                session.execute(BUSINESS_INSERT, {"customer": prefix, "amount": n})
+                uow.publish("orders.created", VALUE, key=prefix)
+                uow.result = {"order": n}
         elif mode.startswith("joined"):
             with (
                 engine.begin() as conn,
@@ -274,9 +285,11 @@ def run_phase(
     return count / seconds, percentile(samples, 0.5), percentile(samples, 0.99), usage, count
 
 
-# What each mode costs a unit, counted rather than timed: the baselines, the unit of work with
-# and without Redis, and joined to the caller's transaction with and without Redis.
-COUNTED = ("floor", "uow", "uow-no-redis", "joined", "joined-no-redis")
+# What each mode costs a unit, counted rather than timed: every mode of the sync benchmark.
+COUNTED = (
+    "bare", "floor", "uow", "uow-no-redis", "uow-no-wakeup", "joined", "joined-no-redis",
+    "joined-session", "by hand",
+)  # fmt: skip
 
 
 def unit_costs(url: str, redis_url: str, n: int) -> dict[str, tuple[float, float, float, float]]:
@@ -728,15 +741,13 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
         flush=True,
     )
     print()
-    modes = (
-        "bare", "floor", "uow", "uow-no-redis", "uow-no-wakeup", "joined", "joined-no-redis",
-        "by hand",
-    )  # fmt: skip
+    modes = COUNTED
     header = (
         f"{'workers':>7} | {'bare/s':>7} {'floor/s':>7} | {'uow/s':>7} {'p50 ms':>6} "
         f"{'p99 ms':>6} | {'/bare':>5} {'/floor':>6} | {'no Redis':>8} {'/floor':>6} | "
         f"{'no wake':>7} {'/floor':>6} | {'joined':>7} {'/floor':>6} | "
-        f"{'j no R':>7} {'/floor':>6} | {'by hand':>7} {'/floor':>6}"
+        f"{'j no R':>7} {'/floor':>6} | {'j sess':>7} {'/floor':>6} | "
+        f"{'by hand':>7} {'/floor':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -754,17 +765,18 @@ def sync_benchmark(url_s: str, engine: sa.Engine, args: argparse.Namespace) -> N
         b, f, u = best["bare"][0], best["floor"][0], best["uow"]
         r, w, j = best["uow-no-redis"][0], best["uow-no-wakeup"][0], best["joined"][0]
         jr, h = best["joined-no-redis"][0], best["by hand"][0]
+        js = best["joined-session"][0]
         print(
             f"{workers:>7} | {b:>7.0f} {f:>7.0f} | {u[0]:>7.0f} {u[1] * 1e3:>6.2f} "
             f"{u[2] * 1e3:>6.2f} | {u[0] / b:>5.2f} {u[0] / f:>6.2f} | {r:>8.0f} {r / f:>6.2f} | "
             f"{w:>7.0f} {w / f:>6.2f} | {j:>7.0f} {j / f:>6.2f} | {jr:>7.0f} {jr / f:>6.2f} | "
-            f"{h:>7.0f} {h / f:>6.2f}",
+            f"{js:>7.0f} {js / f:>6.2f} | {h:>7.0f} {h / f:>6.2f}",
             flush=True,
         )
         for mode in COUNTED:
             if mode in best:
                 ratios[mode].append(best[mode][0] / f)
-        for mode in ("floor", "uow", "uow-no-redis", "joined", "joined-no-redis", "by hand"):
+        for mode in modes:
             _rate, _p50, _p99, usage, count = best[mode]
             budgets.append(f"{workers:>7} | {mode:<15} | {usage.per(count, 1000)}")
     truncate(engine)

@@ -14,6 +14,7 @@ not turn redeliveries into dead letters.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -37,7 +38,13 @@ def record_fingerprint(topic: str, value: bytes | None = None, *, with_value: bo
 
 def topic_fingerprint(message: Any) -> str:
     """The default ``fingerprint_func`` of the consumer runners: the message's topic."""
-    return record_fingerprint(message.topic() or "", with_value=False)
+    return _of_topic(message.topic() or "")
+
+
+@functools.lru_cache(maxsize=1024)
+def _of_topic(topic: str) -> str:
+    """A topic's fingerprint, hashed once per topic rather than once per message."""
+    return record_fingerprint(topic, with_value=False)
 
 
 def message_fingerprint(message: Any) -> str:

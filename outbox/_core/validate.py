@@ -136,6 +136,8 @@ def check_topic(topic: object) -> str:
 def dumps_json(value: Any, what: str) -> str:
     """Strict JSON that PostgreSQL's jsonb accepts and every reader can parse back: no
     NaN/Infinity, no NUL characters, valid UTF-8, at most :data:`MAX_JSON_DEPTH` levels."""
+    if value is None:  # most handlers' result: spared the encoder
+        return "null"
     try:
         text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
     except RecursionError:

@@ -228,10 +228,26 @@ class KafkaProducer:
         reports: list[DeliveryReport | None] = [CONFIRMED] * len(records)
         refused: set[bytes] = set()
         produce = self._producer.produce
-        for index, (topic, key, value, headers) in enumerate(records):
-            if not index & 511:
+        done = 0
+        try:
+            # The usual send, where produce() takes every record at once: runs of 512 records
+            # with nothing per record but the call; the loop below takes over from a record
+            # that produce() did not take.
+            for start in range(0, len(records), 512):
                 # Let other threads of the process have the interpreter between runs of
                 # produce() calls (the relay's database work overlaps this loop).
+                time.sleep(0)
+                # `done` is read after the loop: the record produce() refused.
+                for done, (topic, key, value, headers) in enumerate(  # noqa: B007
+                    records[start : start + 512], start
+                ):
+                    produce(topic, value, key, headers=headers)
+            done = len(records)
+        except (BufferError, KafkaException):
+            pass  # record `done` was not taken
+        for index in range(done, len(records)):
+            topic, key, value, headers = records[index]
+            if not index & 511:
                 time.sleep(0)
             if refused and key in refused:
                 reports[index] = None

@@ -206,8 +206,12 @@ def start_send(rows: Sequence[ClaimedRow], todo: Sequence[int]) -> Sending:
     sending: Sending = []
     try:
         by_topic: dict[str, list[int]] = {}
-        for position, index in enumerate(todo):
-            by_topic.setdefault(rows[index][TOPIC], []).append(position)
+        topics = {rows[index][TOPIC] for index in todo}
+        if len(topics) == 1:
+            by_topic[topics.pop()] = list(range(len(todo)))  # most sends: one topic
+        else:
+            for position, index in enumerate(todo):
+                by_topic.setdefault(rows[index][TOPIC], []).append(position)
         for topic, positions in by_topic.items():
             attributes = _base(topic, "send")
             attributes[A_BATCH_COUNT] = len(positions)
@@ -274,6 +278,8 @@ def _report_send(
     if error is not None:
         _failed(span, error)
     elif fates is not None:
+        if len(positions) == len(fates) and all(o is not None and o.error is None for o in fates):
+            return  # most sends: everything confirmed
         failed = [o for p in positions if (o := fates[p]) is not None and o.error is not None]
         unsent = sum(1 for p in positions if fates[p] is None)
         if failed:
@@ -311,6 +317,24 @@ def _record_context(message: Any) -> SpanContext | None:
     """The trace context a Kafka record carries (``traceparent``/``tracestate`` headers)."""
     carrier = _carrier(message.headers())
     return _context_of(carrier) if carrier else None
+
+
+_SILENT = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+
+
+def recording() -> bool:
+    """False while no tracer provider is set (the API's own proxy, or its no-op provider):
+    then no span is recorded, and a span only passes on a context it was given."""
+    return type(trace.get_tracer_provider()) not in _SILENT
+
+
+def carries_context(message: Any) -> bool:
+    """True when ``message`` has a ``traceparent`` header: a context that its ``process``
+    span passes on to the handler's spans and events, even when nothing is recorded."""
+    for name, value in message.headers() or ():
+        if value is not None and name.lower() == codec.TRACEPARENT_HEADER:
+            return True
+    return False
 
 
 @contextmanager

@@ -14,24 +14,39 @@ from sqlalchemy import Engine
 
 
 class KeyReader:
-    """Reads one key's row with ``sql`` (parameters ``scope`` and ``key``) in autocommit."""
+    """Reads one key's row with ``sql`` (parameters ``scope`` and ``key``) in autocommit, or
+    with ``waking_sql``, which also answers whether a relay waits for work (its last column)."""
 
-    def __init__(self, engine: Engine, sql: str) -> None:
+    def __init__(self, engine: Engine, sql: str, waking_sql: str) -> None:
         self._engine = engine
-        self._sql = sql
+        self._sql = {False: sql, True: waking_sql}
         # Another driver (an asyncpg engine) reads through SQLAlchemy, a connection of the
         # engine's pool each time.
         self._direct = engine.dialect.driver == "psycopg"
-        self._clause = sa.text(re.sub(r"%\((\w+)\)s", r":\1", sql))
+        self._clause = {
+            waking: sa.text(re.sub(r"%\((\w+)\)s", r":\1", text))
+            for waking, text in self._sql.items()
+        }
         self._idle: list[psycopg.Connection[Any]] = []
         self._pid = os.getpid()
         self._closed = False
 
-    def read(self, scope: str, key: str) -> tuple[Any, ...] | None:
-        """The key's committed row, or ``None``; raises what the driver raises."""
+    def read(
+        self, scope: str, key: str, *, waking: bool = False
+    ) -> tuple[tuple[Any, ...] | None, bool]:
+        """The key's committed row (or ``None``) and, ``waking``, whether a relay waits for
+        work (else ``False``); raises what the driver raises."""
+        row = self._read(scope, key, waking)
+        if not waking:
+            return row, False
+        assert row is not None  # the probe's row is always there
+        *found, idle = row
+        return (None if found[0] is None else tuple(found)), bool(idle)
+
+    def _read(self, scope: str, key: str, waking: bool) -> tuple[Any, ...] | None:
         if not self._direct:
             with self._engine.connect() as conn:
-                result = conn.execute(self._clause, {"scope": scope, "key": key})
+                result = conn.execute(self._clause[waking], {"scope": scope, "key": key})
                 found = result.first()
             return None if found is None else tuple(found)
         if self._pid != os.getpid():
@@ -40,7 +55,7 @@ class KeyReader:
         idle = self._idle
         driver = idle.pop() if idle else self._connect()
         try:
-            cursor = driver.execute(self._sql, {"scope": scope, "key": key})
+            cursor = driver.execute(self._sql[waking], {"scope": scope, "key": key})
             row = cursor.fetchone()
         except BaseException:
             with contextlib.suppress(Exception):

@@ -26,24 +26,39 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 
 class AsyncKeyReader:
-    """Reads one key's row with ``sql`` (parameters ``scope`` and ``key``) in autocommit."""
+    """Reads one key's row with ``sql`` (parameters ``scope`` and ``key``) in autocommit, or
+    with ``waking_sql``, which also answers whether a relay waits for work (its last column)."""
 
-    def __init__(self, engine: AsyncEngine, sql: str) -> None:
+    def __init__(self, engine: AsyncEngine, sql: str, waking_sql: str) -> None:
         self._engine = engine
-        self._sql = sql
+        self._sql = {False: sql, True: waking_sql}
         # Another driver (an asyncpg engine) reads through SQLAlchemy, a connection of the
         # engine's pool each time.
         self._direct = engine.dialect.driver == "psycopg"
-        self._clause = sa.text(re.sub(r"%\((\w+)\)s", r":\1", sql))
+        self._clause = {
+            waking: sa.text(re.sub(r"%\((\w+)\)s", r":\1", text))
+            for waking, text in self._sql.items()
+        }
         self._idle: list[psycopg.AsyncConnection[Any]] = []
         self._pid = os.getpid()
         self._closed = False
 
-    async def read(self, scope: str, key: str) -> tuple[Any, ...] | None:
-        """The key's committed row, or ``None``; raises what the driver raises."""
+    async def read(
+        self, scope: str, key: str, *, waking: bool = False
+    ) -> tuple[tuple[Any, ...] | None, bool]:
+        """The key's committed row (or ``None``) and, ``waking``, whether a relay waits for
+        work (else ``False``); raises what the driver raises."""
+        row = await self._read(scope, key, waking)
+        if not waking:
+            return row, False
+        assert row is not None  # the probe's row is always there
+        *found, idle = row
+        return (None if found[0] is None else tuple(found)), bool(idle)
+
+    async def _read(self, scope: str, key: str, waking: bool) -> tuple[Any, ...] | None:
         if not self._direct:
             async with self._engine.connect() as conn:
-                result = await conn.execute(self._clause, {"scope": scope, "key": key})
+                result = await conn.execute(self._clause[waking], {"scope": scope, "key": key})
                 found = result.first()
             return None if found is None else tuple(found)
         if self._pid != os.getpid():
@@ -52,7 +67,7 @@ class AsyncKeyReader:
         idle = self._idle
         driver = idle.pop() if idle else await self._connect()
         try:
-            cursor = await driver.execute(self._sql, {"scope": scope, "key": key})
+            cursor = await driver.execute(self._sql[waking], {"scope": scope, "key": key})
             row = await cursor.fetchone()
         except BaseException:
             with contextlib.suppress(Exception):

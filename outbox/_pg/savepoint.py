@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import psycopg
@@ -13,6 +14,11 @@ from sqlalchemy import Connection
 
 from outbox._pg.literals import execute_text
 from outbox._pg.statements import Prepared
+from outbox._pg.transaction_base import SWITCHED, begin_command, install_guard
+
+# Engines whose pools discard a connection left switched to autocommit (checked on every claim
+# that begins a transaction: cheaper than SQLAlchemy's event lookups).
+_guarded: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
 
 # Up to this many bytes of event values (and events), a final statement goes as literals with
 # the savepoint's release; larger ones are bound by the driver, in binary.
@@ -48,14 +54,39 @@ class DriverSavepoint:
 
     def open_with(self, claim: Prepared, params: dict[str, Any]) -> tuple[Any, ...]:
         """Set the savepoint and run ``claim`` in one message; return the claim's row. On a
-        failure the savepoint is rolled back (if it was set) before the error is raised."""
-        message = b"SAVEPOINT " + self._name + b"; " + self._text(claim, params)
+        failure the savepoint is rolled back (if it was set) before the error is raised.
+
+        A caller's transaction that SQLAlchemy has begun but the server has not yet (psycopg
+        sends ``BEGIN`` before a transaction's first statement, in a round trip of its own)
+        is begun in the same message, with the characteristics psycopg would ask for: the
+        claim then costs the caller's transaction no round trip of its own. psycopg, switched
+        to autocommit for that message so that it sends no ``BEGIN`` first, is switched back
+        at once (:func:`_adopt`): it follows the server's transaction status, so the caller's
+        statements and its ``COMMIT`` go on as if psycopg had begun the transaction itself."""
         driver = self._driver
+        status = driver.pgconn.transaction_status
+        message = b"SAVEPOINT " + self._name + b"; " + self._text(claim, params)
+        begin = status == pq.TransactionStatus.IDLE and not driver.autocommit
+        skip = 1
+        if begin:
+            message = begin_command(driver).encode() + b"; " + message
+            skip = 2
+            # Interrupted before psycopg is switched back, the connection is discarded when
+            # it returns to its pool (outbox._pg.transaction_base.install_guard).
+            guard(self._connection.engine)
+            self._connection.info[SWITCHED] = True
         # The SAVEPOINT runs unless the caller's transaction has failed already.
-        healthy = driver.pgconn.transaction_status != pq.TransactionStatus.INERROR
+        healthy = status != pq.TransactionStatus.INERROR
         cursor = driver.cursor()
         try:
-            cursor.execute(message)
+            try:
+                if begin:
+                    driver.set_autocommit(True)
+                cursor.execute(message)
+            finally:
+                if begin:
+                    _adopt(driver)
+                    del self._connection.info[SWITCHED]
         except psycopg.Error as exc:
             self.is_active = healthy
             with contextlib.suppress(Exception):
@@ -65,7 +96,8 @@ class DriverSavepoint:
             self.is_active = True  # interrupted: the caller's handler rolls back to it
             raise
         self.is_active = True
-        cursor.nextset()
+        for _ in range(skip):
+            cursor.nextset()
         row = cursor.fetchone()
         assert row is not None
         return tuple(row)
@@ -114,3 +146,19 @@ class DriverSavepoint:
             message.decode(errors="replace")[:200], None, exc, psycopg.Error,
             connection_invalidated=broken,
         )  # fmt: skip
+
+
+def _adopt(driver: psycopg.BaseConnection[Any]) -> None:
+    """Leave autocommit within the transaction the toolkit began on ``driver``: what
+    ``set_autocommit(False)`` does, which psycopg refuses while a transaction is open (it would
+    then have begun that transaction itself, and behaves the same from here on: it sends no
+    ``BEGIN`` while one is open, ``COMMIT`` and ``ROLLBACK`` at the caller's word, and ``BEGIN``
+    before the first statement after them)."""
+    driver._autocommit = False
+
+
+def guard(engine: sa.Engine) -> None:
+    """The pool guard on the engine of a caller's connection (its own, or the outbox's)."""
+    if engine not in _guarded:
+        install_guard(engine)
+        _guarded.add(engine)

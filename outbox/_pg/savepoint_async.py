@@ -21,6 +21,7 @@ This asyncio module is the source; ``savepoint.py`` (the sync flavour) is genera
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import psycopg
@@ -30,6 +31,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox._pg.literals import execute_text
 from outbox._pg.statements import Prepared
+from outbox._pg.transaction_base import SWITCHED, begin_command, install_guard
+
+# Engines whose pools discard a connection left switched to autocommit (checked on every claim
+# that begins a transaction: cheaper than SQLAlchemy's event lookups).
+_guarded: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
 
 # Up to this many bytes of event values (and events), a final statement goes as literals with
 # the savepoint's release; larger ones are bound by the driver, in binary.
@@ -67,14 +73,39 @@ class AsyncDriverSavepoint:
 
     async def open_with(self, claim: Prepared, params: dict[str, Any]) -> tuple[Any, ...]:
         """Set the savepoint and run ``claim`` in one message; return the claim's row. On a
-        failure the savepoint is rolled back (if it was set) before the error is raised."""
-        message = b"SAVEPOINT " + self._name + b"; " + self._text(claim, params)
+        failure the savepoint is rolled back (if it was set) before the error is raised.
+
+        A caller's transaction that SQLAlchemy has begun but the server has not yet (psycopg
+        sends ``BEGIN`` before a transaction's first statement, in a round trip of its own)
+        is begun in the same message, with the characteristics psycopg would ask for: the
+        claim then costs the caller's transaction no round trip of its own. psycopg, switched
+        to autocommit for that message so that it sends no ``BEGIN`` first, is switched back
+        at once (:func:`_adopt`): it follows the server's transaction status, so the caller's
+        statements and its ``COMMIT`` go on as if psycopg had begun the transaction itself."""
         driver = self._driver
+        status = driver.pgconn.transaction_status
+        message = b"SAVEPOINT " + self._name + b"; " + self._text(claim, params)
+        begin = status == pq.TransactionStatus.IDLE and not driver.autocommit
+        skip = 1
+        if begin:
+            message = begin_command(driver).encode() + b"; " + message
+            skip = 2
+            # Interrupted before psycopg is switched back, the connection is discarded when
+            # it returns to its pool (outbox._pg.transaction_base.install_guard).
+            guard(self._connection.engine.sync_engine)
+            self._connection.info[SWITCHED] = True
         # The SAVEPOINT runs unless the caller's transaction has failed already.
-        healthy = driver.pgconn.transaction_status != pq.TransactionStatus.INERROR
+        healthy = status != pq.TransactionStatus.INERROR
         cursor = driver.cursor()
         try:
-            await cursor.execute(message)
+            try:
+                if begin:
+                    await driver.set_autocommit(True)
+                await cursor.execute(message)
+            finally:
+                if begin:
+                    _adopt(driver)
+                    del self._connection.info[SWITCHED]
         except psycopg.Error as exc:
             self.is_active = healthy
             with contextlib.suppress(Exception):
@@ -84,7 +115,8 @@ class AsyncDriverSavepoint:
             self.is_active = True  # interrupted: the caller's handler rolls back to it
             raise
         self.is_active = True
-        cursor.nextset()
+        for _ in range(skip):
+            cursor.nextset()
         row = await cursor.fetchone()
         assert row is not None
         return tuple(row)
@@ -133,3 +165,19 @@ class AsyncDriverSavepoint:
             message.decode(errors="replace")[:200], None, exc, psycopg.Error,
             connection_invalidated=broken,
         )  # fmt: skip
+
+
+def _adopt(driver: psycopg.BaseConnection[Any]) -> None:
+    """Leave autocommit within the transaction the toolkit began on ``driver``: what
+    ``set_autocommit(False)`` does, which psycopg refuses while a transaction is open (it would
+    then have begun that transaction itself, and behaves the same from here on: it sends no
+    ``BEGIN`` while one is open, ``COMMIT`` and ``ROLLBACK`` at the caller's word, and ``BEGIN``
+    before the first statement after them)."""
+    driver._autocommit = False
+
+
+def guard(engine: sa.Engine) -> None:
+    """The pool guard on the engine of a caller's connection (its own, or the outbox's)."""
+    if engine not in _guarded:
+        install_guard(engine)
+        _guarded.add(engine)

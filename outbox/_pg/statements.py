@@ -240,6 +240,7 @@ class JoinedStatements:
     idempotency_key_fail: sa.TextClause
     idempotency_key_relock: sa.TextClause
     idempotency_key_read: str  # driver-level SQL (outbox._pg.readback_async)
+    idempotency_key_read_waking: str  # the same, and whether a relay waits for work
     idempotency_key_held: sa.TextClause
 
 
@@ -279,6 +280,15 @@ def joined_statements(schema: str | None) -> JoinedStatements:
             "SELECT status, fingerprint, result::text AS result, error, "
             "EXTRACT(EPOCH FROM now() - updated_at)::float8 AS age "
             f"FROM {keys} WHERE scope = %(scope)s AND key = %(key)s"
+        ),
+        # The same read, and the relays' idle probe (outbox._pg.wakeup) in its snapshot, taken
+        # after the caller's commit: one statement instead of the read and the notifier's own.
+        # The row is always there; a key not committed comes back with a NULL status.
+        idempotency_key_read_waking=(
+            "SELECT k.status, k.fingerprint, k.result::text AS result, k.error, "
+            "EXTRACT(EPOCH FROM now() - k.updated_at)::float8 AS age, probe.idle "
+            f"FROM ({idle_probe_sql(schema)}) AS probe (idle) "
+            f"LEFT JOIN {keys} AS k ON k.scope = %(scope)s AND k.key = %(key)s"
         ),
         # Does this server session hold the key's advisory lock already? (A bigint lock shows
         # in pg_locks as its high and low 32 bits.)

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from psycopg import ClientCursor, pq
 from sqlalchemy import Connection, Engine
 
+from outbox._pg.coalesce import coalesce
 from outbox._pg.literals import execute_text as _execute_text
 from outbox._pg.statements import Prepared
 from outbox._pg.transaction_base import (
@@ -242,9 +243,12 @@ class Transaction:
         """Pipeline what is sent from now on (psycopg's pipeline mode): a statement returns
         once sent, without waiting for its answer, unless its rows are read. A failed
         statement's error may then surface in a later statement, or at :meth:`end_pipeline`:
-        which statement failed is not known."""
+        which statement failed is not known. Statements are sent in bursts
+        (:func:`~outbox._pg.coalesce.coalesce`), and at once where an answer is needed."""
         pipeline = self._driver.pipeline()
-        pipeline.__enter__()
+        # Statements go to the server in bursts, not one write (and one wake-up of the server)
+        # each: see outbox._pg.coalesce.
+        coalesce(pipeline.__enter__())
         self._pipeline = pipeline
 
     def end_pipeline(self) -> None:

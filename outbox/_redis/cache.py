@@ -147,17 +147,21 @@ class OutcomeCache(CacheBase):
             self._failed("SET", exc)
 
     def get_many(self, scope: str, keys: list[str]) -> list[CachedOutcome | None]:
-        """:meth:`get` of many keys in one round trip (a pipeline of single-key reads, which
-        Redis Cluster splits by node); every answer is ``None`` when Redis fails."""
+        """:meth:`get` of many keys in one round trip: one ``MGET`` on a single Redis (one
+        reply for redis-py to parse, not one per key), a pipeline of single-key reads on Redis
+        Cluster (which splits it by node); every answer is ``None`` when Redis fails."""
         signer = self._signer
         if not keys or signer is None or not self.available():
             return [None] * len(keys)
         redis_keys = [self.redis_key(scope, key) for key in keys]
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for redis_key in redis_keys:
-                pipe.get(redis_key)
-            raws = pipe.execute()
+            if self._pool is not None:  # a single Redis: the keys may share one command
+                raws = self._call("MGET", *redis_keys)
+            else:
+                pipe = self._client.pipeline(transaction=False)
+                for redis_key in redis_keys:
+                    pipe.get(redis_key)
+                raws = pipe.execute()
         except Exception as exc:  # a Redis failure is a miss, never an error
             self._failed("GET", exc)
             return [None] * len(keys)

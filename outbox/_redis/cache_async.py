@@ -1,10 +1,11 @@
 """Redis fast path: remembers outcomes (COMPLETED results, FAILED errors) of committed keys.
 
-Redis is a cache, never the truth. Entries are written only after the PostgreSQL commit,
-read and written with single-key commands (safe on Redis Cluster), with bounded timeouts. Any
-Redis failure, a slow answer or a malformed entry makes the cache step aside: the caller goes
-to PostgreSQL, which decides. After a failure the cache stays out of the way for a short while
-(``cache_retry_after``) so that a Redis outage does not add a timeout to every call.
+Redis is a cache, never the truth. Entries are written only after the PostgreSQL commit, read and
+written with single-key commands (safe on Redis Cluster; a micro-batch's reads are one ``MGET`` on a
+single Redis), with bounded timeouts. Any Redis failure, a slow answer or a malformed entry makes
+the cache step aside: the caller goes to PostgreSQL, which decides. After a failure the cache stays
+out of the way for a short while (``cache_retry_after``) so that a Redis outage does not add a
+timeout to every call.
 
 The cache trusts only entries signed with its database's key (:mod:`outbox._redis.entry`),
 which the unit of work reads from PostgreSQL once (:meth:`AsyncOutcomeCache.trust`) and again on
@@ -163,17 +164,21 @@ class AsyncOutcomeCache(CacheBase):
             self._failed("SET", exc)
 
     async def get_many(self, scope: str, keys: list[str]) -> list[CachedOutcome | None]:
-        """:meth:`get` of many keys in one round trip (a pipeline of single-key reads, which
-        Redis Cluster splits by node); every answer is ``None`` when Redis fails."""
+        """:meth:`get` of many keys in one round trip: one ``MGET`` on a single Redis (one
+        reply for redis-py to parse, not one per key), a pipeline of single-key reads on Redis
+        Cluster (which splits it by node); every answer is ``None`` when Redis fails."""
         signer = self._signer
         if not keys or signer is None or not self.available():
             return [None] * len(keys)
         redis_keys = [self.redis_key(scope, key) for key in keys]
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for redis_key in redis_keys:
-                pipe.get(redis_key)
-            raws = await pipe.execute()
+            if self._pool is not None:  # a single Redis: the keys may share one command
+                raws = await self._call("MGET", *redis_keys)
+            else:
+                pipe = self._client.pipeline(transaction=False)
+                for redis_key in redis_keys:
+                    pipe.get(redis_key)
+                raws = await pipe.execute()
         except Exception as exc:  # a Redis failure is a miss, never an error
             self._failed("GET", exc)
             return [None] * len(keys)

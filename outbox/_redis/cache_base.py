@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 
+from outbox._core.readahead import ReadAhead
 from outbox._core.redact import one_line
 from outbox._redis.entry import Signer, derive_key
 from outbox.config import OutboxConfig
@@ -27,6 +28,8 @@ class CacheBase:
         self._signer: Signer | None = None
         self._generation = 0
         self._untrusted_warned = False
+        # Whether a unit of work asks Redis before its claim (outbox._core.readahead).
+        self.read_ahead = ReadAhead()
 
     def redis_key(self, scope: str, key: str) -> str:
         # Length-prefixed so that ("a:b", "c") and ("a", "b:c") never share an entry. The whole

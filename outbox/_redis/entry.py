@@ -36,6 +36,7 @@ _PERSON = b"outbox-cache-v1"
 # One encoder for every entry (json.dumps with options builds a new one at each call); the same
 # bytes as json.dumps(entry, ensure_ascii=False, separators=(",", ":")).
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_DECODER = json.JSONDecoder()
 
 
 def derive_key(
@@ -113,7 +114,7 @@ def decode_entry(
     if not hmac.compare_digest(given, _signer(key).mac(redis_key.encode("utf-8"), signed)):
         return None
     try:
-        entry = json.loads(raw)
+        entry = _DECODER.decode(raw.decode("utf-8"))  # json.loads, minus its sniffing of bytes
     except (ValueError, RecursionError):  # pragma: no cover - signed entries are ours
         return None
     return _outcome(entry, now_ms)

@@ -11,7 +11,7 @@ from outbox._core.environment import ENV_RELAY_LANES
 from outbox._core.lanes import DEFAULT_LANES, MAX_LANES
 from outbox.cli._common import EXIT_OK, add_flags, integer, ranged, resolve_flags
 from outbox.cli._database import command_engine
-from outbox.cli.relay import FLEET_FLAGS
+from outbox.cli._fleet_flags import FLEET_FLAGS
 from outbox.config import env, env_int
 from outbox.errors import ConfigurationError
 

@@ -69,6 +69,10 @@ class BaseAttempts(AttemptsBase[DeadLetterSink], ABC):
 
     cache: OutcomeCache | None = None
     batch_form = False
+    # False while no tracer provider is set (the micro-batches look once per batch): a message
+    # then gets a process span only if it carries a context to pass on -- an empty span per
+    # message is not free.
+    traced = True
 
     def _decided(self, message: Message, tries: Tries) -> AttemptVerdict | None:
         """The outcome of a message decided before (a dead letter confirmed, or one to send
@@ -132,7 +136,7 @@ class BaseAttempts(AttemptsBase[DeadLetterSink], ABC):
 
         With tracing on (:mod:`outbox._otel`) all of it runs in the message's ``process`` span:
         the handler's spans and the events it publishes join it."""
-        if spans is None:
+        if spans is None or not (self.traced or spans.carries_context(message)):
             return self._attempt(message, tries, key, enter, None, optimistic)
         with spans.process(message, self.config.group, self._link) as span:
             outcome = self._attempt(message, tries, key, enter, span, optimistic)
@@ -327,6 +331,26 @@ class Attempts(BaseAttempts):
             lambda: units.unit_of_work(key, scope=self._scope, fingerprint=fingerprint),
             optimistic,
         )
+
+    def decided(
+        self,
+        message: Message,
+        tries: Tries,
+        key: str,
+        fingerprint: str | None,
+        batch: Batch,
+    ) -> AttemptVerdict | None:
+        """The verdict on ``message`` whose key ``batch``'s lookup decided (a stored outcome,
+        or a lock held elsewhere), reached without a unit of work: no handler runs for it, so
+        none is needed -- or None when a ``process`` span must record it (it then goes through
+        :meth:`run`)."""
+        if spans is not None and (self.traced or spans.carries_context(message)):
+            return None
+        try:
+            batch.replay(key, fingerprint)
+        except Exception as exc:
+            return self.dispose(message, tries, exc, key=key)
+        return self.dispose(message, tries, None, key=key, replayed=True, answered_by="postgres")
 
     def _call(self, unit: Any, message: Message) -> Any:
         """The handler's result for ``message`` (a batch handler gets a batch of one)."""

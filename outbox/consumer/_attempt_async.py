@@ -74,6 +74,10 @@ class AsyncBaseAttempts(AttemptsBase[DeadLetterSink], ABC):
 
     cache: AsyncOutcomeCache | None = None
     batch_form = False
+    # False while no tracer provider is set (the micro-batches look once per batch): a message
+    # then gets a process span only if it carries a context to pass on -- an empty span per
+    # message is not free.
+    traced = True
 
     async def _decided(self, message: Message, tries: Tries) -> AttemptVerdict | None:
         """The outcome of a message decided before (a dead letter confirmed, or one to send
@@ -137,7 +141,7 @@ class AsyncBaseAttempts(AttemptsBase[DeadLetterSink], ABC):
 
         With tracing on (:mod:`outbox._otel`) all of it runs in the message's ``process`` span:
         the handler's spans and the events it publishes join it."""
-        if spans is None:
+        if spans is None or not (self.traced or spans.carries_context(message)):
             return await self._attempt(message, tries, key, enter, None, optimistic)
         with spans.process(message, self.config.group, self._link) as span:
             outcome = await self._attempt(message, tries, key, enter, span, optimistic)
@@ -337,6 +341,28 @@ class AsyncAttempts(AsyncBaseAttempts):
             key,
             lambda: units.unit_of_work(key, scope=self._scope, fingerprint=fingerprint),
             optimistic,
+        )
+
+    async def decided(
+        self,
+        message: Message,
+        tries: Tries,
+        key: str,
+        fingerprint: str | None,
+        batch: AsyncBatch,
+    ) -> AttemptVerdict | None:
+        """The verdict on ``message`` whose key ``batch``'s lookup decided (a stored outcome,
+        or a lock held elsewhere), reached without a unit of work: no handler runs for it, so
+        none is needed -- or None when a ``process`` span must record it (it then goes through
+        :meth:`run`)."""
+        if spans is not None and (self.traced or spans.carries_context(message)):
+            return None
+        try:
+            batch.replay(key, fingerprint)
+        except Exception as exc:
+            return await self.dispose(message, tries, exc, key=key)
+        return await self.dispose(
+            message, tries, None, key=key, replayed=True, answered_by="postgres"
         )
 
     async def _call(self, unit: Any, message: Message) -> Any:

@@ -167,6 +167,22 @@ class ConsumerMetrics:
         elif outcome is AttemptVerdict.PREVIOUSLY_FAILED:
             series.replayed_failed.inc()
 
+    def attempted_many(
+        self, group: str, topic: str, outcome: AttemptVerdict, seconds: float, count: int
+    ) -> None:
+        """:meth:`attempted` of ``count`` messages with the same outcome and time: each
+        counter moves once, by ``count``."""
+        series = self._of(group, topic)
+        observe = series.duration.observe
+        for _ in range(count):
+            observe(seconds)
+        if outcome is AttemptVerdict.PROCESSED:
+            series.processed.inc(count)
+        elif outcome is AttemptVerdict.REPLAYED:
+            series.replayed_completed.inc(count)
+        elif outcome is AttemptVerdict.PREVIOUSLY_FAILED:
+            series.replayed_failed.inc(count)
+
     def answered(self, group: str, topic: str, store: str) -> None:
         """A duplicate was answered from the stored result ``store`` held (redis, postgres)."""
         self._of(group, topic).answered[store].inc()

@@ -15,6 +15,7 @@ from outbox._core.disposition import AttemptVerdict, Failure
 from outbox._core.offsets import Assignment, PartitionId, PartitionState, Tries
 from outbox._core.redact import one_line
 from outbox._kafka.consumer import Message, coordinates
+from outbox._otel import spans
 from outbox._pg.errors import database_unavailable
 from outbox.config import ConsumerConfig
 from outbox.consumer._attempt import Attempts, GuardedAttempts
@@ -54,6 +55,7 @@ class MicroBatches(MicroBatchesBase):
         """One micro-batch. ``mb.moved`` is False when nothing moved; ``mb.dead_lettered``
         names the partitions whose offsets the runner should commit at once."""
         mb = MicroBatch(time.perf_counter())
+        self._attempts.traced = spans is not None and spans.recording()
         if self.config.concurrency > 1:
             self._run_lanes(mb, plan)
             self._record(mb)
@@ -299,8 +301,13 @@ class MicroBatches(MicroBatchesBase):
         """Run one message in a savepoint of ``batch`` and place it; False when its partition
         stops there."""
         tries = sl.state.tries(entry.offset, sl.is_head(entry))
+        runnable = batch.lookup(entry.key).runnable
+        if not runnable:  # a replay, or a key held elsewhere: no unit of work to run
+            decided = attempts.decided(entry.message, tries, entry.key, entry.fingerprint, batch)
+            if decided is not None:
+                return self._place(mb, sl, entry, decided)
         # Only a key whose work runs can fail for a reason not known without the database.
-        optimistic = batch.optimistic and batch.lookup(entry.key).runnable
+        optimistic = batch.optimistic and runnable
         try:
             outcome = attempts.run(
                 entry.message, tries, entry.key, entry.fingerprint, batch, optimistic

@@ -5,6 +5,7 @@ once, not generated."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -128,5 +129,5 @@ class MicroBatchesBase:
         if not mb.finished:
             return
         seconds = max(0.0, total - mb.alone_seconds) / len(mb.finished)
-        for topic, outcome in mb.finished:
-            self._metrics.attempted(self.config.group, topic, outcome, seconds)
+        for (topic, outcome), count in collections.Counter(mb.finished).items():
+            self._metrics.attempted_many(self.config.group, topic, outcome, seconds, count)

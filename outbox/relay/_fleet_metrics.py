@@ -11,26 +11,43 @@ labels.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from outbox.relay._fleet import Fleet
+    from outbox.config import FleetConfig
+    from outbox.relay._relay import Relay
 
 # The label the fleet adds to each database's series (``host:port/name``).
 DATABASE_LABEL = "database"
+
+
+class FleetView(Protocol):
+    """What the page reads of a fleet (:class:`outbox.relay.Fleet`)."""
+
+    @property
+    def config(self) -> FleetConfig: ...
+    @property
+    def databases(self) -> Mapping[str, object]: ...
+    @property
+    def members(self) -> set[int]: ...
+    @property
+    def served(self) -> dict[str, Relay]: ...
+    @property
+    def stop_event(self) -> threading.Event: ...
 
 
 class FleetMetrics(Collector):
     """``/metrics``, ``/healthz`` and ``/readyz`` of a fleet member (a
     :class:`outbox._metrics_server.HealthSource`)."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: FleetView) -> None:
         self.fleet = fleet
         self.registry = CollectorRegistry()
         self.registry.register(self)

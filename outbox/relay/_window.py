@@ -216,6 +216,8 @@ class WindowEngine:
         one, then the window's rows of keys not held; and per key (a key-less row: its id), the
         first row that must wait (held from there after this batch)."""
         wait: dict[bytes | int, int] = {}
+        if not owed and not held and not any(row[PARKED] for row in page):
+            return page, wait  # the usual batch: the window's rows, in id order, all sendable
         held_keys = {h.key for h in held.values() if h.key is not None}
         rows: list[ClaimedRow] = []
         for row in owed:
@@ -335,11 +337,12 @@ class WindowEngine:
             failures = [o for o in reports if o is not None and not o.ok]
             result.error = failures[0].error if failures else None
             return result
-        for row, report in zip(rows, reports, strict=True):
-            if report is None or report.error is not None:
-                key = row[KEY]
-                name: bytes | int = key if key is not None else row[ID]
-                wait[name] = min(wait.get(name, row[ID]), row[ID])
+        if len(verdict.delete) < len(rows):  # some row not confirmed: its key waits
+            for row, report in zip(rows, reports, strict=True):
+                if report is None or report.error is not None:
+                    key = row[KEY]
+                    name: bytes | int = key if key is not None else row[ID]
+                    wait[name] = min(wait.get(name, row[ID]), row[ID])
         drop, add = self._held_changes(held, fetched, wait)
         if verdict.fail_ids:
             outbox_record_failures(

@@ -256,23 +256,44 @@ class AsyncBatch:
         if tx is None:
             raise ConfigurationError("the batch has ended")
         found = self._lookups[key]
-        self._used.add(key)
         if not found.runnable:
-            claim.verdict(scope, key, fingerprint, found.stored, found.acquired)  # raises, or:
-            assert found.stored is not None
-            ttl = claim.warm_ttl(self._outbox.config.cache_ttl, self._outbox.config.retention,
-                                 found.age)  # fmt: skip
-            if ttl is not None:
-                self._warm.append((key, found.stored, ttl))
-            result = found.stored.result_json
+            stored = self._replay(key, fingerprint, found)
+            result = stored.result_json
             return AsyncBatchUnitOfWork(
                 self._outbox, scope, key, fingerprint, None, replayed=True,
                 result=json.loads(result) if result is not None else None,
                 replayed_from="postgres",
             )  # fmt: skip
+        self._used.add(key)
         return AsyncBatchUnitOfWork(
             self._outbox, scope, key, fingerprint, tx, replayed=False, shared=True
         )
+
+    def replay(self, key: str, fingerprint: str | None) -> None:
+        """Decide a key that is not :attr:`~KeyLookup.runnable` here without a unit of work:
+        returns when its stored result may be replayed to this message (and warms the cache
+        with it, as its replayed unit of work would), raises what its unit of work would raise
+        (:class:`~outbox.errors.KeyInProgress`, :class:`~outbox.errors.PreviouslyFailed`,
+        :class:`~outbox.errors.KeyReuseError`) otherwise. The key has no unit of work in this
+        batch after it."""
+        if key in self._used:
+            raise ConfigurationError(f"key {key!r} already had its unit of work in this batch")
+        if self._tx is None:
+            raise ConfigurationError("the batch has ended")
+        found = self._lookups[key]
+        if found.runnable:
+            raise ConfigurationError(f"key {key!r} is not decided yet: its work runs here")
+        self._replay(key, fingerprint, found)
+
+    def _replay(self, key: str, fingerprint: str | None, found: KeyLookup) -> StoredOutcome:
+        self._used.add(key)
+        claim.verdict(self.scope, key, fingerprint, found.stored, found.acquired)  # raises, or:
+        assert found.stored is not None
+        ttl = claim.warm_ttl(self._outbox.config.cache_ttl, self._outbox.config.retention,
+                             found.age)  # fmt: skip
+        if ttl is not None:
+            self._warm.append((key, found.stored, ttl))
+        return found.stored
 
     async def _end(self, units: list[AsyncBatchUnitOfWork], exc: BaseException | None) -> None:
         """End ``units`` (one savepoint): stage their final rows, or roll them back."""

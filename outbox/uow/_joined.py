@@ -78,7 +78,9 @@ class JoinedUnits:
         self._notify = notify
         self._pooled = pooled
         self._sql: JoinedStatements = joined_statements(config.schema)
-        self._reader = KeyReader(reader, self._sql.idempotency_key_read)
+        self._reader = KeyReader(
+            reader, self._sql.idempotency_key_read, self._sql.idempotency_key_read_waking
+        )
         # After close, a caller's commit writes no cache entry (the client is closed).
         self._closed = False
 
@@ -159,28 +161,36 @@ class JoinedUnits:
 
     def _after_commit(self, scope: str, key: str, wake: bool) -> Callable[[], None]:
         cache = self._cache
+        wake = wake and self.config.wake_relays
 
         def run() -> None:
             if cache is not None and not self._closed:
-                self._learn_committed(cache, scope, key)
-            if wake:
+                self._learn_committed(cache, scope, key, wake)
+            elif wake:
                 self._notify()
 
         return run
 
-    def _learn_committed(self, cache: OutcomeCache, scope: str, key: str) -> None:
-        """Cache the key's outcome if -- and only as -- PostgreSQL committed it.
+    def _learn_committed(self, cache: OutcomeCache, scope: str, key: str, wake: bool) -> None:
+        """Cache the key's outcome if -- and only as -- PostgreSQL committed it; with
+        ``wake``, wake the relays if one waits for work.
 
         Runs after a commit of the caller, on a connection of the toolkit's own: a statement
         there sees only committed rows, so a row found was committed (by the caller's commit,
         or by another attempt since: either way it is the key's outcome), and a row not found
-        means the commit did not contain it. Nothing is written then.
+        means the commit did not contain it. Nothing is written then. The relays' idle probe
+        travels in the same statement, after the commit as the wake-up needs it
+        (:mod:`outbox._pg.wakeup`): the notifier is called only when a relay waits.
         """
         try:
-            row = self._reader.read(scope, key)
+            row, relay_idle = self._reader.read(scope, key, waking=wake)
         except Exception:  # the cache is only a cache: the next attempt asks PostgreSQL
             log.warning("event=joined_cache_write_skipped scope=%r key=%r", scope, key)
+            if wake:
+                self._notify()  # its thread probes for itself
             return
+        if relay_idle:
+            self._notify()
         if row is None:
             return
         status, stored_fp, result_json, error, age = row

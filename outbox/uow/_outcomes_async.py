@@ -39,7 +39,8 @@ class AsyncOutcomes:
     async def cached(self, scope: str, key: str) -> StoredOutcome | None:
         """The outcome Redis holds for the key, if there is a cache and it can vouch for it."""
         cache = self._cache
-        if cache is None:
+        if cache is None or not cache.read_ahead.wanted():
+            # No duplicate lately: the claim answers one, and caches it (replay_claimed).
             return None
         if not cache.trusted and cache.available():
             # Once per process: the key of this database's entries (outbox._pg.identity).
@@ -55,7 +56,12 @@ class AsyncOutcomes:
                 cache.untrusted(exc)
                 return None
             cache.trust(generation, *identity)
-        return await cache.get(scope, key)
+        outcome = await cache.get(scope, key)
+        if outcome is None:
+            cache.read_ahead.missed()
+        else:
+            cache.read_ahead.seen()
+        return outcome
 
     def replay(
         self,
@@ -91,11 +97,13 @@ class AsyncOutcomes:
         """The claim found the key decided or held elsewhere: raise what the verdict says, or
         replay the stored outcome (and warm the cache with it: an earlier transaction committed
         it)."""
+        cache = self._cache
+        if cache is not None:
+            cache.read_ahead.seen()  # a duplicate (or a race for the key): read Redis again
         exact = results.from_database(result_json)
         stored = None if status is None else StoredOutcome(status, stored_fp, exact, error)
         claim.verdict(scope, key, fingerprint, stored, acquired)  # raises KeyInProgress
         assert stored is not None
-        cache = self._cache
         if cache is not None:
             ttl = claim.warm_ttl(self.config.cache_ttl, self.config.retention, age)
             if ttl is not None:

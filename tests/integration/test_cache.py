@@ -6,11 +6,14 @@ import json
 from collections.abc import Callable
 
 import pytest
+import redis
 import sqlalchemy as sa
 
 import outbox
 from outbox import OutboxConfig
+from outbox._core.readahead import WINDOW
 from outbox.errors import ConfigurationError, PermanentError, PreviouslyFailed
+from tests.fixtures.redis import PrivateRedis
 from tests.fixtures.uow import INSERT_ORDER, count, place, watch
 
 
@@ -140,3 +143,63 @@ def test_keys_are_single_and_unambiguous(ob: outbox.Outbox) -> None:
     b = ob.cache.redis_key("a", "b:c")
     assert a != b
     assert a.startswith(ob.config.cache_prefix + ":")
+
+
+def test_first_attempts_stop_asking_redis_until_a_duplicate_arrives(
+    make_outbox: Callable[..., outbox.Outbox], private_redis: Callable[..., PrivateRedis]
+) -> None:
+    """A key is in Redis only once a duplicate of it was answered: after a window of first
+    attempts that found nothing there, the next ones go straight to their claims; the next
+    duplicate, answered by PostgreSQL, turns the reads on again, and its key's further
+    duplicates come from Redis."""
+    server = private_redis()
+    ob = make_outbox(server.url, cache_prefix="ahead")
+    client = redis.Redis.from_url(server.url)
+
+    def gets() -> int:
+        stats: dict[str, dict[str, int]] = client.info("commandstats")
+        return stats.get("cmdstat_get", {}).get("calls", 0)
+
+    try:
+        for i in range(WINDOW):
+            assert place(ob, f"new-{i}") == (False, {"order": f"new-{i}"})
+        assert gets() == WINDOW  # each asked Redis first, and found nothing
+        for i in range(10):
+            assert place(ob, f"later-{i}") == (False, {"order": f"later-{i}"})
+        assert gets() == WINDOW  # not these
+        assert place(ob, "new-0") == (True, {"order": "new-0"})  # PostgreSQL answers
+        assert gets() == WINDOW
+        with watch(ob.engine) as activity:
+            assert place(ob, "new-0") == (True, {"order": "new-0"})
+        assert activity.total == 0, activity  # Redis answered
+        assert gets() == WINDOW + 1
+        assert place(ob, "later-10") == (False, {"order": "later-10"})
+        assert gets() == WINDOW + 2  # reading ahead again
+    finally:
+        client.close()
+
+
+def test_a_batch_reads_its_keys_in_one_mget_with_the_answers_of_single_reads(
+    make_outbox: Callable[..., outbox.Outbox], private_redis: Callable[..., PrivateRedis]
+) -> None:
+    """On a single Redis, get_many is one MGET; each answer is what get gives: an entry, or
+    None for a key never stored and for garbage. (A server of its own: its command counts
+    are this test's alone.)"""
+    ob = make_outbox(private_redis().url)
+    assert ob.cache is not None
+    cache, client = ob.cache, ob.cache.client
+    for key in ("m-1", "m-3"):
+        place(ob, key)
+        place(ob, key)  # a replay: the cache holds the outcome from here on
+    client.set(cache.redis_key("shop", "m-junk"), b"not json")
+    keys = ["m-1", "m-2", "m-3", "m-junk"]
+
+    def calls(command: str) -> int:
+        stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+        return int(stats.get("calls", 0)) if isinstance(stats, dict) else 0
+
+    mgets, gets = calls("mget"), calls("get")
+    many = cache.get_many("shop", keys)
+    assert calls("mget") == mgets + 1 and calls("get") == gets
+    assert [c is not None for c in many] == [True, False, True, False]
+    assert many == [cache.get("shop", k) for k in keys]

@@ -112,3 +112,42 @@ def test_a_large_final_statement_is_bound_and_the_savepoint_released(engine: sa.
     assert rows(engine, "SELECT value FROM outbox") == [(value,)]
     assert rows(engine, "SELECT key FROM idempotency_keys") == [("large",)]
     assert count(engine, "orders") == 0
+
+
+@pytest.mark.parametrize("isolation", [None, "REPEATABLE READ"])
+def test_a_transaction_begun_with_the_claim_is_the_callers_to_the_end(
+    engine: sa.Engine, database_url: str, isolation: str | None
+) -> None:
+    """The claim's message begins the caller's transaction (with the isolation level the
+    caller asked for) when the server has not begun it yet: psycopg is not left in
+    autocommit, so the caller's statements stay in that transaction, its rollback rolls
+    them all back, and its next transaction on the connection is a transaction again."""
+    create_orders(engine)
+    options = {} if isolation is None else {"isolation_level": isolation}
+    callers = sa.create_engine(database_url, pool_size=1, max_overflow=0, **options)
+    try:
+        with outbox.Outbox(engine) as ob:
+            with callers.connect() as conn:
+                driver = conn.connection.driver_connection
+                assert driver is not None
+                with ob.unit_of_work("rolled-back", connection=conn) as uow:
+                    assert not driver.autocommit
+                    level = conn.exec_driver_sql("SHOW transaction_isolation").scalar()
+                    conn.execute(INSERT_ORDER, {"k": "rolled-back"})
+                    uow.publish("t", b"x")
+                assert not driver.autocommit
+                conn.rollback()
+                conn.execute(INSERT_ORDER, {"k": "second, rolled back too"})
+                conn.rollback()
+                with ob.unit_of_work("committed", connection=conn) as uow:
+                    conn.execute(INSERT_ORDER, {"k": "committed"})
+                conn.commit()
+            with callers.connect() as conn:  # the same connection, back from the pool
+                conn.execute(INSERT_ORDER, {"k": "third, rolled back"})
+                conn.rollback()
+    finally:
+        callers.dispose()
+    assert level == (isolation or "read committed").lower()
+    assert _orders(engine) == ["committed"]
+    assert count(engine, "idempotency_keys") == 1
+    assert count(engine, "outbox") == 0

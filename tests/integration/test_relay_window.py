@@ -7,13 +7,15 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from outbox._core import codec
 from outbox._core.lanes import KIND_LANE, KIND_MEMBER, namespace
-from outbox._pg.window import WindowStatements
+from outbox._pg import window as pg_window
+from outbox._pg.window import Cursor, WindowStatements
 from outbox.admin import discard_parked, list_parked, retry_parked
 from outbox.errors import ConfigurationError
 from outbox.relay import Relay, RelayConfig
@@ -408,3 +410,124 @@ def test_the_rows_a_held_key_owes_are_found_through_the_key_index(engine: sa.Eng
         conn.rollback()
     assert "ix_outbox_key_hash" in plan, plan
     assert "Seq Scan on outbox o" not in plan, plan
+
+
+def _window_of_generated_rows(conn: sa.Connection, sql: WindowStatements, rows: int) -> Cursor:
+    """A delivered snapshot, ``rows`` rows committed after it (key_hash = g % 32), and the
+    window they are in, opened over every lane. The table is ANALYZEd before the rows come, as
+    a burst finds it: its statistics know nothing of the window's transaction."""
+    conn.exec_driver_sql("ANALYZE outbox")
+    delivered = conn.exec_driver_sql("SELECT pg_current_snapshot()::text").scalar_one()
+    conn.commit()
+    conn.exec_driver_sql(
+        "INSERT INTO outbox (event_id, topic, key, value, headers, key_hash) "
+        "SELECT gen_random_uuid(), 't', convert_to('k' || g, 'UTF8'), 'v', '{}', g %% 32 "
+        f"FROM generate_series(1, {rows}) g"
+    )
+    conn.commit()
+    opened = pg_window.window_open(conn, sql, 32, list(range(32)), Cursor(delivered, None, 0, 0))
+    conn.commit()
+    assert opened.rows == rows and opened.low is not None and opened.high is not None
+    return Cursor(delivered, opened.window, opened.low - 1, opened.high)
+
+
+def test_a_page_walks_the_primary_key_and_not_the_whole_window(engine: sa.Engine) -> None:
+    """A page of a large window reads about a page of rows: given the whole window's id range,
+    the planner scanned and sorted all of the window's rows for each page (and, statistics
+    ending before the window's transaction, walked them through the txid index)."""
+    sql = WindowStatements.for_schema(None)
+    with engine.connect() as conn:
+        # Delivered rows of an earlier window, in the statistics; the window's are not.
+        conn.exec_driver_sql(
+            "INSERT INTO outbox (event_id, topic, key, value, headers, key_hash) "
+            "SELECT gen_random_uuid(), 't', 'k', 'v', '{}', 0 FROM generate_series(1, 20000)"
+        )
+        conn.commit()
+        cursor = _window_of_generated_rows(conn, sql, 20000)
+        params = {
+            "lanes": 32,
+            "owned": list(range(32)),
+            "delivered": cursor.delivered,
+            "opened": cursor.opened,
+            "done": cursor.done,
+            "end": cursor.done + 1000,
+            "batch_size": 500,
+        }
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        with driver.cursor() as cur:
+            cur.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql.page}", params)
+            plan = cur.fetchone()[0][0]["Plan"]  # type: ignore[index]
+        conn.rollback()
+    nodes = [plan, *plan.get("Plans", [])]
+    assert any(n.get("Index Name") == "outbox_pkey" for n in nodes), plan
+    assert all(n["Node Type"] != "Sort" for n in nodes), plan
+    scanned = sum(n.get("Actual Rows", 0) + n.get("Rows Removed by Filter", 0) for n in nodes[1:])
+    assert scanned <= 1000, plan
+
+
+def test_pages_of_a_few_lanes_among_many_return_each_row_once_in_id_order(
+    engine: sa.Engine,
+) -> None:
+    """A relay that owns 2 lanes of 32 reads its window's rows among 15 times as many of other
+    lanes: the ranges a page reads grow until the page is full, and the pages together are the
+    window's rows of those lanes, each once, in id order."""
+    sql = WindowStatements.for_schema(None)
+    owned = [3, 17]
+    with engine.connect() as conn:
+        cursor = _window_of_generated_rows(conn, sql, 3200)
+        wanted = [
+            int(i)
+            for (i,) in conn.exec_driver_sql(
+                "SELECT id FROM outbox WHERE key_hash %% 32 IN (3, 17) ORDER BY id"
+            )
+        ]
+        conn.commit()
+        got: list[int] = []
+        sizes: list[int] = []
+        while True:
+            page = pg_window.window_page(conn, sql, 32, owned, cursor, 30)
+            conn.commit()
+            got += [row[0] for row in page]
+            sizes.append(len(page))
+            if len(page) < 30:
+                break
+            cursor = Cursor(cursor.delivered, cursor.opened, page[-1][0], cursor.high)
+    assert got == wanted
+    assert len(wanted) == 200 and sizes == [30] * 6 + [20]
+
+
+def test_the_backlog_reads_the_cursors_once_not_once_per_row(engine: sa.Engine) -> None:
+    """WINDOW_STATS runs on the relay's loop every stats interval: under a held horizon every
+    cursor write leaves a version of its row behind, and a lookup of the cursor per pending row
+    walked them all (minutes for a 300,000-row backlog, the relay's loop held that long)."""
+    sql = WindowStatements.for_schema(None)
+    with engine.connect() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO outbox (event_id, topic, key, value, headers, key_hash) "
+            "SELECT gen_random_uuid(), 't', 'k', 'v', '{}', g %% 32 FROM generate_series(1, 5000) g"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO outbox_relay_windows (lane, lanes, delivered) "
+            "SELECT g, 32, '1:1:' FROM generate_series(0, 31) g"
+        )
+        conn.commit()
+        conn.exec_driver_sql("ANALYZE outbox")
+        params = {"lanes": 32, "owned": list(range(32)), "floor": "1"}
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        with driver.cursor() as cur:
+            cur.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql.stats}", params)
+            plan = cur.fetchone()[0][0]["Plan"]  # type: ignore[index]
+        conn.rollback()
+
+    def scans(node: dict[str, Any]) -> list[tuple[str, int]]:
+        found = []
+        if "Relation Name" in node:
+            found.append((str(node["Relation Name"]), int(node["Actual Loops"])))
+        for child in node.get("Plans", []):
+            found += scans(child)
+        return found
+
+    cursor_scans = [loops for name, loops in scans(plan) if name == "outbox_relay_windows"]
+    assert cursor_scans == [1], plan

@@ -287,3 +287,35 @@ def test_the_asyncio_batch(database_url: str, redis_url: str, redis_prefix: str)
     assert order_keys(engine) == ["x", "z"]
     assert statuses(engine) == {"x": "completed", "z": "completed"}
     engine.dispose()
+
+
+def test_a_decided_key_is_answered_without_a_unit_of_work(ob: outbox.Outbox) -> None:
+    """Batch.replay decides a key that is not runnable as its unit of work would: a replay
+    (warming the cache), or the same refusals; a runnable or used key is refused."""
+    with ob.unit_of_work("done", scope=SCOPE, fingerprint="f1") as uow:
+        uow.result = "stored"
+    with contextlib.suppress(PermanentError), ob.unit_of_work("failed", scope=SCOPE):
+        raise PermanentError("no")
+    assert ob.cache is not None
+    ob.cache.client.flushdb()  # the answers below come from PostgreSQL
+    batch = Batch.open(ob, SCOPE, ["done", "failed", "new", "reused"])
+    try:
+        batch.replay("done", "f1")
+        with pytest.raises(ConfigurationError, match="already had its unit of work"):
+            batch.replay("done", "f1")
+        with pytest.raises(ConfigurationError, match="already had its unit of work"):
+            batch.unit_of_work("done", SCOPE, "f1").__enter__()
+        with pytest.raises(PreviouslyFailed):
+            batch.replay("failed", None)
+        with pytest.raises(ConfigurationError, match="its work runs here"):
+            batch.replay("new", None)
+        batch.commit()
+    finally:
+        batch.close()
+    assert ob.cache.get(SCOPE, "done") is not None  # warmed, as a replayed unit of work does
+    batch = Batch.open(ob, SCOPE, ["done"])
+    try:
+        with pytest.raises(KeyReuseError):
+            batch.replay("done", "f2")
+    finally:
+        batch.close()

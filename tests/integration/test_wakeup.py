@@ -139,3 +139,32 @@ def test_a_burst_of_commits_is_folded_into_few_notifications(engine: sa.Engine) 
         stop.set()
         listener.join(5)
     assert channel("billing") == "outbox_wakeup__billing" and channel(None) == "outbox_wakeup"
+
+
+def test_a_joined_commit_wakes_through_its_read_back(
+    database_url: str, engine: sa.Engine, redis_url: str, redis_prefix: str
+) -> None:
+    """With Redis, the read-back after the caller's commit carries the idle probe: while no
+    relay waits the notifier thread is not called at all, and a waiting relay is woken."""
+    listener, woken, stop = _listen(engine, None)
+    ob = Outbox(database_url, redis_url=redis_url, config=OutboxConfig(cache_prefix=redis_prefix))
+    callers = sa.create_engine(database_url)
+
+    def joined(key: str) -> None:
+        with callers.begin() as conn, ob.unit_of_work(key, connection=conn) as uow:
+            uow.publish("wakeup-test", b"x")
+
+    try:
+        woken.clear()
+        for n in range(10):
+            joined(f"busy-{n}")
+        assert not woken.wait(1.0), "a notification although no relay waits"
+        assert ob._notify.rounds == 0  # type: ignore[attr-defined]
+        with _waiting_relay(engine, None):
+            joined("idle-now")
+            assert woken.wait(10), "no notification after a joined commit with an event"
+    finally:
+        ob.close()
+        callers.dispose()
+        stop.set()
+        listener.join(5)
