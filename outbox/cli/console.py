@@ -21,7 +21,7 @@ from outbox.cli._common import (
     ranged,
     require,
 )
-from outbox.cli.relay import FLEET_FLAGS
+from outbox.cli._fleet_flags import FLEET_FLAGS
 from outbox.errors import ConfigurationError
 
 # This module is imported only when `outbox console` runs; without the console extra the
