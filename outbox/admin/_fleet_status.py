@@ -201,6 +201,7 @@ __all__ = [
     "DatabaseStatus",
     "fleet_status_to_json",
     "fleet_urls",
+    "identity_of",
     "read_database_status",
     "read_fleet_status",
     "render_fleet_status",

@@ -33,7 +33,6 @@ from outbox import admin
 from outbox._core.durations import format_duration
 from outbox._core.redact import redact_text
 from outbox.admin import DatabaseStatus
-from outbox.admin._fleet_status import identity_of
 from outbox.console.access import carries_token
 from outbox.console.app import create_app
 from outbox.console.pages import HERE, REFRESH_SECONDS, protect
@@ -89,7 +88,7 @@ class Fleet:
     def _read_urls(self) -> list[str]:
         urls = self.sources.urls()
         with self._lock:
-            self._urls = {database_key(identity_of(u)): u for u in urls}
+            self._urls = {database_key(admin.identity_of(u)): u for u in urls}
         return urls
 
     def statuses(self) -> list[tuple[str, DatabaseStatus]]:
