@@ -83,11 +83,19 @@ def test_every_metric_the_dashboard_and_rules_use_is_exported(
 ) -> None:
     topic = f"deploy-{uuid.uuid4().hex[:8]}"
     create_topic(kafka_bootstrap, topic, partitions=2)
-    relay_port, consumer_port = free_port(), free_port()
+    relay_port, consumer_port, fleet_port = free_port(), free_port(), free_port()
     relay_log, consumer_log = tmp_path / "relay.log", tmp_path / "consumer.log"
+    fleet_log, databases = tmp_path / "fleet.log", tmp_path / "databases"
     relay = start_relay(
         database_url, kafka_bootstrap, "--metrics-port", str(relay_port), log_path=relay_log
     )
+    # A fleet member (over a databases file) serves the same database: the fleet's own series,
+    # which a relay of one database has not.
+    databases.write_text(database_url + "\n")
+    fleet = start_relay(
+        database_url, kafka_bootstrap, "--databases-file", str(databases),
+        "--metrics-port", str(fleet_port), log_path=fleet_log,
+    )  # fmt: skip
     with consumer_log.open("wb") as log:
         consumer = subprocess.Popen(
             [OUTBOX_BIN, "consume", "tests.e2e.test_deploy_metrics:handle", "--topic", topic,
@@ -108,12 +116,21 @@ def test_every_metric_the_dashboard_and_rules_use_is_exported(
             return line.endswith(" 20.0")
 
         wait_for(processed, 90, "the consumer never processed the 20 events the relay sent")
-        families = {**exported(scrape(relay_port)), **exported(scrape(consumer_port))}
+        wait_for(
+            lambda: "outbox_fleet_database_served{" in scrape(fleet_port),
+            60,
+            "the fleet member never listed the database it knows",
+        )
+        families = {
+            **exported(scrape(fleet_port)),
+            **exported(scrape(relay_port)),
+            **exported(scrape(consumer_port)),
+        }
     except BaseException:
-        print(log_tail(relay_log), log_tail(consumer_log), sep="\n---\n")
+        print(log_tail(relay_log), log_tail(fleet_log), log_tail(consumer_log), sep="\n---\n")
         raise
     finally:
-        for proc in (relay, consumer):
+        for proc in (relay, fleet, consumer):
             stop_process(proc, 15)
 
     samples = {name for names in families.values() for name in names}
