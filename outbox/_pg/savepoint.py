@@ -14,7 +14,7 @@ from sqlalchemy import Connection
 
 from outbox._pg.literals import execute_text
 from outbox._pg.statements import Prepared
-from outbox._pg.transaction_base import SWITCHED, begin_command, install_guard
+from outbox._pg.transaction_base import SWITCHED, adopt_transaction, begin_command, install_guard
 
 # Engines whose pools discard a connection left switched to autocommit (checked on every claim
 # that begins a transaction: cheaper than SQLAlchemy's event lookups).
@@ -61,8 +61,9 @@ class DriverSavepoint:
         is begun in the same message, with the characteristics psycopg would ask for: the
         claim then costs the caller's transaction no round trip of its own. psycopg, switched
         to autocommit for that message so that it sends no ``BEGIN`` first, is switched back
-        at once (:func:`_adopt`): it follows the server's transaction status, so the caller's
-        statements and its ``COMMIT`` go on as if psycopg had begun the transaction itself."""
+        at once (:func:`~outbox._pg.transaction_base.adopt_transaction`): it follows the
+        server's transaction status, so the caller's statements and its ``COMMIT`` go on as if
+        psycopg had begun the transaction itself."""
         driver = self._driver
         status = driver.pgconn.transaction_status
         message = b"SAVEPOINT " + self._name + b"; " + self._text(claim, params)
@@ -85,7 +86,7 @@ class DriverSavepoint:
                 cursor.execute(message)
             finally:
                 if begin:
-                    _adopt(driver)
+                    adopt_transaction(driver)
                     del self._connection.info[SWITCHED]
         except psycopg.Error as exc:
             self.is_active = healthy
@@ -146,15 +147,6 @@ class DriverSavepoint:
             message.decode(errors="replace")[:200], None, exc, psycopg.Error,
             connection_invalidated=broken,
         )  # fmt: skip
-
-
-def _adopt(driver: psycopg.BaseConnection[Any]) -> None:
-    """Leave autocommit within the transaction the toolkit began on ``driver``: what
-    ``set_autocommit(False)`` does, which psycopg refuses while a transaction is open (it would
-    then have begun that transaction itself, and behaves the same from here on: it sends no
-    ``BEGIN`` while one is open, ``COMMIT`` and ``ROLLBACK`` at the caller's word, and ``BEGIN``
-    before the first statement after them)."""
-    driver._autocommit = False
 
 
 def guard(engine: sa.Engine) -> None:

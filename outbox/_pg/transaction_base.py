@@ -157,6 +157,15 @@ def _interrupted() -> bool:
     return exc is not None and not isinstance(exc, Exception)
 
 
+def adopt_transaction(driver: psycopg.BaseConnection[Any]) -> None:
+    """Leave autocommit within the transaction the toolkit began on ``driver``: what
+    ``set_autocommit(False)`` does, which psycopg refuses while a transaction is open (it would
+    then have begun that transaction itself, and behaves the same from here on: it sends no
+    ``BEGIN`` while one is open, ``COMMIT`` and ``ROLLBACK`` at the caller's word, and ``BEGIN``
+    before the first statement after them)."""
+    driver._autocommit = False
+
+
 def begin_command(driver: psycopg.BaseConnection[Any]) -> str:
     # The same transaction characteristics psycopg itself would request.
     parts = ["BEGIN"]
