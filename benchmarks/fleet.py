@@ -1,7 +1,7 @@
 """Benchmark: a relay fleet, many databases on one PostgreSQL served by two relay processes.
 
     python benchmarks/fleet.py [--server-url URL] [--bootstrap-servers HOST:PORT]
-                               [--databases 100] [--idle-seconds 120] [--rate 1000]
+                               [--databases 100] [--idle-seconds 120] [--rates 250,1000]
                                [--load-seconds 15] [--writers 4]
 
 Measured in one run:
@@ -10,9 +10,12 @@ Measured in one run:
   listeners, membership);
 * **idle CPU** over ``--idle-seconds``: the two relay processes and the PostgreSQL backends
   of their sessions, from ``/proc/<pid>/stat``, as a percentage of one core;
-* **commit -> Kafka latency** (p50/p99) while ``--writers`` processes commit ``--rate``
-  events/s in all, each to a random database, with the after-commit wake-up a unit of work
-  sends (a consumer timestamps arrival);
+* **commit -> Kafka latency** (p50/p99) while ``--writers`` processes commit each of
+  ``--rates`` events/s in all (a phase each), each to a random database, with the after-commit
+  wake-up a unit of work sends (a consumer timestamps arrival), after a first event in every
+  database (reported apart); and the CPU each phase cost per 1,000 events: relays,
+  their backends, writers, every other PostgreSQL process (the writers' backends, and anything
+  else the server runs meanwhile), the broker, the consumer, the machine;
 * **takeover**: after a SIGKILL of the process serving more databases, the seconds until every
   database is served again (by the survivor).
 
@@ -41,8 +44,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import Consumer
-from cpu import TICK, _process_ticks
-from relay import start_tansu
+from cpu import TICK, Meter, _process_ticks, processes_named
+from relay import BROKER_PIDS, start_tansu
 
 from outbox._core import codec as _codec
 from outbox._core.fleet import member_key, member_namespace, owner_namespace
@@ -115,7 +118,15 @@ def wait(predicate: object, timeout: float, what: str) -> None:
     raise SystemExit(f"timed out: {what}")
 
 
-WRITER_THREADS = 6
+WRITER_THREADS = 4
+
+# One event's row, as the relay reads it; the statement goes to the driver directly, so that
+# the load generator costs the machine as little as it can (what the relays need is rows
+# committed at a known time, not a unit of work's own cost: benchmarks/uow.py measures that).
+INSERT = (
+    "INSERT INTO outbox (event_id, topic, key, value, headers, key_hash) "
+    "VALUES (%s, %s, %s, %s, %s, %s)"
+)
 
 
 def write_share(
@@ -130,12 +141,18 @@ def write_share(
     """One writer process: commit ``per_second`` events for ``seconds`` to random databases of
     ``urls`` (each commit followed by its wake-up, as a unit of work does); put the commit
     times, by event id, on ``results``."""
-    engines = [sa.create_engine(u, pool_size=WRITER_THREADS) for u in urls]
+    import psycopg
+    from psycopg.types.json import Jsonb
+
+    engines = [sa.create_engine(u, poolclass=sa.pool.NullPool) for u in urls]
     notifiers = [make_notifier(e, None, None) for e in engines]
-    for engine in engines:  # connected before the clock starts
-        with engine.connect():
-            pass
-    table = tables(None).outbox
+    # Each thread its own autocommit connection to each database (one round trip a commit),
+    # connected before the clock starts.
+    dsns = [sa.make_url(u).set(drivername="postgresql").render_as_string(False) for u in urls]
+    sessions = [
+        [psycopg.connect(dsn, autocommit=True) for dsn in dsns] for _ in range(WRITER_THREADS)
+    ]
+    headers = Jsonb(_codec.encode_headers({}))
     committed: dict[str, float] = {}
     go.wait()
     start = time.monotonic()
@@ -143,27 +160,21 @@ def write_share(
     def write(thread: int) -> None:
         rng = random.Random(worker * 100 + thread)
         interval = WRITER_THREADS / per_second
+        mine = sessions[thread]
         n = 0
         while (now := time.monotonic()) - start < seconds:
             due = start + thread * interval / WRITER_THREADS + n * interval
             if due > now:
                 time.sleep(due - now)
             n += 1
-            i = rng.randrange(len(engines))
+            i = rng.randrange(len(urls))
             event_id = uuid.uuid4()
             key = f"k{rng.randrange(1000)}".encode()
-            with engines[i].begin() as conn:
-                conn.execute(
-                    sa.insert(table),
-                    {
-                        "event_id": event_id,
-                        "topic": topic,
-                        "key": key,
-                        "value": b"x" * 100,
-                        "headers": _codec.encode_headers({}),
-                        "key_hash": _codec.key_hash(key, event_id.bytes),
-                    },
-                )
+            mine[i].execute(
+                INSERT,
+                (event_id, topic, key, b"x" * 100, headers, _codec.key_hash(key, event_id.bytes)),
+                prepare=True,
+            )
             committed[str(event_id)] = time.time()
             notifiers[i]()
 
@@ -173,6 +184,9 @@ def write_share(
     for t in threads:
         t.join()
     results.put(committed)
+    for conns in sessions:
+        for c in conns:
+            c.close()
     for engine in engines:
         engine.dispose()
 
@@ -186,7 +200,12 @@ def main() -> None:
     parser.add_argument("--databases", type=int, default=100)
     # Four polls of 30 s: every relay's whole idle cycle (claims, statistics, a rebalance).
     parser.add_argument("--idle-seconds", type=float, default=120.0)
-    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument(
+        "--rates",
+        type=lambda text: [int(r) for r in text.split(",") if r],
+        default=[250, 1000],
+        help="events/s of each load phase, comma-separated",
+    )
     parser.add_argument("--load-seconds", type=float, default=15.0)
     parser.add_argument("--writers", type=int, default=4, help="writer processes")
     args = parser.parse_args()
@@ -231,29 +250,8 @@ def main() -> None:
             f"backends {backends_pct:.2f}%, total {relays_pct + backends_pct:.2f}%"
         )
 
-        # Latency under load.
+        # Latency under load: a consumer timestamps every event's arrival, for every phase.
         topic = f"fleet-bench-{uuid.uuid4().hex[:8]}"
-        # Writer processes, each committing to its own share of the databases (a random one
-        # of its share each time, so the union is random over all of them): one Python
-        # process cannot commit 1,000 units of work a second over a hundred databases and
-        # send their wake-ups too. They connect first, then wait for the start.
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        go = ctx.Event()
-        per_writer, seconds = args.rate / args.writers, args.load_seconds
-        writers = [
-            ctx.Process(
-                target=write_share,
-                args=(urls[w :: args.writers], topic, per_writer, seconds, w, go, results),
-            )
-            for w in range(args.writers)
-        ]
-        for writer in writers:
-            writer.start()
-        engines = [sa.create_engine(urls[0], poolclass=sa.pool.NullPool)]
-        notifiers = [make_notifier(engines[0], None, None)]
-        table = tables(None).outbox
-        committed: dict[str, float] = {}
         arrived: dict[str, float] = {}
         stop = threading.Event()
         consumer = Consumer(
@@ -270,57 +268,109 @@ def main() -> None:
         consumer.subscribe([topic])
 
         def consume() -> None:
-            # Until every committed event arrived (the warm-up event arrives too: not a count).
-            while not stop.is_set() or not committed.keys() <= arrived.keys():
+            while not stop.is_set():
                 msg = consumer.poll(0.2)
                 if msg is None or msg.error():
-                    if stop.is_set() and time.monotonic() > drain_deadline:
-                        return
                     continue
                 now = time.time()
                 for k, v in msg.headers() or []:
                     if k == _codec.IDEMPOTENCY_HEADER:
                         arrived.setdefault(bytes(v).decode(), now)
 
-        # The topic exists before the clock starts (auto-created by a first event).
-        with engines[0].begin() as conn:
-            warm = uuid.uuid4()
-            conn.execute(
-                sa.insert(table),
-                {
-                    "event_id": warm,
-                    "topic": topic,
-                    "key": b"w",
-                    "value": b"w",
-                    "headers": _codec.encode_headers({}),
-                    "key_hash": _codec.key_hash(b"w", warm.bytes),
-                },
-            )
-        notifiers[0]()
-        drain_deadline = float("inf")
+        def arrival(events: dict[str, float], timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not events.keys() <= arrived.keys():
+                time.sleep(0.1)
+
         reader = threading.Thread(target=consume, daemon=True)
         reader.start()
-        time.sleep(3.0)
-        go.set()
-        for _ in writers:
-            committed.update(results.get(timeout=args.load_seconds + 120))
-        for writer in writers:
-            writer.join(10)
-        stop.set()
-        times = sorted(committed.values())
-        elapsed = max(times[-1] - times[0], 1e-9)
-        drain_deadline = time.monotonic() + 20
-        reader.join(25)
-        consumer.close()
-        lat = sorted((arrived[e] - c) * 1000 for e, c in committed.items() if e in arrived)
-        missing = len(committed) - len(lat)
-        p50 = statistics.median(lat)
-        p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+        # One first event in every database, before any clock: the topic is created, and each
+        # relay's producer looks it up once (a first record to a topic a producer has not seen
+        # waits for that lookup: a cost of the first event only, reported apart).
+        first: dict[str, float] = {}
+        engines = [sa.create_engine(u, poolclass=sa.pool.NullPool) for u in urls]
+        for engine in engines:
+            event_id = uuid.uuid4()
+            with engine.begin() as conn:
+                conn.execute(
+                    sa.insert(tables(None).outbox),
+                    {
+                        "event_id": event_id,
+                        "topic": topic,
+                        "key": b"w",
+                        "value": b"w",
+                        "headers": _codec.encode_headers({}),
+                        "key_hash": _codec.key_hash(b"w", event_id.bytes),
+                    },
+                )
+            first[str(event_id)] = time.time()
+            make_notifier(engine, None, None)()
+        arrival(first, 60)
+        firsts = sorted((arrived[e] - c) * 1000 for e, c in first.items() if e in arrived)
         print(
-            f"commit->Kafka at {len(committed) / elapsed:.0f} events/s over {args.databases} "
-            f"random databases: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {lat[-1]:.1f} ms "
-            f"({len(lat)} events, {missing} not seen)"
+            f"first event of each database (its relay's producer new to the topic): p50 "
+            f"{statistics.median(firsts):.1f} ms, max {firsts[-1]:.1f} ms "
+            f"({len(first) - len(firsts)} not seen)"
         )
+        time.sleep(2.0)
+
+        for rate in args.rates:
+            # Writer processes, each committing to its own share of the databases (a random
+            # one of its share each time, so the union is random over all of them): one Python
+            # process cannot commit 1,000 events a second over a hundred databases and send
+            # their wake-ups too. They connect first, then wait for the start.
+            ctx = mp.get_context("spawn")
+            results = ctx.Queue()
+            go = ctx.Event()
+            per_writer, seconds = rate / args.writers, args.load_seconds
+            writers = [
+                ctx.Process(
+                    target=write_share,
+                    args=(urls[w :: args.writers], topic, per_writer, seconds, w, go, results),
+                )
+                for w in range(args.writers)
+            ]
+            for writer in writers:
+                writer.start()
+            # Where the phase's CPU goes, per event: the relays, their backends, the writers
+            # (with their backends: every other PostgreSQL process), the broker, this process.
+            meter = Meter(
+                {
+                    "relays": lambda: relay_pids,
+                    "relay backends": lambda: backends,
+                    "writers": lambda procs=writers: [w.pid for w in procs if w.pid],
+                    "other postgres": lambda: sorted(
+                        set(processes_named("postgres")) - set(backends)
+                    ),
+                    "broker": lambda: list(BROKER_PIDS),
+                    "consumer": lambda: [os.getpid()],
+                }
+            )
+            time.sleep(5.0)  # the writers' connections are up (they wait for `go`)
+            committed: dict[str, float] = {}
+            go.set()
+            meter.start()
+            for _ in writers:
+                committed.update(results.get(timeout=args.load_seconds + 120))
+            usage = meter.stop()
+            for writer in writers:
+                writer.join(10)
+            times = sorted(committed.values())
+            elapsed = max(times[-1] - times[0], 1e-9)
+            arrival(committed, 20)
+            lat = sorted((arrived[e] - c) * 1000 for e, c in committed.items() if e in arrived)
+            missing = len(committed) - len(lat)
+            p50 = statistics.median(lat)
+            p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+            print(
+                f"commit->Kafka, {rate} events/s asked, {len(committed) / elapsed:.0f} "
+                f"committed, over {args.databases} random databases: p50 {p50:.1f} ms, "
+                f"p99 {p99:.1f} ms, max {lat[-1]:.1f} ms ({len(lat)} events, {missing} not seen)"
+            )
+            print(f"  CPU ms per 1,000 events while writing: {usage.per(len(committed))}")
+        stop.set()
+        reader.join(5)
+        consumer.close()
 
         # Takeover after SIGKILL.
         victim = procs[0]
