@@ -160,6 +160,12 @@ class Watch:
             # notifications until it ends): the poll timer alone.
             self.kick.wait(timeout)
             return
+        if _queued(driver):
+            # A notification that came in with the last statement's results, behind them:
+            # the driver read it off the socket but never handed it over, and the socket
+            # will not say so again.
+            self.kick.set()
+            return
         self.owner.park(self, driver)
         try:
             self.waits += 1
@@ -175,6 +181,19 @@ class Watch:
 
 # libpq's PQTRANS_IDLE: the session is not inside a transaction.
 _IDLE = 0
+
+
+def _queued(driver: Any) -> bool:
+    """Whether notifications wait in ``driver``'s buffer (taking them out). psycopg hands
+    notifications to the notify handler before it asks libpq for a statement's last result,
+    and asking parses whatever followed that result in the same read: a notification sent
+    right after a statement's answer can stay queued in libpq, its bytes gone from the socket,
+    so a wait on the socket alone would sleep until the poll timer."""
+    found = False
+    pgconn = driver.pgconn
+    while pgconn.notifies() is not None:
+        found = True
+    return found
 
 
 class FleetListener:

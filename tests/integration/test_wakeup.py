@@ -3,7 +3,9 @@ only then), folded under load, harmless when the database is unreachable."""
 
 from __future__ import annotations
 
+import select
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +14,7 @@ import psycopg
 import sqlalchemy as sa
 
 from outbox import Outbox, OutboxConfig, migrate
+from outbox._pg.fleet import FleetListener
 from outbox._pg.lanes import announce_idle
 from outbox._pg.wakeup import Listener, channel, make_notifier
 from tests.fixtures.common import wait_for
@@ -168,3 +171,38 @@ def test_a_joined_commit_wakes_through_its_read_back(
         callers.dispose()
         stop.set()
         listener.join(5)
+
+
+def test_a_fleet_relay_is_woken_by_a_notification_its_driver_read_already(
+    engine: sa.Engine,
+) -> None:
+    """A notification that came in on a fleet relay's session behind a statement's results is
+    read off the socket by the driver without reaching the notify handler; the relay's next
+    wait must still see it (the socket will not signal it again), not sleep until the poll."""
+    listener = FleetListener()
+    kick = threading.Event()
+    watch = listener.watch(None, kick)
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    sender = psycopg.connect(*cargs, **cparams, autocommit=True)
+    try:
+        with engine.connect() as conn:
+            watch.session(conn)
+            driver = conn.connection.driver_connection
+            assert driver is not None
+            pgconn = driver.pgconn
+            sender.execute(f"NOTIFY {channel(None)}")
+            # What the driver does while it fetches a statement's results: read the socket
+            # into libpq's buffer, leaving the notification there unparsed, the socket empty.
+            deadline = time.monotonic() + 10
+            while not select.select([pgconn.socket], [], [], 0.1)[0]:
+                assert time.monotonic() < deadline, "the notification never arrived"
+            pgconn.consume_input()
+            assert not select.select([pgconn.socket], [], [], 0.2)[0]
+            kick.clear()  # set by watch.session (a first look)
+            watch.wait(5.0)
+            assert kick.is_set(), "the relay slept through a notification its session holds"
+            assert watch.waits == 0, "it waited on the socket for a notification it had"
+            watch.join(1.0)
+    finally:
+        sender.close()
+        listener.close()
