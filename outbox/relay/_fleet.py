@@ -61,6 +61,8 @@ _OWNER_RETRY = 0.2
 _FULL_READ = 5
 # A fleet relay's statistics and lane rebalances: every this many poll intervals at most.
 FLEET_SLOW_FACTOR = 4
+# Not computed yet (an owner may be None: no member).
+_UNKNOWN = object()
 
 
 def database_identity(url: str) -> str:
@@ -129,6 +131,9 @@ class Fleet:
         # A member that just joined waits one turn before serving, so that members starting
         # together see each other first instead of each serving everything for a moment.
         self._settle_until = 0.0
+        # Each database's owner among the members ``_owners_for``.
+        self._owners: dict[str, object] = {}
+        self._owners_for: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------------------ control
 
@@ -219,6 +224,7 @@ class Fleet:
         for identity in list(self.databases):
             if identity not in wanted:
                 served = self.databases.pop(identity)
+                self._owners.pop(identity, None)
                 log.info("event=database_removed database=%s", identity)
                 self._release(served)
 
@@ -310,9 +316,16 @@ class Fleet:
         now = time.monotonic()
         if now < self._settle_until:
             return
-        alive = sorted(self.members)
+        alive = tuple(sorted(self.members))
+        if alive != self._owners_for:
+            # Rendezvous hashing, once per change of the members (not every turn).
+            self._owners.clear()
+            self._owners_for = alive
         for served in self.databases.values():
-            mine = owner_of(served.identity, alive) == self.key
+            owner = self._owners.get(served.identity, _UNKNOWN)
+            if owner is _UNKNOWN:
+                owner = self._owners[served.identity] = owner_of(served.identity, alive)
+            mine = owner == self.key
             if mine and not served.running and now >= served.retry_at:
                 self._serve(served)
             elif not mine and served.running:
