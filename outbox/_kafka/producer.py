@@ -385,6 +385,11 @@ class KafkaProducer:
         self.reachable()
         return len(metadata.brokers)
 
+    def reusable(self) -> bool:
+        """Whether another send may follow on this producer by someone else: nothing queued or
+        in flight, no fatal error."""
+        return self._fatal is None and len(self._producer) == 0
+
     def purge(self) -> None:
         """Drop queued and in-flight records (before the producer is thrown away; their rows
         stay in the outbox and are sent again)."""

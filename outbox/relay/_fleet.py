@@ -39,6 +39,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox._core.fleet import member_key, owner_of, parse_databases_file
+from outbox._core.outage import Outage
 from outbox._core.redact import one_line, redact_url
 from outbox._kafka.producer import KafkaProducer
 from outbox._pg import fleet as pg_fleet
@@ -48,6 +49,7 @@ from outbox._pg.relay import listen_connector, relay_engine
 from outbox.config import FleetConfig as FleetConfig, RelayConfig, normalize_database_url
 from outbox.errors import ConfigurationError
 from outbox.relay._fleet_metrics import FleetMetrics
+from outbox.relay._producers import ProducerPool
 from outbox.relay._relay import Relay, RunResult
 
 log = logging.getLogger("outbox.relay")
@@ -116,7 +118,13 @@ class Fleet:
         self.stop_event = threading.Event()
         self.databases: dict[str, _Served] = {}  # by identity
         self.members: set[int] = {self.key}
-        self._producer_factory = producer_factory
+        # The process's relays borrow their producers from one pool (idle producers cost).
+        relay = self.config.relay
+        outage = Outage("Kafka")
+        self.producers = ProducerPool(
+            producer_factory
+            or (lambda: KafkaProducer(relay.bootstrap_servers, relay.kafka_config, outage=outage))
+        )
         self._membership_url = normalize_database_url(config.membership_database())
         self._membership_engine = relay_engine(self._membership_url)
         self._membership: Any = None
@@ -354,7 +362,7 @@ class Fleet:
         served.owned = False
         relay = Relay(
             self._relay_config(served.url),
-            producer_factory=self._producer_factory,
+            producer_pool=self.producers,
             on_session=lambda conn: self._take_database(served, relay, watch, conn),
             listen=lambda kick: watch,
         )
@@ -422,8 +430,10 @@ class Fleet:
         )
         next_refresh = 0.0
         try:
+            self._warm_producers()
             while not self.stop_event.is_set():
                 self.metrics.beat()
+                self.producers.serve()
                 now = time.monotonic()
                 if now >= next_refresh:
                     self.refresh()
@@ -437,12 +447,19 @@ class Fleet:
             self._shutdown()
         return RunResult.FINISHED
 
+    def _warm_producers(self) -> None:
+        try:
+            self.producers.warm()
+        except Exception as exc:  # the relays build their own when they need one
+            log.warning("event=producer_warmup_failed error=%r", one_line(exc, with_type=True))
+
     def _shutdown(self) -> None:
         self.stop()
         deadline = time.monotonic() + self.config.relay.shutdown_grace + 5.0
         for served in list(self.databases.values()):
             if served.thread is not None:
                 served.thread.join(max(0.0, deadline - time.monotonic()))
+        self.producers.close()
         self._drop_membership()
         self._membership_engine.dispose()
         self._listener.close()

@@ -15,6 +15,7 @@ from outbox._core.retry import Backoff
 from outbox._kafka.producer import DeliveryReport, KafkaProducer, RecordTuple
 from outbox._otel import spans
 from outbox.config import RelayConfig
+from outbox.relay._producers import ProducerPool
 
 log = logging.getLogger("outbox.relay")
 
@@ -29,6 +30,7 @@ class Producing:
         config: RelayConfig,
         stop_event: threading.Event,
         factory: Callable[[], KafkaProducer] | None = None,
+        pool: ProducerPool | None = None,
     ) -> None:
         self.config = config
         self.stop_event = stop_event
@@ -39,11 +41,13 @@ class Producing:
         )
         self.producer: KafkaProducer | None = None
         self.backoff = Backoff(config.backoff_initial, config.backoff_max)
+        # A fleet's relays borrow their producer from the process's pool while they send.
+        self.pool = pool
 
     def get(self) -> KafkaProducer:
-        """The producer, built now if there is none."""
+        """The producer, built (or borrowed from the pool) now if there is none."""
         if self.producer is None:
-            self.producer = self.factory()
+            self.producer = self.factory() if self.pool is None else self.pool.lend()
         return self.producer
 
     def drop(self) -> None:
@@ -51,15 +55,36 @@ class Producing:
         producer, self.producer = self.producer, None
         if producer is not None:
             producer.purge()
+            if self.pool is not None:
+                self.pool.forget()
 
     def close(self) -> None:
-        if self.producer is not None:
-            self.producer.close(timeout=1.0)
-            self.producer = None
+        producer, self.producer = self.producer, None
+        if producer is None:
+            return
+        if self.pool is not None:
+            self.pool.give_back(producer)
+        else:
+            producer.close(timeout=1.0)
+
+    def check(self, timeout: float, stop: threading.Event) -> int:
+        """Ask the brokers for metadata (:meth:`KafkaProducer.check`); a producer borrowed
+        for it goes back to the pool at once."""
+        borrowed = self.pool is not None and self.producer is None
+        try:
+            return self.get().check(timeout, stop)
+        finally:
+            if borrowed:
+                self.close()
 
     def serve(self) -> None:
-        """Client errors, and a due outage summary (while the relay waits for work)."""
-        if self.producer is not None:
+        """Client errors, and a due outage summary (while the relay waits for work); a
+        borrowed producer goes back to the pool, which serves it from then on."""
+        if self.producer is None:
+            return
+        if self.pool is not None:
+            self.close()
+        else:
             self.producer.serve()
 
     def send(

@@ -58,7 +58,9 @@ class Readiness:
         conn.commit()
         self.metrics.set_health(tables, holder)
 
-    def check_broker(self, producer: Callable[[], KafkaProducer], stop: threading.Event) -> None:
+    def check_broker(
+        self, check: Callable[[float, threading.Event], object], stop: threading.Event
+    ) -> None:
         """Ask the brokers for metadata, unless Kafka confirmed a delivery since the last check
         (then it evidently answers). A cut-off broker costs the loop at most
         ``BROKER_CHECK_TIMEOUT`` per stats interval; it could deliver nothing meanwhile."""
@@ -67,7 +69,7 @@ class Readiness:
             self.metrics.broker_up = True
             return
         try:
-            producer().check(BROKER_CHECK_TIMEOUT, stop)
+            check(BROKER_CHECK_TIMEOUT, stop)
         except PublishError:
             # The producer's outage log said why (one line, then a summary while it lasts).
             self.metrics.broker_up = False

@@ -64,6 +64,7 @@ from outbox.relay._engine import BatchResult as BatchResult, Engine, Reset
 from outbox.relay._idle import Action, Event, IdleAnnouncement
 from outbox.relay._lanes import LaneOwnership
 from outbox.relay._metrics import RelayMetrics
+from outbox.relay._producers import ProducerPool
 from outbox.relay._producing import Producing
 from outbox.relay._readiness import Readiness, problems
 from outbox.relay._window import WindowEngine
@@ -91,7 +92,9 @@ class Relay:
     configuration; it defaults to :class:`outbox._kafka.producer.KafkaProducer`.
     ``on_session(conn)`` runs on each new database session before it takes lanes;
     ``listen(kick)`` subscribes to wake-ups instead of a listener thread of the relay's own
-    (the fleet's, on the relay's own session: :class:`outbox._pg.fleet.Watch`).
+    (the fleet's, on the relay's own session: :class:`outbox._pg.fleet.Watch`);
+    ``producer_pool`` lends the producer while the relay sends (a fleet's relays share a few:
+    :mod:`outbox.relay._producers`).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class Relay:
         producer_factory: Callable[[], KafkaProducer] | None = None,
         on_session: Callable[[sa.Connection], None] | None = None,
         listen: Callable[[threading.Event], Wakeups] | None = None,
+        producer_pool: ProducerPool | None = None,
     ) -> None:
         self.config = config.validate()
         self.url = normalize_database_url(config.database_url)
@@ -114,7 +118,9 @@ class Relay:
         self.totals = BatchResult()
         self.engine = relay_engine(self.url)
         self.sql = OutboxStatements.for_schema(config.schema)
-        self.producing = Producing(self.config, self.stop_event, producer_factory)
+        self.producing = Producing(
+            self.config, self.stop_event, producer_factory, pool=producer_pool
+        )
         self.session = Session(
             self.engine, self.url, self.sql, self.lanes, self.metrics, on_session=on_session
         )
@@ -256,8 +262,9 @@ class Relay:
         )
         try:
             # Built up front: its first connection and producer id cost a round trip or two
-            # that should not delay the first event.
-            self.producing.get()
+            # that should not delay the first event (a fleet's pool keeps producers warm).
+            if self.producing.pool is None:
+                self.producing.get()
             return self._loop(once)
         finally:
             self._shutdown(listener)
@@ -280,7 +287,7 @@ class Relay:
             self.lanes.next_rebalance = now + self.config.rebalance_interval
         if not once and now >= self._next_stats:
             self.readiness.refresh(conn, self.batches.stats(conn), self.table_name)
-            self.readiness.check_broker(self.producing.get, self.stop_event)
+            self.readiness.check_broker(self.producing.check, self.stop_event)
             self._next_stats = now + self.config.stats_interval
         self.announcement.on(Event.CLAIM)
         if self.kick.is_set():

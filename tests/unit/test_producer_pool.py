@@ -1,0 +1,114 @@
+"""The producers a fleet's relays borrow (outbox.relay._producers): lent to one relay at a
+time, reused while healthy, never lent again with records in flight, the spare ones closed
+after they stayed idle."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, cast
+
+from outbox._kafka.producer import KafkaProducer
+from outbox.relay._producers import ProducerPool
+
+
+class _Producer:
+    """What the pool asks of a producer, and what it did to it."""
+
+    numbers = itertools.count()
+
+    def __init__(self) -> None:
+        self.number = next(self.numbers)
+        self.healthy = True
+        self.closed = False
+        self.served = 0
+
+    def reusable(self) -> bool:
+        return self.healthy
+
+    def serve(self) -> None:
+        self.served += 1
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.closed = True
+
+
+def _pool(keep: int = 1, linger: float = 30.0) -> tuple[ProducerPool, list[_Producer]]:
+    built: list[_Producer] = []
+
+    def factory() -> KafkaProducer:
+        built.append(_Producer())
+        return cast(KafkaProducer, built[-1])
+
+    return ProducerPool(factory, keep=keep, linger=linger), built
+
+
+def _p(producer: Any) -> _Producer:
+    return cast(_Producer, producer)
+
+
+def test_a_producer_given_back_is_lent_again_instead_of_a_new_one() -> None:
+    pool, built = _pool()
+    for _ in range(5):
+        producer = pool.lend()
+        pool.give_back(producer)
+    assert len(built) == 1 and pool.built == 1 and pool.lent == 0
+
+
+def test_relays_sending_at_once_each_get_a_producer_of_their_own() -> None:
+    pool, _ = _pool()
+    held = [pool.lend() for _ in range(3)]
+    assert len({id(p) for p in held}) == 3 and pool.lent == 3
+    for producer in held:
+        pool.give_back(producer)
+    assert pool.idle == 3 and pool.lent == 0
+
+
+def test_a_producer_with_records_in_flight_or_broken_is_closed_not_lent_again() -> None:
+    pool, _ = _pool()
+    producer = pool.lend()
+    _p(producer).healthy = False
+    pool.give_back(producer)
+    assert _p(producer).closed and pool.idle == 0
+    assert pool.lend() is not producer
+
+
+def test_a_producer_its_relay_threw_away_is_no_longer_counted_as_lent() -> None:
+    pool, _ = _pool()
+    pool.lend()
+    pool.forget()
+    assert pool.lent == 0 and pool.idle == 0
+
+
+def test_warm_builds_the_producers_kept_idle() -> None:
+    pool, built = _pool(keep=2)
+    pool.warm()
+    pool.warm()
+    assert len(built) == 2 and pool.idle == 2
+
+
+def test_spare_producers_are_closed_once_idle_for_linger_and_keep_stay() -> None:
+    pool, built = _pool(keep=1, linger=0.0)
+    held = [pool.lend() for _ in range(3)]
+    for producer in held:
+        pool.give_back(producer)
+    pool.serve()
+    assert pool.idle == 1
+    # The most recently given back stays (the warmest); the others are closed.
+    assert [p.closed for p in built] == [True, True, False]
+    assert all(p.served == 1 for p in built)
+
+
+def test_spare_producers_stay_while_they_were_idle_less_than_linger() -> None:
+    pool, built = _pool(keep=1, linger=3600.0)
+    held = [pool.lend() for _ in range(3)]
+    for producer in held:
+        pool.give_back(producer)
+    pool.serve()
+    assert pool.idle == 3 and not any(p.closed for p in built)
+
+
+def test_close_closes_every_idle_producer() -> None:
+    pool, built = _pool(keep=2)
+    pool.warm()
+    pool.close()
+    assert pool.idle == 0 and all(p.closed for p in built)
