@@ -9,7 +9,8 @@ Measured in one run:
 * **connections**: the sessions the two relay processes hold in all (serving sessions, wake-up
   listeners, membership);
 * **idle CPU** over ``--idle-seconds``: the two relay processes and the PostgreSQL backends
-  of their sessions, from ``/proc/<pid>/stat``, as a percentage of one core;
+  of their sessions, from ``/proc/<pid>/stat``, as a percentage of one core, and the Kafka
+  producers alive in each relay process at its end;
 * **commit -> Kafka latency** (p50/p99) while ``--writers`` processes commit each of
   ``--rates`` events/s in all (a phase each), each to a random database, with the after-commit
   wake-up a unit of work sends (a consumer timestamps arrival), after a first event in every
@@ -107,6 +108,16 @@ def relay_backends(admin: sa.Engine, pattern: str) -> list[int]:
                 {"p": pattern, "ns": member_namespace(None), "keys": MEMBER_KEYS},
             ).scalars()
         ]
+
+
+def producers_alive(pid: int) -> int:
+    """librdkafka clients in process ``pid``: each runs one thread named ``rdk:main``."""
+    tasks = Path(f"/proc/{pid}/task")
+    count = 0
+    for task in tasks.iterdir() if tasks.exists() else []:
+        with contextlib.suppress(OSError):
+            count += (task / "comm").read_text().strip() == "rdk:main"
+    return count
 
 
 def wait(predicate: object, timeout: float, what: str) -> None:
@@ -249,6 +260,10 @@ def main() -> None:
             f"idle CPU over {args.idle_seconds:g}s: relays {relays_pct:.2f}% of a core, their "
             f"backends {backends_pct:.2f}%, total {relays_pct + backends_pct:.2f}%"
         )
+        print(
+            "Kafka producers alive in the relay processes while idle: "
+            + ", ".join(str(producers_alive(p)) for p in relay_pids)
+        )
 
         # Latency under load: a consumer timestamps every event's arrival, for every phase.
         topic = f"fleet-bench-{uuid.uuid4().hex[:8]}"
@@ -360,12 +375,20 @@ def main() -> None:
             arrival(committed, 20)
             lat = sorted((arrived[e] - c) * 1000 for e, c in committed.items() if e in arrived)
             missing = len(committed) - len(lat)
+            pending = 0
+            if missing:  # still in an outbox (not sent), or sent and not seen by the consumer?
+                for engine in engines:
+                    with engine.connect() as conn:
+                        pending += conn.execute(
+                            sa.text("SELECT count(*) FROM outbox WHERE topic = :t"), {"t": topic}
+                        ).scalar_one()
             p50 = statistics.median(lat)
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
             print(
                 f"commit->Kafka, {rate} events/s asked, {len(committed) / elapsed:.0f} "
                 f"committed, over {args.databases} random databases: p50 {p50:.1f} ms, "
-                f"p99 {p99:.1f} ms, max {lat[-1]:.1f} ms ({len(lat)} events, {missing} not seen)"
+                f"p99 {p99:.1f} ms, max {lat[-1]:.1f} ms ({len(lat)} events, {missing} not seen"
+                + (f", {pending} of them still in an outbox)" if missing else ")")
             )
             print(f"  CPU ms per 1,000 events while writing: {usage.per(len(committed))}")
         stop.set()
