@@ -401,5 +401,13 @@ class KafkaProducer:
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait briefly for outstanding reports (not at all while the brokers are unreachable:
-        none would come), then release the client."""
-        self._producer.flush(0.0 if self.outage.down else timeout)
+        none would come), then release the client (once; the producer is not used after).
+
+        Released here, not left to the garbage collector: the client's callbacks are this
+        object's methods, a reference cycle that a quiet process may not collect for a long
+        time, and the client's threads (three or more) would run on their timers until then."""
+        client: Producer | None = self.__dict__.pop("_producer", None)
+        if client is None:
+            return
+        client.flush(0.0 if self.outage.down else timeout)
+        del client  # the last reference: librdkafka's threads end here

@@ -55,6 +55,7 @@ class Producing:
         producer, self.producer = self.producer, None
         if producer is not None:
             producer.purge()
+            producer.close(timeout=0.0)
             if self.pool is not None:
                 self.pool.forget()
 

@@ -4,6 +4,7 @@ config (the per-batch decisions are in test_delivery.py)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -168,3 +169,43 @@ def test_a_record_refused_on_the_spot_holds_back_the_later_records_of_its_key() 
     assert outcomes[1] is not None and outcomes[1].permanent
     assert outcomes[3] is None
     assert [o is not None and o.ok for o in outcomes] == [True, False, True, False, True]
+
+
+def test_a_closed_producer_ends_its_client_threads_at_once() -> None:
+    """close() releases the librdkafka client itself: its threads end then, not whenever the
+    garbage collector gets to the reference cycle of the client and its callbacks (a fleet's
+    pool closes its spare producers and relies on it)."""
+    import contextlib
+    import gc
+    import time
+    from pathlib import Path
+
+    from outbox._kafka.producer import KafkaProducer
+
+    def client_threads() -> int:
+        count = 0
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                count += (task / "comm").read_text().startswith("rdk:")
+        return count
+
+    def settled(predicate: Callable[[int], bool]) -> bool:
+        # Clients of earlier tests may still be ending theirs.
+        deadline = time.monotonic() + 10
+        while not predicate(client_threads()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    gc.collect()
+    gc.disable()  # the collector must not be what ends them
+    try:
+        before = client_threads()
+        producer = KafkaProducer("127.0.0.1:9", {})
+        assert client_threads() > before
+        producer.close(timeout=0.0)
+        assert settled(lambda n: n <= before), "the closed client's threads still run"
+        producer.close(timeout=0.0)  # twice: nothing more to release
+    finally:
+        gc.enable()
