@@ -412,7 +412,10 @@ class Batch:
         self._fingerprints.append(fingerprint)
         self._results.append(result)
         self._errors.append(error)
-        self._outcomes.append((key, StoredOutcome(status, fingerprint, result_json, error), None))
+        if self._outbox.cache is not None:  # only Redis reads them, after the commit
+            self._outcomes.append(
+                (key, StoredOutcome(status, fingerprint, result_json, error), None)
+            )
 
     # -- the end -----------------------------------------------------------------------------
 
