@@ -65,7 +65,7 @@ def jsonb_keeps(value: Any) -> bool:
 def for_database(text: str, value: Any) -> str:
     """The ``jsonb`` text to store for a result whose exact JSON text is ``text``
     (``value`` is the result that ``text`` encodes)."""
-    if jsonb_keeps(value):
+    if value is None or jsonb_keeps(value):
         return text
     return '{"' + EXACT_KEY + '":' + json.dumps(text, ensure_ascii=False) + "}"
 

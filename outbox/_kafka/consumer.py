@@ -139,8 +139,13 @@ def header_key(message: Message, header: str) -> str | None:
     that is not UTF-8.
     """
     wanted = header.lower()
-    for name, value in message_headers(message):
-        if name.lower() == wanted and value is not None:
+    raw = message.headers()
+    if not raw:
+        return None
+    for name, value in raw.items() if isinstance(raw, dict) else raw:
+        if isinstance(value, str):
+            value = value.encode("utf-8")  # as message_headers gives it
+        if value is not None and name.lower() == wanted:
             try:
                 text: str = value.decode("utf-8")
             except UnicodeDecodeError as exc:

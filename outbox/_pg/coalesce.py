@@ -5,8 +5,10 @@ In pipeline mode psycopg sends each statement as soon as it is executed -- a ``s
 cores the server shares, that wake-up, not the statement, is most of what a pipelined
 statement costs. :func:`coalesce` makes a pipeline keep executed statements in its queue until
 ``burst`` of them wait, or until something needs an answer (rows read, a sync, the pipeline's
-end): then everything queued goes at once, in order. What the server sees is the same
-statements in the same order in the same transaction; only the packets are fewer.
+end): then everything queued goes at once, in order -- put in libpq's output buffer together and
+written in one go, where psycopg's own loop would poll the socket and send once per statement.
+What the server sees is the same statements in the same order in the same transaction; only the
+packets are fewer.
 
 Invariant: a statement whose answer is read is sent first, with everything queued before it --
 the queue is drained before any fetch, sync or exit, so nothing waits for an answer to a
@@ -42,14 +44,23 @@ def coalesce(pipeline: Any, burst: int = BURST) -> bool:
     enqueue_sync = cls._enqueue_sync.__get__(pipeline)
     synced = False  # a sync is queued: psycopg waits for its answer next
 
+    def send_all() -> None:
+        # Into libpq's output buffer, every one of them: the connection is nonblocking, so a
+        # command only buffers, and communicate() then writes them in one go -- left to it, it
+        # would wait on the socket once per command.
+        while queue:
+            queue.popleft()()
+
     def held() -> Generator[Any, Any, None]:
         nonlocal synced
         if synced or len(queue) >= burst:
             synced = False
+            send_all()
             yield from communicate()
 
     def fetched(*, flush: bool) -> Generator[Any, Any, None]:
         if queue:
+            send_all()
             yield from communicate()
         yield from fetch(flush=flush)
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from redis import ConnectionPool, Redis
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as ClosedConnection, RedisError
+from redis.exceptions import ConnectionError as ClosedConnection, RedisError, ResponseError
 from redis.retry import Retry
 
 from outbox._core.claim import StoredOutcome
@@ -60,6 +61,12 @@ class OutcomeCache(CacheBase):
         # Connections of the client's pool kept checked out for the cache's own GET and SET
         # (see _call), with the process they belong to.
         self._pool = _plain_pool(client)
+        if self._pool is not None:
+            kwargs = self._pool.connection_kwargs
+            self._encoding = (
+                kwargs.get("encoding", "utf-8"),
+                kwargs.get("encoding_errors", "strict"),
+            )
         self._idle: list[Any] = []
         self._pid = os.getpid()
         self._released = False
@@ -79,10 +86,16 @@ class OutcomeCache(CacheBase):
         disconnects it then) goes back to the pool, which connects it anew when it is used
         again. A client whose pool is not redis-py's plain one (Redis Cluster, a blocking pool
         of a set size, a single-connection client) is called as usual."""
-        pool: Any = self._pool  # redis-py types neither of the calls below
-        if pool is None:
+        if self._pool is None:
             client: Any = self._client
             return client.execute_command(*args)
+        return (self._exchange(lambda connection: connection.pack_command(*args), 1))[0]
+
+    def _exchange(self, pack: Callable[[Any], list[bytes]], replies: int) -> list[Any]:
+        """Send what ``pack(connection)`` packs -- ``replies`` commands, pipelined -- on a kept
+        connection (see :meth:`_call`; the client's pool is redis-py's plain one) and read
+        their replies."""
+        pool: Any = self._pool  # redis-py types neither of the calls below
         if self._pid != os.getpid():
             # A forked child: the parent's sockets are not its own to use.
             self._idle, self._pid = [], os.getpid()
@@ -93,23 +106,35 @@ class OutcomeCache(CacheBase):
             # when it hands out a connection. GET and SET are safe to send again.
             connection = idle.pop()
             try:
-                return self._send(pool, connection, args)
+                return self._send(pool, connection, pack(connection), replies)
             except ClosedConnection:
                 continue
-        return self._send(pool, pool.get_connection(), args)
+        connection = pool.get_connection()
+        return self._send(pool, connection, pack(connection), replies)
 
-    def _send(self, pool: Any, connection: Any, args: tuple[Any, ...]) -> Any:
+    def _send(self, pool: Any, connection: Any, packed: list[bytes], replies: int) -> list[Any]:
+        answers: list[Any] = []
+        refused: ResponseError | None = None
         try:
-            connection.send_packed_command(connection.pack_command(*args), check_health=False)
-            reply = connection.read_response()
+            connection.send_packed_command(packed, check_health=False)
+            for _ in range(replies):
+                try:
+                    answers.append(connection.read_response())
+                except ResponseError as exc:  # an error reply, read whole: the next ones follow
+                    refused = refused or exc
+                    answers.append(exc)
         except BaseException:
+            if replies > 1:  # replies may be left unread: never use the connection as it is
+                connection.disconnect()
             pool.release(connection)  # redis-py disconnected it: connected anew on use
             raise
         if self._released:  # after release(): the pool has it back at once
             pool.release(connection)
         else:
             self._idle.append(connection)
-        return reply
+        if refused is not None:
+            raise refused
+        return answers
 
     def get(self, scope: str, key: str) -> CachedOutcome | None:
         """The cached outcome, or ``None`` on a miss, a Redis failure or an entry that is
@@ -179,6 +204,11 @@ class OutcomeCache(CacheBase):
             return
         now_ms = int(time.time() * 1000)
         try:
+            if self._pool is not None:  # a single Redis: the SETs packed here, in one write
+                packed, count = self._pack_sets(scope, outcomes, signer, now_ms)
+                if count:
+                    self._exchange(lambda connection: [packed], count)
+                return
             pipe = self._client.pipeline(transaction=False)
             for key, outcome, ttl in outcomes:
                 px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))

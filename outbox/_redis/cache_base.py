@@ -8,9 +8,10 @@ import logging
 import threading
 import time
 
+from outbox._core.claim import StoredOutcome
 from outbox._core.readahead import ReadAhead
 from outbox._core.redact import one_line
-from outbox._redis.entry import Signer, derive_key
+from outbox._redis.entry import Signer, derive_key, encode_entry
 from outbox.config import OutboxConfig
 
 log = logging.getLogger("outbox.cache")
@@ -30,11 +31,42 @@ class CacheBase:
         self._untrusted_warned = False
         # Whether a unit of work asks Redis before its claim (outbox._core.readahead).
         self.read_ahead = ReadAhead()
+        # How the client encodes a str argument (redis-py's encoder): the SETs :meth:`_pack_sets`
+        # packs itself name the same keys as the commands the client packs.
+        self._encoding = ("utf-8", "strict")
 
     def redis_key(self, scope: str, key: str) -> str:
         # Length-prefixed so that ("a:b", "c") and ("a", "b:c") never share an entry. The whole
         # entry is one Redis key, so every command is single-key and Cluster-safe.
         return f"{self._prefix}:{len(scope)}:{scope}:{key}"
+
+    def _pack_sets(
+        self,
+        scope: str,
+        outcomes: list[tuple[str, StoredOutcome, float | None]],
+        signer: Signer,
+        now_ms: int,
+    ) -> tuple[bytes, int]:
+        """``SET <entry key> <signed entry> PX <ttl>`` of each ``(key, outcome, ttl)`` (``ttl``
+        None: ``cache_ttl``), in Redis's wire format, ready to be written at once; and how many
+        commands it holds (an entry too large to cache has none). The same bytes as redis-py
+        packs for ``client.set(redis_key, entry, px=px)``, minus the cost of its encoder, which
+        is most of a pipeline's time."""
+        encoding, errors = self._encoding
+        parts: list[bytes] = []
+        for key, outcome, ttl in outcomes:
+            px = self._ttl_ms if ttl is None else max(1, min(self._ttl_ms, int(ttl * 1000)))
+            redis_key = self.redis_key(scope, key)
+            entry = encode_entry(outcome, signer, redis_key, now_ms + px)
+            if entry is None:
+                continue
+            name = redis_key.encode(encoding, errors)
+            ms = b"%d" % px
+            parts.append(
+                b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
+                % (len(name), name, len(entry), entry, len(ms), ms)
+            )
+        return b"".join(parts), len(parts)
 
     def available(self) -> bool:
         return time.monotonic() >= self._down_until

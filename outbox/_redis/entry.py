@@ -37,6 +37,12 @@ _PERSON = b"outbox-cache-v1"
 # bytes as json.dumps(entry, ensure_ascii=False, separators=(",", ":")).
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _DECODER = json.JSONDecoder()
+# How _ENCODER writes a string (ensure_ascii=False): the C function, where there is one.
+_quote = json.encoder.encode_basestring
+
+
+def _json_text(value: str | None) -> str:
+    return "null" if value is None else _quote(value)
 
 
 def derive_key(
@@ -80,14 +86,25 @@ def encode_entry(
 ) -> bytes | None:
     """The signed entry of ``outcome`` under ``redis_key``, trusted until ``expires_ms``
     (milliseconds since the epoch); ``None`` when it would exceed :data:`MAX_ENTRY_BYTES`."""
-    entry: dict[str, Any] = {"s": outcome.status, "f": outcome.fingerprint}
-    if outcome.status == STATUS_COMPLETED:
-        entry["r"] = outcome.result_json
+    status, fingerprint = outcome.status, outcome.fingerprint
+    if status == STATUS_COMPLETED:
+        field, value = "r", outcome.result_json
     else:
-        entry["e"] = outcome.error
-    entry["x"] = int(expires_ms)
-    body = _ENCODER.encode(entry).encode("utf-8")
-    signed = body[:-1]  # without the closing brace
+        field, value = "e", outcome.error
+    if (
+        type(status) is str
+        and (fingerprint is None or type(fingerprint) is str)
+        and (value is None or type(value) is str)
+    ):
+        # What _ENCODER makes of the entry's dict, without building an encoder for each entry.
+        signed = (
+            f'{{"s":{_quote(status)},"f":{_json_text(fingerprint)},'
+            f'"{field}":{_json_text(value)},"x":{int(expires_ms)}'
+        ).encode()
+    else:
+        entry: dict[str, Any] = {"s": status, "f": fingerprint, field: value}
+        entry["x"] = int(expires_ms)
+        signed = _ENCODER.encode(entry).encode("utf-8")[:-1]  # without the closing brace
     if len(signed) + _TAIL > MAX_ENTRY_BYTES:
         return None
     mac = _signer(key).mac(redis_key.encode("utf-8"), signed)

@@ -343,6 +343,30 @@ class AsyncAttempts(AsyncBaseAttempts):
             optimistic,
         )
 
+    async def run_optimistic(
+        self, message: Message, tries: Tries, key: str, fingerprint: str | None, batch: AsyncBatch
+    ) -> AttemptVerdict:
+        """:meth:`run` of ``message`` whose key's work runs in ``batch``, an optimistic batch:
+        the same unit of work and the same verdicts -- PROCESSED, or
+        :class:`~outbox._core.batching.Abandoned` for any failure -- minus the layers that only
+        a verdict other than these needs (a message with a ``process`` span to record takes
+        :meth:`run`)."""
+        if spans is not None and (self.traced or spans.carries_context(message)):
+            return await self.run(message, tries, key, fingerprint, batch, True)
+        uow = await batch.begin(key, fingerprint)
+        try:
+            try:
+                store_result(uow, await self._call(uow, message))
+            except BaseException as exc:
+                await batch.end(uow, exc)  # the batch is abandoned
+                raise
+            await batch.end(uow, None)
+        except Carried as exc:
+            raise Abandoned() from exc.error
+        except Exception as exc:
+            raise Abandoned() from exc
+        return AttemptVerdict.PROCESSED
+
     async def decided(
         self,
         message: Message,

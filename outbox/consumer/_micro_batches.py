@@ -306,12 +306,15 @@ class MicroBatches(MicroBatchesBase):
             decided = attempts.decided(entry.message, tries, entry.key, entry.fingerprint, batch)
             if decided is not None:
                 return self._place(mb, sl, entry, decided)
-        # Only a key whose work runs can fail for a reason not known without the database.
-        optimistic = batch.optimistic and runnable
         try:
-            outcome = attempts.run(
-                entry.message, tries, entry.key, entry.fingerprint, batch, optimistic
-            )
+            # Only a key whose work runs can fail for a reason not known without the database.
+            if batch.optimistic and runnable:
+                outcome = attempts.run_optimistic(
+                    entry.message, tries, entry.key, entry.fingerprint, batch
+                )
+            else:
+                outcome = attempts.run(entry.message, tries, entry.key, entry.fingerprint,
+                                             batch)  # fmt: skip
         except Abandoned:
             return False  # the batch is given up: see _abandon
         return self._place(mb, sl, entry, outcome)

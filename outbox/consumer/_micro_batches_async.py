@@ -317,12 +317,15 @@ class AsyncMicroBatches(MicroBatchesBase):
             )
             if decided is not None:
                 return self._place(mb, sl, entry, decided)
-        # Only a key whose work runs can fail for a reason not known without the database.
-        optimistic = batch.optimistic and runnable
         try:
-            outcome = await attempts.run(
-                entry.message, tries, entry.key, entry.fingerprint, batch, optimistic
-            )
+            # Only a key whose work runs can fail for a reason not known without the database.
+            if batch.optimistic and runnable:
+                outcome = await attempts.run_optimistic(
+                    entry.message, tries, entry.key, entry.fingerprint, batch
+                )
+            else:
+                outcome = await attempts.run(entry.message, tries, entry.key, entry.fingerprint,
+                                             batch)  # fmt: skip
         except Abandoned:
             return False  # the batch is given up: see _abandon
         return self._place(mb, sl, entry, outcome)

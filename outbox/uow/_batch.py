@@ -233,6 +233,21 @@ class Batch:
         :class:`~outbox.errors.PreviouslyFailed`, :class:`~outbox.errors.KeyReuseError`)."""
         return _BatchAttempt(self, [(key, scope, fingerprint)])
 
+    def begin(self, key: str, fingerprint: str | None = None) -> BatchUnitOfWork:
+        """Begin the unit of work of ``key``, a key whose work runs here (its lookup is
+        :attr:`~KeyLookup.runnable`): what ``with batch.unit_of_work(key, batch.scope,
+        fingerprint)`` enters, without the context manager. Its caller must :meth:`end` it."""
+        self._make_room()
+        uow = self._begin(key, self.scope, fingerprint)
+        if uow.replayed:
+            raise ConfigurationError(f"key {key!r} is decided already: no work of it runs here")
+        return uow
+
+    def end(self, uow: BatchUnitOfWork, exc: BaseException | None) -> None:
+        """End the unit of work :meth:`begin` began, as the with-block of
+        :meth:`unit_of_work` ends: ``exc`` is what its body raised (None: it ended well)."""
+        self._end([uow], exc)
+
     def units_of_work(self, keys: list[tuple[str, str | None]]) -> _BatchGroup:
         """Units of work of several runnable keys (``(key, fingerprint)``) in ONE savepoint, for
         one body that serves them all. A failure rolls back all of them and records none."""
@@ -292,10 +307,10 @@ class Batch:
         """End ``units`` (one savepoint): stage their final rows, or roll them back."""
         tx = self._tx
         assert tx is not None
-        touched = any(u.touched for u in units)
         if self.optimistic:
             self._end_optimistic(units, exc, tx)
             return
+        touched = any(u.touched for u in units)
         if exc is None:
             try:
                 done = [uow.complete() for uow in units]
@@ -331,9 +346,11 @@ class Batch:
         (no rollback here: the whole transaction goes when the batch is closed)."""
         try:
             if exc is None and not tx.failed():
-                done = [uow.complete() for uow in units]
-                self.staged_bytes += sum(len(e.value or b"") for d in done for e in d.events)
-                self._pending.extend(done)
+                for uow in units:
+                    done = uow.complete()
+                    if done.events:
+                        self.staged_bytes += sum(len(e.value or b"") for e in done.events)
+                    self._pending.append(done)
                 return
             self.abandoned = True
         except BaseException:
@@ -395,7 +412,10 @@ class Batch:
         self._fingerprints.append(fingerprint)
         self._results.append(result)
         self._errors.append(error)
-        self._outcomes.append((key, StoredOutcome(status, fingerprint, result_json, error), None))
+        if self._outbox.cache is not None:  # only Redis reads them, after the commit
+            self._outcomes.append(
+                (key, StoredOutcome(status, fingerprint, result_json, error), None)
+            )
 
     # -- the end -----------------------------------------------------------------------------
 

@@ -240,6 +240,21 @@ class AsyncBatch:
         :class:`~outbox.errors.PreviouslyFailed`, :class:`~outbox.errors.KeyReuseError`)."""
         return _AsyncBatchAttempt(self, [(key, scope, fingerprint)])
 
+    async def begin(self, key: str, fingerprint: str | None = None) -> AsyncBatchUnitOfWork:
+        """Begin the unit of work of ``key``, a key whose work runs here (its lookup is
+        :attr:`~KeyLookup.runnable`): what ``async with batch.unit_of_work(key, batch.scope,
+        fingerprint)`` enters, without the context manager. Its caller must :meth:`end` it."""
+        await self._make_room()
+        uow = self._begin(key, self.scope, fingerprint)
+        if uow.replayed:
+            raise ConfigurationError(f"key {key!r} is decided already: no work of it runs here")
+        return uow
+
+    async def end(self, uow: AsyncBatchUnitOfWork, exc: BaseException | None) -> None:
+        """End the unit of work :meth:`begin` began, as the with-block of
+        :meth:`unit_of_work` ends: ``exc`` is what its body raised (None: it ended well)."""
+        await self._end([uow], exc)
+
     def units_of_work(self, keys: list[tuple[str, str | None]]) -> _AsyncBatchGroup:
         """Units of work of several runnable keys (``(key, fingerprint)``) in ONE savepoint, for
         one body that serves them all. A failure rolls back all of them and records none."""
@@ -299,10 +314,10 @@ class AsyncBatch:
         """End ``units`` (one savepoint): stage their final rows, or roll them back."""
         tx = self._tx
         assert tx is not None
-        touched = any(u.touched for u in units)
         if self.optimistic:
             await self._end_optimistic(units, exc, tx)
             return
+        touched = any(u.touched for u in units)
         if exc is None:
             try:
                 done = [await uow.complete() for uow in units]
@@ -338,9 +353,11 @@ class AsyncBatch:
         (no rollback here: the whole transaction goes when the batch is closed)."""
         try:
             if exc is None and not tx.failed():
-                done = [await uow.complete() for uow in units]
-                self.staged_bytes += sum(len(e.value or b"") for d in done for e in d.events)
-                self._pending.extend(done)
+                for uow in units:
+                    done = await uow.complete()
+                    if done.events:
+                        self.staged_bytes += sum(len(e.value or b"") for e in done.events)
+                    self._pending.append(done)
                 return
             self.abandoned = True
         except BaseException:
@@ -402,7 +419,10 @@ class AsyncBatch:
         self._fingerprints.append(fingerprint)
         self._results.append(result)
         self._errors.append(error)
-        self._outcomes.append((key, StoredOutcome(status, fingerprint, result_json, error), None))
+        if self._outbox.cache is not None:  # only Redis reads them, after the commit
+            self._outcomes.append(
+                (key, StoredOutcome(status, fingerprint, result_json, error), None)
+            )
 
     # -- the end -----------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import pytest
@@ -11,7 +12,9 @@ import sqlalchemy as sa
 
 import outbox
 from outbox import OutboxConfig
+from outbox._core.claim import STATUS_COMPLETED, STATUS_FAILED, StoredOutcome
 from outbox._core.readahead import WINDOW
+from outbox._redis.entry import MAX_ENTRY_BYTES
 from outbox.errors import ConfigurationError, PermanentError, PreviouslyFailed
 from tests.fixtures.redis import PrivateRedis
 from tests.fixtures.uow import INSERT_ORDER, count, place, watch
@@ -203,3 +206,48 @@ def test_a_batch_reads_its_keys_in_one_mget_with_the_answers_of_single_reads(
     assert calls("mget") == mgets + 1 and calls("get") == gets
     assert [c is not None for c in many] == [True, False, True, False]
     assert many == [cache.get("shop", k) for k in keys]
+
+
+def test_a_batch_writes_its_outcomes_in_one_write_and_its_connection_survives_a_refusal(
+    make_outbox: Callable[..., outbox.Outbox], private_redis: Callable[..., PrivateRedis]
+) -> None:
+    """On a single Redis, put_many packs its SETs itself and writes them at once: each entry
+    is there with its own expiry, readable as put gives it; an entry too large to cache is
+    left out. A server that refuses the SETs (an error reply for each) makes the cache step
+    aside, and the connection it kept is still in step: the next answers are the right ones.
+    (A server of its own: it is made to refuse writes.)"""
+    server = private_redis()
+    ob = make_outbox(server.url, cache_retry_after=0.2)
+    assert ob.cache is not None
+    cache, client = ob.cache, ob.cache.client
+    place(ob, "trust")  # reads the key of the database's entries
+    assert cache.trusted
+    done = StoredOutcome(STATUS_COMPLETED, "fp-1", json.dumps({"n": 1}), None)
+    failed = StoredOutcome(STATUS_FAILED, None, None, "out of stock é")
+    huge = StoredOutcome(STATUS_COMPLETED, None, json.dumps("x" * MAX_ENTRY_BYTES), None)
+
+    def calls(command: str) -> int:
+        stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+        return int(stats.get("calls", 0)) if isinstance(stats, dict) else 0
+
+    sets = calls("set")
+    cache.put_many("shop", [("p-1", done, None), ("p-big", huge, None), ("p-2", failed, 30.0)])
+    assert calls("set") == sets + 2
+    assert cache.get_many("shop", ["p-1", "p-big", "p-2"]) == [done, None, failed]
+    assert 25_000 < client.pttl(cache.redis_key("shop", "p-2")) <= 30_000
+    assert client.pttl(cache.redis_key("shop", "p-1")) > 30_000
+
+    client.config_set("maxmemory", "1")  # every SET is refused: OOM
+    try:
+        cache.put_many("shop", [(f"q-{i}", done, None) for i in range(5)])
+        assert not cache.available()  # stepped aside
+    finally:
+        client.config_set("maxmemory", "0")
+    wait_for_cache = time.monotonic() + 5
+    while not cache.available():
+        assert time.monotonic() < wait_for_cache
+        time.sleep(0.05)
+    assert cache.get_many("shop", ["q-0", "p-1"]) == [None, done]
+    assert cache.get("shop", "p-2") == failed
+    cache.put_many("shop", [("q-0", done, None)])
+    assert cache.get("shop", "q-0") == done

@@ -72,3 +72,35 @@ def test_without_the_hooks_the_pipeline_is_left_as_it_is() -> None:
 
     assert not coalesce(Bare())
     assert not coalesce(object(), burst=1)
+
+
+def test_a_burst_goes_out_in_one_write_not_one_per_statement(
+    driver: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full burst is put in libpq's buffer whole and written at once: the connection waits on
+    its socket a few times for it, not once per statement (each wait a poll and a send)."""
+    waits = 0
+    real = driver.wait
+
+    def counting(gen: Any, *args: Any, **kwargs: Any) -> Any:
+        def counted() -> Any:
+            nonlocal waits
+            try:
+                asked = gen.send(None)
+                while True:
+                    waits += 1
+                    asked = gen.send((yield asked))
+            except StopIteration as stop:
+                return stop.value
+
+        return real(counted(), *args, **kwargs)
+
+    with driver.pipeline() as pipeline:
+        assert coalesce(pipeline, burst=64)
+        monkeypatch.setattr(driver, "wait", counting)
+        for n in range(64):
+            driver.execute("INSERT INTO burst (n) VALUES (%s)", (n,), prepare=False)
+        assert len(pipeline.command_queue) == 0  # the burst went
+        assert 1 <= waits <= 4, waits
+        monkeypatch.undo()
+    assert driver.execute("SELECT count(*) FROM burst").fetchone() == (64,)

@@ -319,3 +319,39 @@ def test_a_decided_key_is_answered_without_a_unit_of_work(ob: outbox.Outbox) -> 
             batch.replay("done", "f2")
     finally:
         batch.close()
+
+
+def test_units_begun_and_ended_without_a_with_block(ob: outbox.Outbox, engine: sa.Engine) -> None:
+    """Batch.begin and Batch.end (the consumer's optimistic path) run a key's unit of work as
+    its with-block would: in an optimistic batch, the units that ended well commit with it,
+    and one that ends with its body's error abandons it; a decided key has no work to begin."""
+    with ob.unit_of_work("done", scope=SCOPE) as uow:
+        uow.result = "stored"
+    batch = Batch.open(ob, SCOPE, ["done", "n1", "n2"], optimistic=True)
+    try:
+        with pytest.raises(ConfigurationError, match="decided already"):
+            batch.begin("done")
+        for key in ("n1", "n2"):
+            uow = batch.begin(key)
+            uow.connection.execute(INSERT_ORDER, {"k": key, "a": 1})
+            uow.publish("orders.created", {"key": key}, key=key)
+            uow.result = {"order": key}
+            batch.end(uow, None)
+        assert not batch.abandoned
+        batch.commit()
+    finally:
+        batch.close()
+    assert order_keys(engine) == ["n1", "n2"]
+    assert statuses(engine) == {"done": "completed", "n1": "completed", "n2": "completed"}
+    assert count(engine, "outbox") == 2
+
+    batch = Batch.open(ob, SCOPE, ["n3", "n4"], optimistic=True)
+    try:
+        uow = batch.begin("n3")
+        uow.connection.execute(INSERT_ORDER, {"k": "n3", "a": 1})
+        batch.end(uow, Boom("transient"))
+        assert batch.abandoned and not batch.usable()
+    finally:
+        batch.close()
+    assert order_keys(engine) == ["n1", "n2"]
+    assert "n3" not in statuses(engine)
