@@ -60,8 +60,23 @@ def execute_text(
 
 
 def _literal(escaping: Any, codec: str, value: Any) -> bytes:
+    # The types a unit of work binds, by their exact type first (a text, a key's hash, a
+    # message key or value, an event id); their subclasses and the rest below.
+    kind = type(value)
+    if kind is str:
+        if codec != "utf-8" and not value.isascii():
+            return _from_utf8(value, "text")
+        text: bytes = escaping.escape_literal(value.encode())
+        return text
     if value is None:
         return b"NULL"
+    if kind is int:
+        return str(value).encode()
+    if kind is bytes:
+        escaped: bytes = escaping.escape_bytea(value)
+        return b"'" + escaped + b"'"
+    if kind is uuid.UUID:
+        return b"'" + str(value).encode() + b"'"
     if isinstance(value, bool):
         return b"true" if value else b"false"
     if isinstance(value, int):
@@ -69,11 +84,11 @@ def _literal(escaping: Any, codec: str, value: Any) -> bytes:
     if isinstance(value, str):
         if codec != "utf-8" and not value.isascii():
             return _from_utf8(value, "text")
-        text: bytes = escaping.escape_literal(value.encode())
-        return text
+        subclass_text: bytes = escaping.escape_literal(value.encode())
+        return subclass_text
     if isinstance(value, bytes):
-        escaped: bytes = escaping.escape_bytea(value)
-        return b"'" + escaped + b"'"
+        subclass_escaped: bytes = escaping.escape_bytea(value)
+        return b"'" + subclass_escaped + b"'"
     if isinstance(value, uuid.UUID):
         return b"'" + str(value).encode() + b"'"
     if isinstance(value, list):

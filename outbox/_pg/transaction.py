@@ -13,6 +13,7 @@ from psycopg import ClientCursor, generators, pq
 from psycopg.pq.abc import PGresult
 from sqlalchemy import Connection, Engine
 
+from outbox._pg.after_commit import forget
 from outbox._pg.coalesce import coalesce
 from outbox._pg.literals import execute_text as _execute_text
 from outbox._pg.statements import Prepared
@@ -22,6 +23,7 @@ from outbox._pg.transaction_base import (
     GUARDED,
     SAVEPOINT,
     SWITCHED,
+    GuardedConnection,
     begin_command,
     check_unprepared,
     checked,
@@ -63,6 +65,12 @@ def check_transaction(session: Any, connection: Connection | None) -> None:
             "engine without AUTOCOMMIT), or let the unit of work open its own (no connection= "
             "or session=)"
         )
+
+
+def connect(engine: Engine) -> Connection:
+    """A connection of ``engine`` for a unit of work's own transaction
+    (:class:`~outbox._pg.transaction_base.GuardedConnection`)."""
+    return GuardedConnection(engine)
 
 
 def _send(driver: psycopg.Connection[Any], message: bytes) -> list[PGresult]:
@@ -118,7 +126,7 @@ class Transaction:
     @classmethod
     def open(cls, engine: Engine, *, pooled: bool = False) -> Transaction:
         """Check a connection out of ``engine`` (the psycopg 3 driver is required)."""
-        connection = engine.connect()
+        connection = connect(engine)
         raw = connection.connection
         driver = raw.driver_connection
         if not isinstance(driver, psycopg.Connection):
@@ -461,6 +469,7 @@ class Transaction:
                     self.end_pipeline()
             if not connection.invalidated:
                 connection.info[GUARDED] = False
+                forget(connection)  # the keys its claims took
                 if connection.info.pop(ENDED, False):
                     # psycopg's rollback() may have sent DEALLOCATE ALL: learn anew next time.
                     prepared_names.pop(self._driver, None)

@@ -40,7 +40,9 @@ import sqlalchemy as sa
 from psycopg import AsyncClientCursor, generators, pq
 from psycopg.pq.abc import PGresult
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.util import greenlet_spawn
 
+from outbox._pg.after_commit import forget
 from outbox._pg.coalesce import coalesce
 from outbox._pg.literals import execute_text as _execute_text
 from outbox._pg.statements import Prepared
@@ -50,6 +52,7 @@ from outbox._pg.transaction_base import (
     GUARDED,
     SAVEPOINT,
     SWITCHED,
+    GuardedConnection,
     begin_command,
     check_unprepared,
     checked,
@@ -91,6 +94,12 @@ async def check_transaction(session: Any, connection: AsyncConnection | None) ->
             "engine without AUTOCOMMIT), or let the unit of work open its own (no connection= "
             "or session=)"
         )
+
+
+async def connect(engine: AsyncEngine) -> AsyncConnection:
+    """A connection of ``engine`` for a unit of work's own transaction
+    (:class:`~outbox._pg.transaction_base.GuardedConnection`)."""
+    return AsyncConnection(engine, await greenlet_spawn(GuardedConnection, engine.sync_engine))
 
 
 async def _send(driver: psycopg.AsyncConnection[Any], message: bytes) -> list[PGresult]:
@@ -146,7 +155,7 @@ class AsyncTransaction:
     @classmethod
     async def open(cls, engine: AsyncEngine, *, pooled: bool = False) -> AsyncTransaction:
         """Check a connection out of ``engine`` (the psycopg 3 driver is required)."""
-        connection = await engine.connect()
+        connection = await connect(engine)
         raw = await connection.get_raw_connection()
         driver = raw.driver_connection
         if not isinstance(driver, psycopg.AsyncConnection):
@@ -489,6 +498,7 @@ class AsyncTransaction:
                     await self.end_pipeline()
             if not connection.invalidated:
                 connection.info[GUARDED] = False
+                forget(connection.sync_connection)  # the keys its claims took
                 if connection.info.pop(ENDED, False):
                     # psycopg's rollback() may have sent DEALLOCATE ALL: learn anew next time.
                     prepared_names.pop(self._driver, None)

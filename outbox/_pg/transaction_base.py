@@ -19,6 +19,7 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import IsolationLevel, adapt, errors, pq
 from psycopg.pq.abc import PGresult
+from sqlalchemy.engine.base import RootTransaction
 
 from outbox._pg.statements import Prepared
 from outbox.errors import ConfigurationError, TransactionEndedError
@@ -94,21 +95,35 @@ def _discard_unclean(dbapi_connection: Any, record: Any) -> None:
         record.invalidate()
 
 
-def install_guard(engine: sa.Engine) -> None:
-    """Keep a unit of work's transaction whole against its own body, and the pool clean.
+class GuardedConnection(sa.Connection):
+    """The connection of a unit of work's own transaction: it keeps that transaction whole
+    against the unit of work's body.
 
     ``commit()`` from the body would commit business rows without the key and the outbox rows:
     refused before anything is sent. After a rollback from the body, any further statement is
-    refused instead of running outside the transaction. Connections outside a unit of work are
-    unaffected. A connection that comes back to the pool other than idle is discarded.
+    refused instead of running outside the transaction. The checks live in the connection the
+    toolkit opens, not in listeners on the engine: an engine with listeners makes SQLAlchemy
+    dispatch every event of every connection of that engine (its ``begin``, each statement's
+    ``before_execute`` ...), the caller's own connections included.
     """
-    for name, fn in (
-        ("commit", _refuse_commit),
-        ("rollback", _note_rollback),
-        ("begin", _refuse_begin),
-    ):
-        if not sa.event.contains(engine, name, fn):
-            sa.event.listen(engine, name, fn)
+
+    def _begin_impl(self, transaction: RootTransaction) -> None:
+        _refuse_begin(self)
+        super()._begin_impl(transaction)
+
+    def _commit_impl(self) -> None:
+        _refuse_commit(self)
+        super()._commit_impl()
+
+    def _rollback_impl(self) -> None:
+        _note_rollback(self)
+        super()._rollback_impl()
+
+
+def install_guard(engine: sa.Engine) -> None:
+    """Keep the pool clean: a connection that comes back to it other than idle (or still
+    switched to autocommit by a unit of work) is discarded. A unit of work's own transaction is
+    kept whole by its connection (:class:`GuardedConnection`)."""
     if not sa.event.contains(engine.pool, "checkin", _discard_unclean):
         sa.event.listen(engine.pool, "checkin", _discard_unclean)
 
