@@ -48,7 +48,24 @@ def execute_text(
     if escaping is None:
         escaping = _escaping[driver] = pq.Escaping(driver.pgconn)
     codec = driver.info.encoding
-    literals = [_literal(escaping, codec, params[name]) for name in p.args]
+    utf8 = codec == "utf-8"
+    text, bytea = escaping.escape_literal, escaping.escape_bytea
+    literals = []
+    for name in p.args:
+        # A unit of work's values are texts, ints, bytes, None and UUIDs: the common cases
+        # here, every other one (and the same types under another encoding) by _literal.
+        value = params[name]
+        kind = type(value)
+        if kind is str and utf8:
+            literals.append(text(value.encode()))
+        elif value is None:
+            literals.append(b"NULL")
+        elif kind is int:
+            literals.append(b"%d" % value)
+        elif kind is bytes:
+            literals.append(b"'" + bytea(value) + b"'")
+        else:
+            literals.append(_literal(escaping, codec, value))
     if inline:
         texts, names = _inline_parts(p)
         by_name = dict(zip(p.args, literals, strict=True))
@@ -60,23 +77,8 @@ def execute_text(
 
 
 def _literal(escaping: Any, codec: str, value: Any) -> bytes:
-    # The types a unit of work binds, by their exact type first (a text, a key's hash, a
-    # message key or value, an event id); their subclasses and the rest below.
-    kind = type(value)
-    if kind is str:
-        if codec != "utf-8" and not value.isascii():
-            return _from_utf8(value, "text")
-        text: bytes = escaping.escape_literal(value.encode())
-        return text
     if value is None:
         return b"NULL"
-    if kind is int:
-        return str(value).encode()
-    if kind is bytes:
-        escaped: bytes = escaping.escape_bytea(value)
-        return b"'" + escaped + b"'"
-    if kind is uuid.UUID:
-        return b"'" + str(value).encode() + b"'"
     if isinstance(value, bool):
         return b"true" if value else b"false"
     if isinstance(value, int):
@@ -84,11 +86,11 @@ def _literal(escaping: Any, codec: str, value: Any) -> bytes:
     if isinstance(value, str):
         if codec != "utf-8" and not value.isascii():
             return _from_utf8(value, "text")
-        subclass_text: bytes = escaping.escape_literal(value.encode())
-        return subclass_text
+        text: bytes = escaping.escape_literal(value.encode())
+        return text
     if isinstance(value, bytes):
-        subclass_escaped: bytes = escaping.escape_bytea(value)
-        return b"'" + subclass_escaped + b"'"
+        escaped: bytes = escaping.escape_bytea(value)
+        return b"'" + escaped + b"'"
     if isinstance(value, uuid.UUID):
         return b"'" + str(value).encode() + b"'"
     if isinstance(value, list):
