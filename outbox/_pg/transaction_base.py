@@ -1,8 +1,8 @@
-"""What the unit of work's transaction does the same in both flavours: keep the pool clean and
-a unit of work whole against its own body (:func:`install_guard`), stop a statement the client
-gave up on (:func:`stop_abandoned`), the ``BEGIN`` psycopg would send, the pooler's check, the
-record of the statements PREPAREd on each driver connection, and the reading of a message's
-results (:func:`checked`, :func:`statement_rows`).
+"""What the unit of work's transaction does the same in both flavours: keep a unit of work whole
+against its own body (:class:`GuardedConnection`) and the pool clean (:func:`install_guard`),
+stop a statement the client gave up on (:func:`stop_abandoned`), the ``BEGIN`` psycopg would
+send, the pooler's check, the record of the statements PREPAREd on each driver connection, and
+the reading of a message's results (:func:`checked`, :func:`statement_rows`).
 
 Nothing here awaits: both flavours of the transaction (``transaction_async.py`` and its
 generated twin ``transaction.py``) import it, so it is written, and loaded, once.
