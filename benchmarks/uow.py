@@ -4,6 +4,7 @@
     python benchmarks/uow.py --async [--tasks 1,16,64]
     python benchmarks/uow.py --payloads [--rounds 3]
     python benchmarks/uow.py --through-pooler [--workers 1,4,16]
+    python benchmarks/uow.py --alternate 20 [--alternate-units 200]
 
 For 1, 4 and 16 concurrent worker processes it measures units of work per second and p50/p99
 latency against two baselines measured in the same run:
@@ -51,7 +52,12 @@ from sqlalchemy.orm import Session
 from wire import WireCounter, count_redis, proxied_url
 
 import outbox
-from outbox._core import claim as _claim, codec as _codec, events as _events
+from outbox._core import (
+    claim as _claim,
+    codec as _codec,
+    events as _events,
+    readahead as _readahead,
+)
 from outbox._pg.statements import idempotency_key_complete, statements
 
 BUSINESS_DDL = (
@@ -151,8 +157,10 @@ class ByHand:
 
 # Units of work (or transactions) each worker runs before the clock starts: its connection is
 # open, its statements are prepared and the caches are warm when it is measured, as they are in
-# a service that has been running for a while.
-WARM_UP = 20
+# a service that has been running for a while -- which, on new keys only, no longer asks Redis
+# ahead of its claims: a process starts asking and stops after a window of misses
+# (outbox._core.readahead), so the warm-up runs past that window.
+WARM_UP = 20 + _readahead.WINDOW
 
 
 def _setup(mode: str, url: str, redis_url: str) -> tuple[sa.Engine, Any, Any]:
@@ -322,6 +330,67 @@ def unit_costs(url: str, redis_url: str, n: int) -> dict[str, tuple[float, float
     finally:
         counter.close()
     return costs
+
+
+ALTERNATED = ("floor", "uow", "uow-no-redis", "by hand")
+
+
+def _backend_seconds(pid: int) -> float | None:
+    """CPU seconds a local PostgreSQL backend has run (Linux's /proc), else ``None``."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as stat:
+            return int(stat.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def alternating(url: str, redis_url: str, rounds: int, units: int) -> None:
+    """The ``ALTERNATED`` modes in one process, taking turns for ``rounds`` rounds of ``units``
+    units each: per unit, the client's CPU, the CPU of the mode's PostgreSQL backend (each mode
+    has a pool of one connection) and the latency, in the fastest round of each -- what a
+    shared machine disturbs least, and the modes' costs side by side."""
+    setups = {}
+    for mode in ALTERNATED:
+        engine, ob, once = _setup(mode, url, redis_url)
+        for n in range(-WARM_UP, 0):
+            once(n)
+        with engine.connect() as conn:
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        setups[mode] = (engine, ob, once, int(pid or 0))
+    inf = float("inf")
+    best = {mode: [inf, inf, inf] for mode in ALTERNATED}
+    n = 0
+    for _ in range(rounds):
+        for mode, (_engine, _ob, once, pid) in setups.items():
+            backend0 = _backend_seconds(pid)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(units):
+                once(n)
+                n += 1
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+            backend1 = _backend_seconds(pid)
+            backend = inf if backend0 is None or backend1 is None else backend1 - backend0
+            for i, seconds in enumerate((cpu, backend, wall)):
+                best[mode][i] = min(best[mode][i], seconds / units * 1e6)
+    for engine, ob, _once, _pid in setups.values():
+        if ob is not None:
+            ob.close()
+        engine.dispose()
+    print(
+        f"per unit, {len(ALTERNATED)} modes taking turns in one process ({rounds} rounds of "
+        f"{units} units; the fastest round of each mode):"
+    )
+    header = f"{'mode':<14} | {'client CPU µs':>13} | {'backend CPU µs':>14} | {'latency µs':>10}"
+    print(header)
+    print("-" * len(header))
+    for mode, (cpu, backend, wall) in best.items():
+        shown = "-" if backend == inf else f"{backend:.0f}"
+        print(f"{mode:<14} | {cpu:>13.0f} | {shown:>14} | {wall:>10.0f}")
+    floor = best["floor"]
+    if floor[1] != inf:
+        for mode in ALTERNATED[1:]:
+            ratio = (floor[0] + floor[1]) / (best[mode][0] + best[mode][1])
+            print(f"{mode}: the floor's client and backend CPU over its own: {ratio:.2f}")
 
 
 def truncate(engine: sa.Engine) -> None:
@@ -660,6 +729,15 @@ def main() -> int:
         help="measure a registry-serialized (Avro) publish and a CloudEvent against JSON instead",
     )
     parser.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="measure the client's and the backend's CPU per unit of the floor, the unit of work "
+        "and the SQL by hand in one process, taking turns for ROUNDS rounds, instead",
+    )
+    parser.add_argument("--alternate-units", type=int, default=200, help="units per round")
+    parser.add_argument(
         "--through-pooler",
         action="store_true",
         help="measure the floor, the unit of work and the joined one directly and through a "
@@ -669,7 +747,9 @@ def main() -> int:
     with scratch_database(args.database_url, BUSINESS_DDL, FLOOR_DDL) as url:
         engine = sa.create_engine(url)
         try:
-            if args.payloads:
+            if args.alternate:
+                alternating(url, args.redis_url, args.alternate, args.alternate_units)
+            elif args.payloads:
                 payload_formats(url, args)
             elif args.through_pooler:
                 pooler_benchmark(url, engine, args)

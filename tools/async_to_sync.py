@@ -83,6 +83,12 @@ RULES: list[Rule] = [
     Rule(r"^_ASYNC = True$", "_ASYNC = False"),
     # Modules that have a twin: ``outbox.<folder>.x_async`` is ``outbox.<folder>.x``.
     Rule(r"\b(outbox(?:\.\w+)+?)_async\b", r"\1"),
+    # A connection of the engine's made by the toolkit: the sync one is made in the caller's
+    # thread, the asyncio one in SQLAlchemy's greenlet.
+    Rule(
+        r"\bAsyncConnection\((\w+), await greenlet_spawn\((\w+), \1\.sync_engine\)\)",
+        r"\2(\1)",
+    ),
     # The language.
     Rule(r"\basync def\b", "def"),
     Rule(r"\basync with\b", "with"),

@@ -40,6 +40,10 @@ class Event:
     key_hash: int
 
 
+# json.dumps(headers, ensure_ascii=False), without the encoder it would make on every call.
+_HEADERS_JSON = json.JSONEncoder(ensure_ascii=False)
+
+
 def encode_event(
     topic: str,
     value: Any,
@@ -82,7 +86,7 @@ def encode_event(
     elif content_type is not None:
         validate.with_content_type(checked, content_type)
     validate.check_size(key_bytes, value_bytes, checked, max_payload_bytes)
-    headers_json = json.dumps(codec.encode_headers(checked), ensure_ascii=False)
+    headers_json = _HEADERS_JSON.encode(codec.encode_headers(checked))
     return Event(
         event_id,
         topic,

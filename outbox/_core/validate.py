@@ -133,13 +133,17 @@ def check_topic(topic: object) -> str:
     return topic
 
 
+# json.dumps() with arguments makes an encoder on every call: one, made once, serves them all.
+_STRICT_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
 def dumps_json(value: Any, what: str) -> str:
     """Strict JSON that PostgreSQL's jsonb accepts and every reader can parse back: no
     NaN/Infinity, no NUL characters, valid UTF-8, at most :data:`MAX_JSON_DEPTH` levels."""
     if value is None:  # most handlers' result: spared the encoder
         return "null"
     try:
-        text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+        text = _STRICT_JSON.encode(value)
     except RecursionError:
         raise SerializationError(
             f"{what} is nested more than {MAX_JSON_DEPTH} levels deep"

@@ -104,12 +104,23 @@ def _session_transaction_ended(session: Session, transaction: Any) -> None:
 # -- keys held by a connection's transaction ----------------------------------------------------
 
 
-def take(conn: sa.Connection | None, lock_id: int) -> None:
-    """Note that ``conn``'s current transaction holds the key lock ``lock_id``."""
+def take(conn: sa.Connection | None, lock_id: int, *, owned: bool = False) -> None:
+    r"""Note that ``conn``'s current transaction holds the key lock ``lock_id``.
+
+    ``owned``: the transaction is a unit of work's own, whose end :func:`forget`\ s the keys;
+    the engine's events that forget them for a caller's transaction are not needed (an engine
+    with listeners costs every statement of its connections a dispatch)."""
     if conn is None:
         return
-    _hook_engine(conn.engine)
+    if not owned:
+        _hook_engine(conn.engine)
     conn.info.setdefault(_HELD, set()).add(lock_id)
+
+
+def forget(conn: sa.Connection | None) -> None:
+    """Forget the keys ``conn``'s transaction held (it ended)."""
+    if conn is not None and not conn.invalidated:
+        conn.info.pop(_HELD, None)
 
 
 def release(conn: sa.Connection, lock_id: int) -> None:

@@ -48,7 +48,24 @@ def execute_text(
     if escaping is None:
         escaping = _escaping[driver] = pq.Escaping(driver.pgconn)
     codec = driver.info.encoding
-    literals = [_literal(escaping, codec, params[name]) for name in p.args]
+    utf8 = codec == "utf-8"
+    text, bytea = escaping.escape_literal, escaping.escape_bytea
+    literals = []
+    for name in p.args:
+        # A unit of work's values are texts, ints, bytes, None and UUIDs: the common cases
+        # here, every other one (and the same types under another encoding) by _literal.
+        value = params[name]
+        kind = type(value)
+        if kind is str and utf8:
+            literals.append(text(value.encode()))
+        elif value is None:
+            literals.append(b"NULL")
+        elif kind is int:
+            literals.append(b"%d" % value)
+        elif kind is bytes:
+            literals.append(b"'" + bytea(value) + b"'")
+        else:
+            literals.append(_literal(escaping, codec, value))
     if inline:
         texts, names = _inline_parts(p)
         by_name = dict(zip(p.args, literals, strict=True))

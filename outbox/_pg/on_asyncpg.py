@@ -37,8 +37,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from outbox._pg.after_commit import forget
 from outbox._pg.statements import Prepared
-from outbox._pg.transaction_async import AsyncTransaction
+from outbox._pg.transaction_async import AsyncTransaction, connect
 from outbox._pg.transaction_base import ENDED, GUARDED, SAVEPOINT, SWITCHED
 from outbox.errors import TransactionEndedError
 
@@ -96,7 +97,7 @@ class AsyncpgTransaction(AsyncTransaction):
 
     @classmethod
     async def open(cls, engine: AsyncEngine, *, pooled: bool = False) -> AsyncTransaction:
-        connection = await engine.connect()
+        connection = await connect(engine)
         raw = await connection.get_raw_connection()
         return cls(connection, raw.dbapi_connection)
 
@@ -232,6 +233,7 @@ class AsyncpgTransaction(AsyncTransaction):
         try:
             if not connection.invalidated:
                 connection.info[GUARDED] = False
+                forget(connection.sync_connection)  # the keys its claims took
                 connection.info.pop(ENDED, None)
                 await self._rollback()
                 self._restore()

@@ -9,9 +9,11 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
-from psycopg import ClientCursor, pq
+from psycopg import ClientCursor, generators, pq
+from psycopg.pq.abc import PGresult
 from sqlalchemy import Connection, Engine
 
+from outbox._pg.after_commit import forget
 from outbox._pg.coalesce import coalesce
 from outbox._pg.literals import execute_text as _execute_text
 from outbox._pg.statements import Prepared
@@ -21,9 +23,12 @@ from outbox._pg.transaction_base import (
     GUARDED,
     SAVEPOINT,
     SWITCHED,
+    GuardedConnection,
     begin_command,
     check_unprepared,
+    checked,
     prepared_names,
+    statement_rows,
     stop_abandoned,
     wanted_statements,
 )
@@ -62,19 +67,27 @@ def check_transaction(session: Any, connection: Connection | None) -> None:
         )
 
 
-def _statement_rows(
-    cursor: psycopg.Cursor[Any], skip: int, count: int
-) -> list[list[tuple[Any, ...]]]:
-    """The rows of ``count`` statements of one message, after its first ``skip`` results (the
-    PREPAREs and the BEGIN sent ahead of them)."""
-    for _ in range(skip):
-        cursor.nextset()
-    rows = []
-    for i in range(count):
-        if i:
-            cursor.nextset()
-        rows.append([tuple(row) for row in cursor.fetchall()])
-    return rows
+def connect(engine: Engine) -> Connection:
+    """A connection of ``engine`` for a unit of work's own transaction
+    (:class:`~outbox._pg.transaction_base.GuardedConnection`)."""
+    return GuardedConnection(engine)
+
+
+def _send(driver: psycopg.Connection[Any], message: bytes) -> list[PGresult]:
+    """Run ``message`` (statements with their parameters as literals, for the simple query
+    protocol) on ``driver``, in autocommit mode and outside a pipeline, and return its results
+    (:func:`~outbox._pg.transaction_base.checked`).
+
+    What psycopg's ``cursor.execute()`` does, without what a cursor adds around it: a cursor
+    and a transformer made for every message, and the prepared-statement cache's count of the
+    message's text -- which is never the same twice, each message carrying its own literals.
+    The connection's lock is held as the cursor holds it, and an interrupted wait cancels the
+    statement on the server as psycopg's ``wait()`` does for a cursor."""
+    with driver.lock:
+        pgconn = driver.pgconn
+        pgconn.send_query(message)
+        results = driver.wait(generators.execute(pgconn))
+    return checked(driver, results)
 
 
 class Transaction:
@@ -113,7 +126,7 @@ class Transaction:
     @classmethod
     def open(cls, engine: Engine, *, pooled: bool = False) -> Transaction:
         """Check a connection out of ``engine`` (the psycopg 3 driver is required)."""
-        connection = engine.connect()
+        connection = connect(engine)
         raw = connection.connection
         driver = raw.driver_connection
         if not isinstance(driver, psycopg.Connection):
@@ -167,9 +180,8 @@ class Transaction:
             for _attempt in range(2):
                 if pooled:
                     # No PREPARE, nothing to learn about the session: one attempt.
-                    cursor = driver.cursor()
-                    cursor.execute(f"{begin}; ".encode() + body)
-                    rows = _statement_rows(cursor, 1, len(statements))
+                    results = _send(driver, f"{begin}; ".encode() + body)
+                    rows = statement_rows(driver, results, 1, len(statements))
                     break
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
@@ -178,9 +190,8 @@ class Transaction:
                     head = f"{begin}; {prefix}"
                 else:
                     head = f"{prefix}{begin}; "
-                cursor = driver.cursor()
                 try:
-                    cursor.execute(head.encode() + body)
+                    results = _send(driver, head.encode() + body)
                 except (
                     psycopg.errors.InvalidSqlStatementName,
                     psycopg.errors.DuplicatePreparedStatement,
@@ -197,7 +208,7 @@ class Transaction:
                     continue
                 known.update(p.name for p in missing)
                 wanted.clear()
-                rows = _statement_rows(cursor, len(missing) + 1, len(statements))
+                rows = statement_rows(driver, results, len(missing) + 1, len(statements))
                 break
             else:  # pragma: no cover - two stale records in a row means a concurrent DEALLOCATE
                 raise psycopg.errors.InvalidSqlStatementName(
@@ -341,9 +352,8 @@ class Transaction:
         self, message: bytes, final: Prepared, params: dict[str, Any], after: bool
     ) -> Any:
         driver = self._driver
-        cursor = driver.cursor()
         try:
-            cursor.execute(message)
+            results = _send(driver, message)
         except psycopg.Error as exc:
             if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
                 prepared_names.pop(driver, None)
@@ -352,10 +362,9 @@ class Transaction:
         self.connection.commit()
         if not after:
             return None
-        cursor.nextset()
-        cursor.nextset()
-        row = cursor.fetchone()
-        return None if row is None else row[0]
+        # The results of the final statement, COMMIT and ``after``.
+        rows = statement_rows(driver, results, 2, 1)[0]
+        return rows[0][0] if rows else None
 
     def hold(self, lock_id: int) -> bool:
         """Take a session-scoped advisory lock on ``lock_id`` while the transaction is healthy.
@@ -460,6 +469,7 @@ class Transaction:
                     self.end_pipeline()
             if not connection.invalidated:
                 connection.info[GUARDED] = False
+                forget(connection)  # the keys its claims took
                 if connection.info.pop(ENDED, False):
                     # psycopg's rollback() may have sent DEALLOCATE ALL: learn anew next time.
                     prepared_names.pop(self._driver, None)

@@ -37,9 +37,12 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
-from psycopg import AsyncClientCursor, pq
+from psycopg import AsyncClientCursor, generators, pq
+from psycopg.pq.abc import PGresult
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.util import greenlet_spawn
 
+from outbox._pg.after_commit import forget
 from outbox._pg.coalesce import coalesce
 from outbox._pg.literals import execute_text as _execute_text
 from outbox._pg.statements import Prepared
@@ -49,9 +52,12 @@ from outbox._pg.transaction_base import (
     GUARDED,
     SAVEPOINT,
     SWITCHED,
+    GuardedConnection,
     begin_command,
     check_unprepared,
+    checked,
     prepared_names,
+    statement_rows,
     stop_abandoned,
     wanted_statements,
 )
@@ -90,19 +96,27 @@ async def check_transaction(session: Any, connection: AsyncConnection | None) ->
         )
 
 
-async def _statement_rows(
-    cursor: psycopg.AsyncCursor[Any], skip: int, count: int
-) -> list[list[tuple[Any, ...]]]:
-    """The rows of ``count`` statements of one message, after its first ``skip`` results (the
-    PREPAREs and the BEGIN sent ahead of them)."""
-    for _ in range(skip):
-        cursor.nextset()
-    rows = []
-    for i in range(count):
-        if i:
-            cursor.nextset()
-        rows.append([tuple(row) for row in await cursor.fetchall()])
-    return rows
+async def connect(engine: AsyncEngine) -> AsyncConnection:
+    """A connection of ``engine`` for a unit of work's own transaction
+    (:class:`~outbox._pg.transaction_base.GuardedConnection`)."""
+    return AsyncConnection(engine, await greenlet_spawn(GuardedConnection, engine.sync_engine))
+
+
+async def _send(driver: psycopg.AsyncConnection[Any], message: bytes) -> list[PGresult]:
+    """Run ``message`` (statements with their parameters as literals, for the simple query
+    protocol) on ``driver``, in autocommit mode and outside a pipeline, and return its results
+    (:func:`~outbox._pg.transaction_base.checked`).
+
+    What psycopg's ``cursor.execute()`` does, without what a cursor adds around it: a cursor
+    and a transformer made for every message, and the prepared-statement cache's count of the
+    message's text -- which is never the same twice, each message carrying its own literals.
+    The connection's lock is held as the cursor holds it, and an interrupted wait cancels the
+    statement on the server as psycopg's ``wait()`` does for a cursor."""
+    async with driver.lock:
+        pgconn = driver.pgconn
+        pgconn.send_query(message)
+        results = await driver.wait(generators.execute(pgconn))
+    return checked(driver, results)
 
 
 class AsyncTransaction:
@@ -141,7 +155,7 @@ class AsyncTransaction:
     @classmethod
     async def open(cls, engine: AsyncEngine, *, pooled: bool = False) -> AsyncTransaction:
         """Check a connection out of ``engine`` (the psycopg 3 driver is required)."""
-        connection = await engine.connect()
+        connection = await connect(engine)
         raw = await connection.get_raw_connection()
         driver = raw.driver_connection
         if not isinstance(driver, psycopg.AsyncConnection):
@@ -195,9 +209,8 @@ class AsyncTransaction:
             for _attempt in range(2):
                 if pooled:
                     # No PREPARE, nothing to learn about the session: one attempt.
-                    cursor = driver.cursor()
-                    await cursor.execute(f"{begin}; ".encode() + body)
-                    rows = await _statement_rows(cursor, 1, len(statements))
+                    results = await _send(driver, f"{begin}; ".encode() + body)
+                    rows = statement_rows(driver, results, 1, len(statements))
                     break
                 missing = [p for p in (*statements, *wanted) if p.name not in known]
                 prefix = "".join(f"{p.prepare}; " for p in missing)
@@ -206,9 +219,8 @@ class AsyncTransaction:
                     head = f"{begin}; {prefix}"
                 else:
                     head = f"{prefix}{begin}; "
-                cursor = driver.cursor()
                 try:
-                    await cursor.execute(head.encode() + body)
+                    results = await _send(driver, head.encode() + body)
                 except (
                     psycopg.errors.InvalidSqlStatementName,
                     psycopg.errors.DuplicatePreparedStatement,
@@ -225,7 +237,7 @@ class AsyncTransaction:
                     continue
                 known.update(p.name for p in missing)
                 wanted.clear()
-                rows = await _statement_rows(cursor, len(missing) + 1, len(statements))
+                rows = statement_rows(driver, results, len(missing) + 1, len(statements))
                 break
             else:  # pragma: no cover - two stale records in a row means a concurrent DEALLOCATE
                 raise psycopg.errors.InvalidSqlStatementName(
@@ -369,9 +381,8 @@ class AsyncTransaction:
         self, message: bytes, final: Prepared, params: dict[str, Any], after: bool
     ) -> Any:
         driver = self._driver
-        cursor = driver.cursor()
         try:
-            await cursor.execute(message)
+            results = await _send(driver, message)
         except psycopg.Error as exc:
             if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
                 prepared_names.pop(driver, None)
@@ -380,10 +391,9 @@ class AsyncTransaction:
         await self.connection.commit()
         if not after:
             return None
-        cursor.nextset()
-        cursor.nextset()
-        row = await cursor.fetchone()
-        return None if row is None else row[0]
+        # The results of the final statement, COMMIT and ``after``.
+        rows = statement_rows(driver, results, 2, 1)[0]
+        return rows[0][0] if rows else None
 
     async def hold(self, lock_id: int) -> bool:
         """Take a session-scoped advisory lock on ``lock_id`` while the transaction is healthy.
@@ -488,6 +498,7 @@ class AsyncTransaction:
                     await self.end_pipeline()
             if not connection.invalidated:
                 connection.info[GUARDED] = False
+                forget(connection.sync_connection)  # the keys its claims took
                 if connection.info.pop(ENDED, False):
                     # psycopg's rollback() may have sent DEALLOCATE ALL: learn anew next time.
                     prepared_names.pop(self._driver, None)

@@ -1,7 +1,8 @@
-"""What the unit of work's transaction does the same in both flavours: keep the pool clean and
-a unit of work whole against its own body (:func:`install_guard`), stop a statement the client
-gave up on (:func:`stop_abandoned`), the ``BEGIN`` psycopg would send, the pooler's check, and
-the record of the statements PREPAREd on each driver connection.
+"""What the unit of work's transaction does the same in both flavours: keep a unit of work whole
+against its own body (:class:`GuardedConnection`) and the pool clean (:func:`install_guard`),
+stop a statement the client gave up on (:func:`stop_abandoned`), the ``BEGIN`` psycopg would
+send, the pooler's check, the record of the statements PREPAREd on each driver connection, and
+the reading of a message's results (:func:`checked`, :func:`statement_rows`).
 
 Nothing here awaits: both flavours of the transaction (``transaction_async.py`` and its
 generated twin ``transaction.py``) import it, so it is written, and loaded, once.
@@ -16,7 +17,9 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
-from psycopg import IsolationLevel, pq
+from psycopg import IsolationLevel, adapt, errors, pq
+from psycopg.pq.abc import PGresult
+from sqlalchemy.engine.base import RootTransaction
 
 from outbox._pg.statements import Prepared
 from outbox.errors import ConfigurationError, TransactionEndedError
@@ -92,21 +95,35 @@ def _discard_unclean(dbapi_connection: Any, record: Any) -> None:
         record.invalidate()
 
 
-def install_guard(engine: sa.Engine) -> None:
-    """Keep a unit of work's transaction whole against its own body, and the pool clean.
+class GuardedConnection(sa.Connection):
+    """The connection of a unit of work's own transaction: it keeps that transaction whole
+    against the unit of work's body.
 
     ``commit()`` from the body would commit business rows without the key and the outbox rows:
     refused before anything is sent. After a rollback from the body, any further statement is
-    refused instead of running outside the transaction. Connections outside a unit of work are
-    unaffected. A connection that comes back to the pool other than idle is discarded.
+    refused instead of running outside the transaction. The checks live in the connection the
+    toolkit opens, not in listeners on the engine: an engine with listeners makes SQLAlchemy
+    dispatch every event of every connection of that engine (its ``begin``, each statement's
+    ``before_execute`` ...), the caller's own connections included.
     """
-    for name, fn in (
-        ("commit", _refuse_commit),
-        ("rollback", _note_rollback),
-        ("begin", _refuse_begin),
-    ):
-        if not sa.event.contains(engine, name, fn):
-            sa.event.listen(engine, name, fn)
+
+    def _begin_impl(self, transaction: RootTransaction) -> None:
+        _refuse_begin(self)
+        super()._begin_impl(transaction)
+
+    def _commit_impl(self) -> None:
+        _refuse_commit(self)
+        super()._commit_impl()
+
+    def _rollback_impl(self) -> None:
+        _note_rollback(self)
+        super()._rollback_impl()
+
+
+def install_guard(engine: sa.Engine) -> None:
+    """Keep the pool clean: a connection that comes back to it other than idle (or still
+    switched to autocommit by a unit of work) is discarded. A unit of work's own transaction is
+    kept whole by its connection (:class:`GuardedConnection`)."""
     if not sa.event.contains(engine.pool, "checkin", _discard_unclean):
         sa.event.listen(engine.pool, "checkin", _discard_unclean)
 
@@ -177,6 +194,42 @@ def begin_command(driver: psycopg.BaseConnection[Any]) -> str:
     if driver.deferrable is not None:
         parts.append("DEFERRABLE" if driver.deferrable else "NOT DEFERRABLE")
     return " ".join(parts)
+
+
+def checked(driver: psycopg.BaseConnection[Any], results: list[PGresult]) -> list[PGresult]:
+    """The results of a message sent on ``driver`` (one per statement that ran), raising the
+    error of a statement that failed as psycopg's cursor raises it (the server runs nothing of
+    a message after a failed statement)."""
+    if not results:
+        raise errors.InternalError("got no result from the query")
+    for result in results:
+        status = result.status
+        if status == _FATAL_ERROR:
+            raise errors.error_from_result(result, encoding=driver.info.encoding)
+        if status != _TUPLES_OK and status != _COMMAND_OK:
+            raise errors.InternalError(
+                f"unexpected result status from query: {pq.ExecStatus(status).name}"
+            )
+    return results
+
+
+_FATAL_ERROR = pq.ExecStatus.FATAL_ERROR
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
+_COMMAND_OK = pq.ExecStatus.COMMAND_OK
+
+
+def statement_rows(
+    driver: psycopg.BaseConnection[Any], results: list[PGresult], skip: int, count: int
+) -> list[list[tuple[Any, ...]]]:
+    """The rows of ``count`` statements of one message, after its first ``skip`` results (the
+    PREPAREs and the BEGIN sent ahead of them), loaded as psycopg's cursor loads them (the
+    connection's adapters and client encoding)."""
+    rows = []
+    for result in results[skip : skip + count]:
+        loader = adapt.Transformer(driver)
+        loader.set_pgresult(result)
+        rows.append(loader.load_rows(0, result.ntuples, tuple))
+    return rows
 
 
 def check_unprepared(driver: object) -> None:

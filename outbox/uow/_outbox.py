@@ -367,7 +367,7 @@ class Outbox:
             )
             if status is None and acquired:
                 # A unit of work joined to this one's connection for the same key is refused.
-                take(tx.connection, lock_id)
+                take(tx.connection, lock_id, owned=True)
                 uow = UnitOfWork(self, scope, key, fingerprint, tx, replayed=False, typed=typed)
                 return uow, tx
         except BaseException as exc:

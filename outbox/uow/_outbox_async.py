@@ -377,7 +377,7 @@ class AsyncOutbox:
             )
             if status is None and acquired:
                 # A unit of work joined to this one's connection for the same key is refused.
-                take(tx.connection.sync_connection, lock_id)
+                take(tx.connection.sync_connection, lock_id, owned=True)
                 uow = AsyncUnitOfWork(
                     self, scope, key, fingerprint, tx, replayed=False, typed=typed
                 )
