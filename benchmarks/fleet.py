@@ -110,6 +110,52 @@ def relay_backends(admin: sa.Engine, pattern: str) -> list[int]:
         ]
 
 
+class Arrivals:
+    """A consumer of ``topic`` on a thread of its own, timestamping each event's arrival."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.arrived: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-{uuid.uuid4().hex[:6]}",
+                "auto.offset.reset": "earliest",
+                "session.timeout.ms": 6000,
+                "topic.metadata.refresh.interval.ms": 500,
+                "fetch.wait.max.ms": 1,
+                "fetch.min.bytes": 1,
+            }
+        )
+        self._consumer.subscribe([topic])
+        self._thread = threading.Thread(target=self._consume, daemon=True)
+        self._thread.start()
+
+    def _consume(self) -> None:
+        while not self._stop.is_set():
+            msg = self._consumer.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            now = time.time()
+            for k, v in msg.headers() or []:
+                if k == _codec.IDEMPOTENCY_HEADER:
+                    self.arrived.setdefault(bytes(v).decode(), now)
+
+    def wait_for(self, events: dict[str, float], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not events.keys() <= self.arrived.keys():
+            time.sleep(0.1)
+
+    def latencies(self, events: dict[str, float]) -> list[float]:
+        """Milliseconds from commit to arrival of the ``events`` that arrived, sorted."""
+        return sorted((self.arrived[e] - c) * 1000 for e, c in events.items() if e in self.arrived)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._consumer.close()
+
+
 def producers_alive(pid: int) -> int:
     """librdkafka clients in process ``pid``: each runs one thread named ``rdk:main``."""
     tasks = Path(f"/proc/{pid}/task")
@@ -265,71 +311,42 @@ def main() -> None:
             + ", ".join(str(producers_alive(p)) for p in relay_pids)
         )
 
-        # Latency under load: a consumer timestamps every event's arrival, for every phase.
-        topic = f"fleet-bench-{uuid.uuid4().hex[:8]}"
-        arrived: dict[str, float] = {}
-        stop = threading.Event()
-        consumer = Consumer(
-            {
-                "bootstrap.servers": bootstrap,
-                "group.id": f"bench-{uuid.uuid4().hex[:6]}",
-                "auto.offset.reset": "earliest",
-                "session.timeout.ms": 6000,
-                "topic.metadata.refresh.interval.ms": 500,
-                "fetch.wait.max.ms": 1,
-                "fetch.min.bytes": 1,
-            }
-        )
-        consumer.subscribe([topic])
-
-        def consume() -> None:
-            while not stop.is_set():
-                msg = consumer.poll(0.2)
-                if msg is None or msg.error():
-                    continue
-                now = time.time()
-                for k, v in msg.headers() or []:
-                    if k == _codec.IDEMPOTENCY_HEADER:
-                        arrived.setdefault(bytes(v).decode(), now)
-
-        def arrival(events: dict[str, float], timeout: float) -> None:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and not events.keys() <= arrived.keys():
-                time.sleep(0.1)
-
-        reader = threading.Thread(target=consume, daemon=True)
-        reader.start()
-        # One first event in every database, before any clock: the topic is created, and each
-        # relay's producer looks it up once (a first record to a topic a producer has not seen
-        # waits for that lookup: a cost of the first event only, reported apart).
-        first: dict[str, float] = {}
+        # Latency under load, a topic for each phase (a consumer of the broker used here
+        # falls behind as one topic grows, which would be read as the relays' latency): a
+        # consumer timestamps every event's arrival; before the clock, a first event in every
+        # database creates the topic, and the producers look it up once (a first record to
+        # a topic a producer has not seen waits for that lookup: the first phase reports it).
         engines = [sa.create_engine(u, poolclass=sa.pool.NullPool) for u in urls]
-        for engine in engines:
-            event_id = uuid.uuid4()
-            with engine.begin() as conn:
-                conn.execute(
-                    sa.insert(tables(None).outbox),
-                    {
-                        "event_id": event_id,
-                        "topic": topic,
-                        "key": b"w",
-                        "value": b"w",
-                        "headers": _codec.encode_headers({}),
-                        "key_hash": _codec.key_hash(b"w", event_id.bytes),
-                    },
+        notifiers = [make_notifier(engine, None, None) for engine in engines]
+        for phase, rate in enumerate(args.rates):
+            topic = f"fleet-bench-{uuid.uuid4().hex[:8]}"
+            reader = Arrivals(bootstrap, topic)
+            first: dict[str, float] = {}
+            for engine, notify in zip(engines, notifiers, strict=True):
+                event_id = uuid.uuid4()
+                with engine.begin() as conn:
+                    conn.execute(
+                        sa.insert(tables(None).outbox),
+                        {
+                            "event_id": event_id,
+                            "topic": topic,
+                            "key": b"w",
+                            "value": b"w",
+                            "headers": _codec.encode_headers({}),
+                            "key_hash": _codec.key_hash(b"w", event_id.bytes),
+                        },
+                    )
+                first[str(event_id)] = time.time()
+                notify()
+            reader.wait_for(first, 60)
+            if phase == 0:
+                firsts = reader.latencies(first)
+                print(
+                    f"first event of each database (the topic new to the broker and the "
+                    f"producers): p50 {statistics.median(firsts):.1f} ms, max "
+                    f"{firsts[-1]:.1f} ms ({len(first) - len(firsts)} not seen)"
                 )
-            first[str(event_id)] = time.time()
-            make_notifier(engine, None, None)()
-        arrival(first, 60)
-        firsts = sorted((arrived[e] - c) * 1000 for e, c in first.items() if e in arrived)
-        print(
-            f"first event of each database (its relay's producer new to the topic): p50 "
-            f"{statistics.median(firsts):.1f} ms, max {firsts[-1]:.1f} ms "
-            f"({len(first) - len(firsts)} not seen)"
-        )
-        time.sleep(2.0)
-
-        for rate in args.rates:
+            time.sleep(2.0)
             # Writer processes, each committing to its own share of the databases (a random
             # one of its share each time, so the union is random over all of them): one Python
             # process cannot commit 1,000 events a second over a hundred databases and send
@@ -372,8 +389,9 @@ def main() -> None:
                 writer.join(10)
             times = sorted(committed.values())
             elapsed = max(times[-1] - times[0], 1e-9)
-            arrival(committed, 20)
-            lat = sorted((arrived[e] - c) * 1000 for e, c in committed.items() if e in arrived)
+            reader.wait_for(committed, 20)
+            lat = reader.latencies(committed)
+            reader.close()
             missing = len(committed) - len(lat)
             pending = 0
             if missing:  # still in an outbox (not sent), or sent and not seen by the consumer?
@@ -391,9 +409,6 @@ def main() -> None:
                 + (f", {pending} of them still in an outbox)" if missing else ")")
             )
             print(f"  CPU ms per 1,000 events while writing: {usage.per(len(committed))}")
-        stop.set()
-        reader.join(5)
-        consumer.close()
 
         # Takeover after SIGKILL.
         victim = procs[0]

@@ -430,7 +430,7 @@ class Fleet:
         )
         next_refresh = 0.0
         try:
-            self._warm_producers()
+            self.producers.warm()
             while not self.stop_event.is_set():
                 self.metrics.beat()
                 self.producers.serve()
@@ -446,12 +446,6 @@ class Fleet:
         finally:
             self._shutdown()
         return RunResult.FINISHED
-
-    def _warm_producers(self) -> None:
-        try:
-            self.producers.warm()
-        except Exception as exc:  # the relays build their own when they need one
-            log.warning("event=producer_warmup_failed error=%r", one_line(exc, with_type=True))
 
     def _shutdown(self) -> None:
         self.stop()

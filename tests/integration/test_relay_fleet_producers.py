@@ -57,9 +57,10 @@ def test_relays_of_a_fleet_borrow_the_pools_producers_one_at_a_time(
             wait_for(lambda e=engine: outbox_count(e) == 0, 30, f"{name}: not delivered")
             wait_for(waiting_without_producers, 30, f"{name}: its relay kept the producer")
         assert_delivered(read_topic(kafka_bootstrap, topic), sent)
-        # One relay sent at a time: each borrowed an idle, warm producer of the pool.
-        assert fleet.producers.built == built, (built, fleet.producers.built)
-        assert fleet.producers.lent == 0 and fleet.producers.idle == KEEP
+        # One relay sent at a time: each borrowed an idle, warm producer of the pool (which
+        # built one ahead, once, to keep KEEP idle while the first was lent).
+        assert fleet.producers.built - built <= 1, (built, fleet.producers.built)
+        assert fleet.producers.lent == 0 and fleet.producers.idle >= KEEP
     finally:
         fleet.stop()
         runner.join(30)

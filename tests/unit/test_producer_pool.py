@@ -5,6 +5,7 @@ after they stayed idle."""
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, cast
 
 from outbox._kafka.producer import KafkaProducer
@@ -46,21 +47,37 @@ def _p(producer: Any) -> _Producer:
     return cast(_Producer, producer)
 
 
+def _settled(pool: ProducerPool, idle: int) -> None:
+    """Wait for the pool's builder thread to have ``idle`` producers idle."""
+    deadline = time.monotonic() + 10
+    while pool.idle < idle:
+        assert time.monotonic() < deadline, f"{pool.idle} idle, {idle} expected"
+        time.sleep(0.001)
+
+
 def test_a_producer_given_back_is_lent_again_instead_of_a_new_one() -> None:
-    pool, built = _pool()
+    pool, built = _pool(keep=1)
+    pool.warm()
+    _settled(pool, 1)
+    first = pool.lend()
+    _settled(pool, 1)  # the next one, built ahead while the first is lent
+    pool.give_back(first)
     for _ in range(5):
         producer = pool.lend()
+        assert producer is first  # the one given back last
         pool.give_back(producer)
-    assert len(built) == 1 and pool.built == 1 and pool.lent == 0
+    assert len(built) == 2 and pool.built == 2 and pool.lent == 0
 
 
 def test_relays_sending_at_once_each_get_a_producer_of_their_own() -> None:
-    pool, _ = _pool()
+    pool, _ = _pool(keep=1)
     held = [pool.lend() for _ in range(3)]
     assert len({id(p) for p in held}) == 3 and pool.lent == 3
+    _settled(pool, 1)
     for producer in held:
         pool.give_back(producer)
-    assert pool.idle == 3 and pool.lent == 0
+    assert pool.idle == 4 and pool.lent == 0
+    pool.close()
 
 
 def test_a_producer_with_records_in_flight_or_broken_is_closed_not_lent_again() -> None:
@@ -79,36 +96,49 @@ def test_a_producer_its_relay_threw_away_is_no_longer_counted_as_lent() -> None:
     assert pool.lent == 0 and pool.idle == 0
 
 
-def test_warm_builds_the_producers_kept_idle() -> None:
+def test_warm_builds_the_producers_kept_idle_ahead_of_need() -> None:
     pool, built = _pool(keep=2)
     pool.warm()
     pool.warm()
-    assert len(built) == 2 and pool.idle == 2
+    _settled(pool, 2)
+    assert len(built) == 2
+    pool.lend()
+    _settled(pool, 2)  # built ahead: the next lend takes an idle one
+    assert len(built) == 3
+    pool.close()
 
 
 def test_spare_producers_are_closed_once_idle_for_linger_and_keep_stay() -> None:
     pool, built = _pool(keep=1, linger=0.0)
     held = [pool.lend() for _ in range(3)]
+    _settled(pool, 1)
     for producer in held:
         pool.give_back(producer)
     pool.serve()
     assert pool.idle == 1
     # The most recently given back stays (the warmest); the others are closed.
-    assert [p.closed for p in built] == [True, True, False]
+    assert [p.closed for p in built].count(False) == 1 and not _p(held[-1]).closed
     assert all(p.served == 1 for p in built)
+    pool.close()
 
 
 def test_spare_producers_stay_while_they_were_idle_less_than_linger() -> None:
     pool, built = _pool(keep=1, linger=3600.0)
     held = [pool.lend() for _ in range(3)]
+    _settled(pool, 1)
     for producer in held:
         pool.give_back(producer)
     pool.serve()
-    assert pool.idle == 3 and not any(p.closed for p in built)
+    assert pool.idle == 4 and not any(p.closed for p in built)
+    pool.close()
 
 
-def test_close_closes_every_idle_producer() -> None:
+def test_close_closes_every_idle_producer_and_builds_no_more() -> None:
     pool, built = _pool(keep=2)
     pool.warm()
+    _settled(pool, 2)
     pool.close()
     assert pool.idle == 0 and all(p.closed for p in built)
+    pool.lend()  # a relay that still sends gets one, the pool builds none ahead
+    time.sleep(0.05)
+    assert pool.idle == 0 and len(built) == 3
