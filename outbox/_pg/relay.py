@@ -316,6 +316,11 @@ WHERE o.id >= %(low)s AND (o.key_hash %% %(lanes)s) = ANY(%(owned)s::integer[])
 """
 )
 
+# The first reading alone: the facts, checked on a claim that starts from the mark in force
+# instead of moving it (outbox.relay._claims: the mark moves once per ADVANCE_ROWS rows claimed,
+# since the writers' reading copies every lock of the server, a cost that grows with a fleet).
+OUTBOX_LOW_WATER_FACTS = _LOW_WATER_FACTS + _LOW_WATER_FROM
+
 # An idle relay's poll (outbox.relay._claims): the first reading of the low-water mark (the
 # facts, checked on this poll as on every claim) and, in the same statement, whether the claim
 # from the mark in force would find a row at all -- the claim's own conditions, parked keys
@@ -375,6 +380,8 @@ class OutboxStatements:
     stats: sa.TextClause
     low_water: str
     low_water_watch: str
+    facts: str
+    facts_watch: str
     pending: str
     pending_watch: str
     table: str
@@ -391,6 +398,8 @@ class OutboxStatements:
             stats=sa.text(OUTBOX_STATS.format(outbox=table)),
             low_water=OUTBOX_LOW_WATER.format(outbox=table, backends=_NO_BACKENDS),
             low_water_watch=OUTBOX_LOW_WATER.format(outbox=table, backends=_BACKENDS),
+            facts=OUTBOX_LOW_WATER_FACTS.format(outbox=table, backends=_NO_BACKENDS),
+            facts_watch=OUTBOX_LOW_WATER_FACTS.format(outbox=table, backends=_BACKENDS),
             pending=OUTBOX_PENDING.format(outbox=table, backends=_NO_BACKENDS),
             pending_watch=OUTBOX_PENDING.format(outbox=table, backends=_BACKENDS),
             table=table,
@@ -570,6 +579,25 @@ def outbox_low_water(
         live = cur.fetchone()
     assert first is not None and writers is not None and live is not None
     return _facts(first), list(writers[0]), live[0]
+
+
+def outbox_low_water_facts(
+    conn: sa.Connection,
+    sql: OutboxStatements,
+    sequence: OutboxSequence,
+    *,
+    watch: bool = False,
+) -> Facts:
+    """The first of :func:`outbox_low_water`'s readings alone: the facts the mark rests on (in
+    the caller's transaction)."""
+    if not conn.in_transaction():
+        conn.begin()
+    with _driver(conn).cursor() as cur:
+        statement = sql.facts_watch if watch else sql.facts
+        cur.execute(statement % _low_water_values(sequence, 1, [0], 0))
+        row = cur.fetchone()
+    assert row is not None
+    return _facts(row)
 
 
 def outbox_pending(

@@ -180,3 +180,77 @@ def test_a_row_whose_transaction_commits_after_later_ids_went_out_is_still_sent(
     finally:
         late.close()
         relay.stop()
+
+
+def test_one_row_at_a_time_moves_the_mark_every_advance_rows_without_reading_the_locks_each_claim(
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A relay woken for every single row (a fleet's databases, a quiet service) reads the
+    writers from pg_locks, a copy of every lock of the server, once per ADVANCE_ROWS rows, not
+    on every claim; in between its claims start from the mark in force (facts checked), and the
+    mark still moves, so a pinned horizon's dead tuples stay behind it."""
+    readings = {"writers": 0, "facts": 0}
+    claims_from: list[int] = []
+
+    def counted(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            readings[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        claims_from.append(kwargs.get("low", 0))
+        return claim_batch(*args, **kwargs)
+
+    claim_batch = relay_loop.outbox_claim_batch
+    monkeypatch.setattr(relay_loop, "outbox_claim_batch", recorded)
+    monkeypatch.setattr(
+        relay_loop, "outbox_low_water", counted("writers", relay_loop.outbox_low_water)
+    )
+    monkeypatch.setattr(
+        relay_loop,
+        "outbox_low_water_facts",
+        counted("facts", relay_loop.outbox_low_water_facts),
+    )
+    topic = f"relay-sparse-{uuid.uuid4().hex[:8]}"
+    relay = RelayThread(RelayConfig(database_url, kafka_bootstrap, poll_interval=30.0)).start()
+    pin = _pin(engine, "snapshot")
+    rows = 3 * relay_loop.ADVANCE_ROWS
+    sent = []
+    try:
+        first = None
+        for i in range(rows):
+            sent += insert_rows(engine, topic, [(f"k{i}", b"v")])
+            relay.relay.kick.set()
+            wait_for(
+                lambda: _count(engine) == 0 and relay.relay.idle.is_set(),
+                30,
+                f"row {i} not sent",
+            )
+            if first is None:
+                first = _last_id(engine)
+                readings.update(writers=0, facts=0)
+                claims_from.clear()
+        wait_for_records(kafka_bootstrap, topic, sent)
+    finally:
+        pin.close()
+        relay.stop()
+    assert first is not None
+    claims = readings["writers"] + readings["facts"]
+    assert claims >= rows - 1, readings
+    # The writers' reading once per ADVANCE_ROWS rows (and the odd claim that found nothing).
+    assert readings["writers"] <= rows // relay_loop.ADVANCE_ROWS + 3, readings
+    # The mark moved with the rows: the last claims start within ADVANCE_ROWS of the last id,
+    # above the ids deleted under the pin since the first row.
+    last = _last_id(engine)
+    assert min(claims_from[-5:]) >= last - relay_loop.ADVANCE_ROWS - 2, (claims_from[-5:], last)
+    assert min(claims_from[-5:]) > first
+
+
+def _count(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one())

@@ -81,7 +81,7 @@ def test_relays_sending_at_once_each_get_a_producer_of_their_own() -> None:
 
 
 def test_a_producer_with_records_in_flight_or_broken_is_closed_not_lent_again() -> None:
-    pool, _ = _pool()
+    pool, _ = _pool(keep=0)  # none built ahead
     producer = pool.lend()
     _p(producer).healthy = False
     pool.give_back(producer)
@@ -90,7 +90,7 @@ def test_a_producer_with_records_in_flight_or_broken_is_closed_not_lent_again() 
 
 
 def test_a_producer_its_relay_threw_away_is_no_longer_counted_as_lent() -> None:
-    pool, _ = _pool()
+    pool, _ = _pool(keep=0)  # none built ahead
     pool.lend()
     pool.forget()
     assert pool.lent == 0 and pool.idle == 0
