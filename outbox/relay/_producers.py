@@ -32,7 +32,7 @@ from outbox._core.redact import one_line
 from outbox._kafka.producer import KafkaProducer
 
 # Idle producers kept warm, and how long more of them may stay idle before they are closed.
-KEEP = 2
+KEEP = 4
 LINGER = 60.0
 
 log = logging.getLogger("outbox.relay")
