@@ -110,10 +110,15 @@ class ProducerPool:
             for producer, _ in self._idle:
                 producer.serve()
             spare = len(self._idle) - self.keep
-            # The longest idle are first in the list.
-            stale = [p for p, since in self._idle[: max(spare, 0)] if now - since >= self.linger]
-            if stale:
-                self._idle = self._idle[len(stale) :]
+            # The longest idle first (those built ahead are at the front too, but new).
+            stale: list[KafkaProducer] = []
+            kept: list[tuple[KafkaProducer, float]] = []
+            for producer, since in self._idle:
+                if len(stale) < spare and now - since >= self.linger:
+                    stale.append(producer)
+                else:
+                    kept.append((producer, since))
+            self._idle = kept
         for producer in stale:
             producer.close(timeout=0.0)
 

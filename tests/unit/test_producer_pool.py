@@ -142,3 +142,21 @@ def test_close_closes_every_idle_producer_and_builds_no_more() -> None:
     pool.lend()  # a relay that still sends gets one, the pool builds none ahead
     time.sleep(0.05)
     assert pool.idle == 0 and len(built) == 3
+
+
+def test_only_the_spare_producers_idle_for_linger_are_closed_whatever_their_place() -> None:
+    """One built ahead goes to the front of the idle list, newer than those given back behind
+    it: closing the stale ones must take exactly those out, never lend a closed one."""
+    pool, built = _pool(keep=1, linger=30.0)
+    held = [pool.lend() for _ in range(3)]
+    _settled(pool, 1)  # built ahead, at the front
+    for producer in held:
+        pool.give_back(producer)
+    # The three given back have been idle for long; the one built ahead just now.
+    pool._idle = [(p, since - 60.0 if p in held else since) for p, since in pool._idle]
+    pool.serve()
+    closed = [p for p in built if p.closed]
+    assert len(closed) == 3 and pool.idle == 1
+    lent = [pool.lend() for _ in range(1)]
+    assert not any(_p(p).closed for p in lent)
+    pool.close()
