@@ -72,12 +72,8 @@ def members_gone(connection: Any, schema: str | None, keys: list[int]) -> bool:
 def member_announced(connection: Any) -> bool:
     """Whether a member announced itself (:func:`member_join`) on ``connection`` since the
     last call: reads what arrived on the socket, without a statement."""
-    pgconn = connection.pgconn
-    pgconn.consume_input()
-    announced = False
-    while pgconn.notifies() is not None:
-        announced = True
-    return announced
+    connection.pgconn.consume_input()
+    return _queued(connection)
 
 
 def live_members(connection: Any, schema: str | None) -> set[int]:

@@ -39,7 +39,7 @@ from outbox._core.delivery import (
     single_round,
     split_claim,
 )
-from outbox._core.lowwater import Assumptions, LowWater, verify
+from outbox._core.lowwater import Assumptions, Facts, LowWater, Verdict, verify
 from outbox._kafka.producer import DeliveryReport, RecordTuple
 from outbox._pg.relay import (
     outbox_claim_batch,
@@ -162,15 +162,7 @@ class ClaimEngine:
             )
         else:
             facts = outbox_low_water_facts(conn, self.sql, sequence, watch=self._assumptions.watch)
-        verdict = verify(
-            self._assumptions,
-            facts,
-            fresh=savepoint is None,
-            sequence=sequence.sequence_name or f"{self.sql.table}.id",
-        )
-        self._assumptions = verdict.state
-        if verdict.message is not None:
-            (log.info if verdict.usable else log.warning)(verdict.message)
+        verdict = self._verified(facts, fresh=savepoint is None)
         low = 0
         if verdict.usable and not verdict.restart:
             if advance:
@@ -200,6 +192,21 @@ class ClaimEngine:
             self._since_advance += len(fetched)
         return fetched
 
+    def _verified(self, facts: Facts, *, fresh: bool) -> Verdict:
+        """Check the facts a claim or a poll read (:func:`outbox._core.lowwater.verify`),
+        remember what the next check needs, and log what changed."""
+        sequence = self.relay.sequence
+        verdict = verify(
+            self._assumptions,
+            facts,
+            fresh=fresh,
+            sequence=sequence.sequence_name or f"{self.sql.table}.id",
+        )
+        self._assumptions = verdict.state
+        if verdict.message is not None:
+            (log.info if verdict.usable else log.warning)(verdict.message)
+        return verdict
+
     def _nothing_pending(self, conn: sa.Connection) -> bool:
         """After a claim that found nothing: true when a claim from the mark in force would find
         nothing either (and the facts the mark rests on still hold, checked as a claim checks
@@ -218,15 +225,7 @@ class ClaimEngine:
             low=mark.low,
             watch=self._assumptions.watch,
         )
-        verdict = verify(
-            self._assumptions,
-            facts,
-            fresh=True,
-            sequence=sequence.sequence_name or f"{self.sql.table}.id",
-        )
-        self._assumptions = verdict.state
-        if verdict.message is not None:
-            (log.info if verdict.usable else log.warning)(verdict.message)
+        verdict = self._verified(facts, fresh=True)
         if verdict.usable and not verdict.restart:
             return not pending
         # The mark may not be used (or starts from zero): dropped here, as a claim drops it,
